@@ -1,0 +1,37 @@
+"""pipeload: load distributed PyTorch checkpoints as fast as the storage allows.
+
+Public API::
+
+    pipeload.save(state_dict, "ckpt/")                       # every rank of the group
+    stats = pipeload.load(state_dict, "ckpt/")               # fills state_dict in place
+    stats = await pipeload.load_async(state_dict, "ckpt/")   # same, inside a running event loop
+"""
+
+from .errors import (
+    CheckpointFormatError,
+    ChecksumError,
+    DistributedError,
+    HeaderError,
+    PipeloadError,
+    ReadError,
+    StateDictError,
+    TensorNotFoundError,
+)
+from .loader import LoadStats, load, load_async
+from .saver import save
+
+__all__ = [
+    "save",
+    "load",
+    "load_async",
+    "LoadStats",
+    "PipeloadError",
+    "CheckpointFormatError",
+    "HeaderError",
+    "TensorNotFoundError",
+    "ChecksumError",
+    "StateDictError",
+    "ReadError",
+    "DistributedError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,294 @@
+"""Checkpoint metadata: the dataclasses of ``.metadata`` and their JSON (de)serialisation.
+
+This module holds data only: no file I/O policy, no torch.distributed. The on-disk layout is
+documented in ``docs/FORMAT.md``; the JSON is validated field by field on load because a checkpoint is
+untrusted input (never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CheckpointFormatError
+
+FORMAT_NAME = "pipeload"
+FORMAT_VERSION = 1
+METADATA_FILE = ".metadata"
+OBJECT_ENCODING = "torch.save/weights_only"
+
+# safetensors dtype name <-> torch dtype. Only dtypes both sides know are listed.
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+}
+for _name, _attr in (
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("C128", "complex128"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+):
+    if hasattr(torch, _attr):
+        _DTYPE_NAMES[_name] = getattr(torch, _attr)
+_NAMES_BY_DTYPE = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype``; ``KeyError`` if safetensors cannot store it."""
+    return _NAMES_BY_DTYPE[dtype]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name; ``KeyError`` if torch has none."""
+    return _DTYPE_NAMES[name]
+
+
+def dtype_itemsize(name: str) -> int:
+    return torch_dtype(name).itemsize
+
+
+def storable_dtype(dtype: torch.dtype) -> bool:
+    return dtype in _NAMES_BY_DTYPE
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """One stored box of a global tensor, written once by one rank."""
+
+    offsets: tuple[int, ...]  # where the box starts in the global tensor, per dim
+    lengths: tuple[int, ...]  # its extent per dim; the stored tensor has exactly this shape
+    file: str  # data file name, relative to the checkpoint directory
+    key: str  # tensor name inside that safetensors file
+    checksum: str  # xxh3-64 of the stored bytes, 16 hex digits
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for x in self.lengths:
+            n *= x
+        return n
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A global tensor: its dtype (safetensors name), global shape, and the chunks that tile it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkMeta, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """A non-tensor value, stored as a U8 tensor holding its safe serialisation."""
+
+    file: str
+    key: str
+    nbytes: int
+    checksum: str
+    encoding: str = OBJECT_ENCODING
+
+
+@dataclass
+class Metadata:
+    """The whole ``.metadata``: every fqn of the checkpoint and where its bytes live."""
+
+    save_id: str
+    world_size: int
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)
+    objects: dict[str, ObjectMeta] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    @property
+    def files(self) -> list[str]:
+        names = {c.file for t in self.tensors.values() for c in t.chunks}
+        names.update(o.file for o in self.objects.values())
+        return sorted(names)
+
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "tensors": {
+                fqn: {
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "chunks": [
+                        {
+                            "offsets": list(c.offsets),
+                            "lengths": list(c.lengths),
+                            "file": c.file,
+                            "key": c.key,
+                            "checksum": c.checksum,
+                        }
+                        for c in t.chunks
+                    ],
+                }
+                for fqn, t in sorted(self.tensors.items())
+            },
+            "objects": {
+                fqn: {
+                    "file": o.file,
+                    "key": o.key,
+                    "nbytes": o.nbytes,
+                    "checksum": o.checksum,
+                    "encoding": o.encoding,
+                }
+                for fqn, o in sorted(self.objects.items())
+            },
+        }
+        return json.dumps(doc, indent=None, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str = "<metadata>") -> "Metadata":
+        """Parse and validate; every failure is a CheckpointFormatError naming ``source`` and the key."""
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointFormatError(f"{source}: metadata is not valid JSON ({e})") from None
+        return _parse(doc, source)
+
+    def validate_geometry(self, source: str = "<metadata>") -> None:
+        """Check that each tensor's chunks lie inside its shape and exactly tile it (no gap, no overlap)."""
+        for fqn, t in self.tensors.items():
+            total = 0
+            for c in t.chunks:
+                if len(c.offsets) != len(t.shape) or len(c.lengths) != len(t.shape):
+                    raise CheckpointFormatError(
+                        f"{source}: tensor {fqn!r}: a chunk has rank {len(c.lengths)}, the tensor {len(t.shape)}"
+                    )
+                for o, n, s in zip(c.offsets, c.lengths, t.shape):
+                    if o < 0 or n < 0 or o + n > s:
+                        raise CheckpointFormatError(
+                            f"{source}: tensor {fqn!r}: chunk at {list(c.offsets)} of size {list(c.lengths)} "
+                            f"lies outside the shape {list(t.shape)}"
+                        )
+                total += c.numel
+            numel = 1
+            for s in t.shape:
+                numel *= s
+            if total != numel or _any_overlap(t.chunks):
+                raise CheckpointFormatError(
+                    f"{source}: tensor {fqn!r}: chunks do not tile the shape {list(t.shape)} exactly"
+                )
+
+
+def _any_overlap(chunks: tuple[ChunkMeta, ...]) -> bool:
+    boxes = sorted((c.offsets, c.lengths) for c in chunks if c.numel)
+    # Sweep on dim 0 keeps this near-linear for the usual row-sharded layouts.
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, ln in boxes:
+        active = [(o, n) for o, n in active if o[0] + n[0] > off[0]] if off else active
+        for o, n in active:
+            if all(a < b + m and b < a + k for a, k, b, m in zip(off, ln, o, n)):
+                return True
+        active.append((off, ln))
+    return False
+
+
+def _req(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise CheckpointFormatError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise CheckpointFormatError(f"{where}: field {key!r} has the wrong type ({type(v).__name__})")
+    return v
+
+
+def _int_list(v: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise CheckpointFormatError(f"{where}: expected a list of non-negative integers")
+    return tuple(v)
+
+
+def _checksum(v: Any, where: str) -> str:
+    if not isinstance(v, str) or len(v) != 16 or any(ch not in "0123456789abcdef" for ch in v):
+        raise CheckpointFormatError(f"{where}: checksum must be 16 lowercase hex digits")
+    return v
+
+
+def _file_name(v: Any, where: str) -> str:
+    if not isinstance(v, str) or not v or "/" in v or "\\" in v or v in (".", "..") or "\x00" in v:
+        raise CheckpointFormatError(f"{where}: file must be a plain file name inside the checkpoint")
+    return v
+
+
+def _parse(doc: Any, source: str) -> Metadata:
+    if not isinstance(doc, dict):
+        raise CheckpointFormatError(f"{source}: metadata must be a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        raise CheckpointFormatError(f"{source}: not a pipeload checkpoint (format={doc.get('format')!r})")
+    version = _req(doc, "version", int, source)
+    if version != FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"{source}: format version {version} is not supported (this pipeload reads {FORMAT_VERSION})"
+        )
+    md = Metadata(
+        save_id=_req(doc, "save_id", str, source),
+        world_size=_req(doc, "world_size", int, source),
+        version=version,
+    )
+    for fqn, t in _req(doc, "tensors", dict, source).items():
+        where = f"{source}: tensor {fqn!r}"
+        dtype = _req(t, "dtype", str, where)
+        try:
+            torch_dtype(dtype)
+        except KeyError:
+            raise CheckpointFormatError(f"{where}: unsupported dtype {dtype!r}") from None
+        shape = _int_list(_req(t, "shape", list, where), f"{where} shape")
+        chunks = []
+        for i, c in enumerate(_req(t, "chunks", list, where)):
+            cw = f"{where} chunk {i}"
+            chunks.append(
+                ChunkMeta(
+                    offsets=_int_list(_req(c, "offsets", list, cw), f"{cw} offsets"),
+                    lengths=_int_list(_req(c, "lengths", list, cw), f"{cw} lengths"),
+                    file=_file_name(_req(c, "file", str, cw), cw),
+                    key=_req(c, "key", str, cw),
+                    checksum=_checksum(_req(c, "checksum", str, cw), cw),
+                )
+            )
+        md.tensors[fqn] = TensorMeta(dtype=dtype, shape=shape, chunks=tuple(chunks))
+    for fqn, o in _req(doc, "objects", dict, source).items():
+        where = f"{source}: object {fqn!r}"
+        enc = _req(o, "encoding", str, where)
+        if enc != OBJECT_ENCODING:
+            raise CheckpointFormatError(f"{where}: unknown object encoding {enc!r}")
+        nbytes = _req(o, "nbytes", int, where)
+        if nbytes < 0:
+            raise CheckpointFormatError(f"{where}: negative nbytes")
+        md.objects[fqn] = ObjectMeta(
+            file=_file_name(_req(o, "file", str, where), where),
+            key=_req(o, "key", str, where),
+            nbytes=nbytes,
+            checksum=_checksum(_req(o, "checksum", str, where), where),
+            encoding=enc,
+        )
+    clash = md.tensors.keys() & md.objects.keys()
+    if clash:
+        raise CheckpointFormatError(f"{source}: keys are both tensor and object: {sorted(clash)[:5]}")
+    md.validate_geometry(source)
+    return md

@@ -1,0 +1,19 @@
+"""Build script: only the Cython extension lives here; everything else is in pyproject.toml."""
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+extensions = [
+    Extension(
+        "pipeload._fastio",
+        ["pipeload/_fastio.pyx"],
+        extra_compile_args=["-O3"],
+    )
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+    )
+)
