@@ -1,10 +1,260 @@
+"""``pipeload.load()`` and ``pipeload.load_async()``: orchestration of one load.
+
+Phases (every rank of the group, in this order; see docs/DESIGN.md):
+
+1. plan: read ``.metadata``, flatten the state dict, resolve ReadItems, validate — no destination
+   is touched, problems are collected;
+2. exchange: one all-gather of the compact plans (every rank, also one with nothing to load); any
+   rank's problem raises on every rank;
+3. plan (global part): pure, identical on every rank;
+4. groups: resolve or create the broadcast groups, by the same decision on every rank;
+5. shared: read-once + broadcast pipeline; 6. private: the rest, per file;
+7. teardown: drain, destroy created groups, agree on success — every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Sequence
+
+from .comm import Comm
+from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
+from .metadata import METADATA_FILE, Metadata
+from .planner import decode_plan, encode_plan, fqn_index, global_plan, local_plan
+from .reader import ChunkReader
+from .scheduler import Counters, SharedPhase, read_private
+from .statedict import flatten, mesh_groups
+
+DEFAULT_BATCH_BYTES = 6 * 2**20
+DEFAULT_MAX_INFLIGHT = 8
+
+
+@dataclass
 class LoadStats:
-    pass
+    """What one rank's load did. Byte counts are payload bytes of this rank."""
+
+    bytes_read: int = 0  # read from checkpoint files by this rank
+    bytes_received: int = 0  # received by broadcast
+    broadcasts: int = 0  # data collectives this rank took part in
+    shared_shards: int = 0  # this rank's shards loaded through a broadcast (read or received)
+    private_shards: int = 0  # this rank's shards it read alone
+    objects: int = 0  # Python objects loaded
+    files_opened: int = 0  # cold opens of data files
+    groups_created: int = 0
+    missing_keys: list[str] = field(default_factory=list)  # strict=False: state dict keys not in the checkpoint
+    unexpected_keys: list[str] = field(default_factory=list)  # checkpoint keys no rank asked for
+    timings: dict[str, float] = field(default_factory=dict)  # plan, exchange, groups, shared, private, teardown
+    wall: float = 0.0
 
 
-def load(state_dict, checkpoint_dir, **kwargs):
-    raise NotImplementedError
+class _Clock:
+    def __init__(self, timings: dict[str, float]):
+        self.timings = timings
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
-async def load_async(state_dict, checkpoint_dir, **kwargs):
-    raise NotImplementedError
+def read_metadata(directory: str) -> Metadata:
+    path = os.path.join(directory, METADATA_FILE)
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{directory}: not a pipeload checkpoint (no {METADATA_FILE})") from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read metadata ({e.strerror or e})") from None
+    return Metadata.from_json(text, source=path)
+
+
+def _progress_bar(enabled: bool, rank: int, total: int):
+    if not enabled or rank != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - optional dependency
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pipeload")
+
+
+async def load_async(
+    state_dict: dict,
+    checkpoint_dir: str | os.PathLike,
+    *,
+    process_group: Any = None,
+    use_collectives: bool = True,
+    broadcast_replicated_tensors: bool = True,
+    broadcast_groups: Sequence[Any] | None = None,
+    broadcast_batch_bytes: int = DEFAULT_BATCH_BYTES,
+    max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    strict: bool = True,
+    verify_checksums: bool = False,
+    timeout: timedelta | float | None = None,
+    progress: bool = False,
+) -> LoadStats:
+    """Fill ``state_dict`` in place from ``checkpoint_dir``; see :func:`load` for the options."""
+    if max_inflight < 1:
+        raise ValueError("max_inflight must be at least 1")
+    if broadcast_batch_bytes < 0:
+        raise ValueError("broadcast_batch_bytes must be non-negative")
+    stats = LoadStats()
+    t0 = time.perf_counter()
+    clock = _Clock(stats.timings)
+    directory = os.fspath(checkpoint_dir)
+    comm = Comm(process_group, timeout)
+    collective = use_collectives and comm.size > 1
+
+    # 1. local plan
+    problems: list[str] = []
+    md = None
+    plan = None
+    leaves: dict = {}
+    try:
+        md = read_metadata(directory)
+        leaves = flatten(state_dict)
+        plan = local_plan(leaves, md, comm.broadcastable, strict=strict)
+        problems = plan.problems
+    except (PipeloadError, TypeError, ValueError) as e:
+        problems = [str(e)]
+    reusable = comm.reusable_sets([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
+    clock.lap("plan")
+
+    # 2. exchange
+    mine = (problems, md.save_id if md else None, encode_plan(plan) if plan else b"", sorted(reusable))
+    gathered = comm.all_gather_object(mine) if collective else [mine]
+    failures = {r: "\n".join(g[0]) for r, g in enumerate(gathered) if g[0]}
+    if failures:
+        if len(gathered) == 1:
+            raise StateDictError(f"pipeload.load from {directory}: cannot load", problems)
+        raise DistributedError(f"pipeload.load from {directory}: validation", failures)
+    if len({g[1] for g in gathered}) > 1:
+        raise PipeloadError(
+            f"pipeload.load: ranks read different checkpoints from {directory} (it was overwritten during the load)"
+        )
+    clock.lap("exchange")
+
+    # 3. global plan
+    names = sorted(fqn_index(md))
+    itemsize = {i: md.tensors[n].itemsize for i, n in enumerate(names) if n in md.tensors}
+    gp = global_plan(
+        [decode_plan(g[2]) for g in gathered],
+        lambda key: math.prod(key[2]) * itemsize[key[0]],
+        broadcast=collective and broadcast_replicated_tensors,
+        batch_bytes=broadcast_batch_bytes,
+        reusable=[g[3] for g in gathered],
+        can_create=comm.is_world,
+    )
+    stats.missing_keys = list(plan.missing)
+    if collective:
+        stats.unexpected_keys = [n for i, n in enumerate(names) if i not in gp.requested]
+        if strict and stats.unexpected_keys:
+            raise StateDictError(
+                f"pipeload.load from {directory}: keys in the checkpoint that no rank loads (strict=True)",
+                stats.unexpected_keys,
+            )
+    by_key = {s.key: s for s in plan.shards}
+    my_ops = [op for op in gp.ops if comm.rank in op.members]
+    shared = [s for s in plan.shards if s.key in gp.shared]
+    private = [s for s in plan.shards if s.key not in gp.shared]
+    stats.shared_shards, stats.private_shards, stats.objects = len(shared), len(private), len(plan.objects)
+    clock.lap("plan")
+
+    # 4. groups
+    groups, created = comm.make_groups(gp.sets, gp.create, reusable) if collective else ({}, [])
+    stats.groups_created = len(created)
+    clock.lap("groups")
+
+    reader = ChunkReader(directory, verify_checksums=verify_checksums)
+    counters = Counters()
+    bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in plan.shards))
+    on_bytes = bar.update if bar is not None else None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-read")
+    decoded = []
+    try:
+        # 5. shared phase
+        if my_ops:
+            phase = SharedPhase(comm, reader, by_key, groups, pool, counters, max_inflight, on_bytes)
+            await phase.run(my_ops)
+        clock.lap("shared")
+        # 6. private phase
+        loop = asyncio.get_running_loop()
+        decoded = await loop.run_in_executor(
+            pool, read_private, reader, private, plan.objects, counters, on_bytes
+        )
+        clock.lap("private")
+    finally:
+        pool.shutdown(wait=True)
+        reader.close()
+        if bar is not None:
+            bar.close()
+        # 7. teardown (also on failure: never leave a created group behind)
+        comm.destroy(created)
+    error = "\n".join(counters.errors) or None
+    if collective:
+        comm.agree(f"pipeload.load from {directory}", error)
+    elif error:
+        raise DistributedError(f"pipeload.load from {directory}", {comm.rank: error})
+    for obj, value in decoded:
+        obj.leaf.container[obj.leaf.key] = value
+    stats.bytes_read = reader.bytes_read
+    stats.bytes_received = counters.bytes_received
+    stats.broadcasts = counters.broadcasts
+    stats.files_opened = reader.cache.opens
+    clock.lap("teardown")
+    stats.wall = time.perf_counter() - t0
+    return stats
+
+
+def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
+    """Load a pipeload checkpoint into ``state_dict`` in place; every rank of the group must call it.
+
+    Tensors and DTensor local shards are copied into; Python objects are replaced in their containers.
+    Each shard held by several ranks is read from storage once and broadcast to the others while the
+    next shards are read. Returns this rank's :class:`LoadStats`.
+
+    Options:
+        process_group: the group whose ranks load together (default: the world).
+        use_collectives: ``False`` skips the plan exchange and every collective: each rank reads what it
+            needs on its own (the safe fallback; ``broadcast_replicated_tensors`` is then ignored).
+        broadcast_replicated_tensors: read shared shards once and broadcast them (default ``True``).
+        broadcast_groups: process groups the load may reuse for broadcasting (DTensor mesh groups in the
+            state dict are reused automatically).
+        broadcast_batch_bytes: shards smaller than this are packed into one broadcast (6 MiB).
+        max_inflight: broadcasts outstanding at once (8).
+        strict: raise listing every state dict key missing from the checkpoint and every checkpoint key
+            no rank loads (``False``: report them in the stats).
+        verify_checksums: check each stored chunk's xxh3 checksum before using it.
+        timeout: for groups the load creates (default: the process group's own timeout).
+        progress: a progress bar of loaded bytes on rank 0 (needs tqdm).
+
+    Runs the load on uvloop when it is installed. Inside a running event loop use
+    ``await pipeload.load_async(...)`` instead.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise PipeloadError(
+            "pipeload.load() was called from a running event loop; use `await pipeload.load_async(...)` there"
+        )
+    coro = load_async(state_dict, checkpoint_dir, **options)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    loop = uvloop.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

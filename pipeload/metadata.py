@@ -174,34 +174,43 @@ class Metadata:
     def validate_geometry(self, source: str = "<metadata>") -> None:
         """Check that each tensor's chunks lie inside its shape and exactly tile it (no gap, no overlap)."""
         for fqn, t in self.tensors.items():
-            total = 0
-            for c in t.chunks:
-                if len(c.offsets) != len(t.shape) or len(c.lengths) != len(t.shape):
-                    raise CheckpointFormatError(
-                        f"{source}: tensor {fqn!r}: a chunk has rank {len(c.lengths)}, the tensor {len(t.shape)}"
-                    )
-                for o, n, s in zip(c.offsets, c.lengths, t.shape):
-                    if o < 0 or n < 0 or o + n > s:
-                        raise CheckpointFormatError(
-                            f"{source}: tensor {fqn!r}: chunk at {list(c.offsets)} of size {list(c.lengths)} "
-                            f"lies outside the shape {list(t.shape)}"
-                        )
-                total += c.numel
-            numel = 1
-            for s in t.shape:
-                numel *= s
-            if total != numel or _any_overlap(t.chunks):
-                raise CheckpointFormatError(
-                    f"{source}: tensor {fqn!r}: chunks do not tile the shape {list(t.shape)} exactly"
-                )
+            problem = tiling_problem(t.shape, [(c.offsets, c.lengths) for c in t.chunks])
+            if problem:
+                raise CheckpointFormatError(f"{source}: tensor {fqn!r}: {problem}")
 
 
-def _any_overlap(chunks: tuple[ChunkMeta, ...]) -> bool:
-    boxes = sorted((c.offsets, c.lengths) for c in chunks if c.numel)
-    # Sweep on dim 0 keeps this near-linear for the usual row-sharded layouts.
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def tiling_problem(shape: tuple[int, ...], boxes: Boxes) -> str | None:
+    """Why the (offsets, lengths) ``boxes`` do not tile ``shape`` exactly, or None when they do."""
+    total = 0
     for off, ln in boxes:
-        active = [(o, n) for o, n in active if o[0] + n[0] > off[0]] if off else active
+        if len(off) != len(shape) or len(ln) != len(shape):
+            return f"a chunk has rank {len(ln)}, the tensor {len(shape)}"
+        for o, n, s in zip(off, ln, shape):
+            if o < 0 or n < 0 or o + n > s:
+                return f"chunk at {list(off)} of size {list(ln)} lies outside the shape {list(shape)}"
+        numel = 1
+        for n in ln:
+            numel *= n
+        total += numel
+    numel = 1
+    for s in shape:
+        numel *= s
+    if total != numel or _any_overlap(boxes):
+        return f"chunks do not tile the shape {list(shape)} exactly (gap or overlap)"
+    return None
+
+
+def _any_overlap(boxes: Boxes) -> bool:
+    nonempty = sorted(b for b in boxes if all(b[1]))
+    if not nonempty or not nonempty[0][0]:
+        return len(nonempty) > 1  # 0-d tensors: two chunks of a scalar overlap
+    # Sweep along dim 0 keeps this near-linear for the usual row-sharded layouts.
+    active: Boxes = []
+    for off, ln in nonempty:
+        active = [(o, n) for o, n in active if o[0] + n[0] > off[0]]
         for o, n in active:
             if all(a < b + m and b < a + k for a, k, b, m in zip(off, ln, o, n)):
                 return True

@@ -1,2 +1,346 @@
-def save(state_dict, checkpoint_dir, *, process_group=None):
-    raise NotImplementedError
+"""``pipeload.save()``: every rank streams the chunks it owns into its own safetensors file.
+
+Order of a save (every rank of the group):
+
+1. Local plan, no I/O: flatten the state dict, resolve each tensor's box, serialise Python objects and
+   check they load back under ``torch.load(weights_only=True)``. Problems are collected, not raised.
+2. One all-gather of the compact plans (and rank 0's fresh save id). Any rank's problem raises on
+   every rank, before a single byte is written.
+3. Pure global plan: the same on every rank. Replicated chunks are written once; the owner of each
+   is chosen by :func:`pipeload.balance.assign` (largest first, fewest bytes so far, ties to the lower
+   rank). Dtype/shape disagreements and chunks that do not tile their tensor are rejected here.
+4. Each rank writes its file ``data-<save id>-<rank>.safetensors``, tensor by tensor (one tensor's
+   host copy at a time, never a second copy of the state dict), checksumming while it writes, then
+   fsyncs the file and the directory.
+5. All ranks agree on success; rank 0 then writes ``.metadata`` (temporary name, fsync, rename, fsync):
+   that rename is the commit point. The data files of the checkpoint it replaces are deleted after it.
+
+Because data file names carry the save id, an unfinished save never mixes with a finished one: until
+the new ``.metadata`` lands, the directory loads as the previous checkpoint (or not at all).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import uuid
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from . import balance
+from .checksum import checksum, hasher
+from .comm import Comm
+from .errors import DistributedError, StateDictError
+from .metadata import (
+    METADATA_FILE,
+    ChunkMeta,
+    Metadata,
+    ObjectMeta,
+    TensorMeta,
+    dtype_itemsize,
+    dtype_name,
+    storable_dtype,
+    tiling_problem,
+)
+from .statedict import flatten, is_tensor, tensor_box
+
+DATA_FILE_RE = re.compile(r"^data-[0-9a-f]{16}-\d{5,}\.safetensors$")
+_WRITE_BUFFER = 8 << 20
+
+
+def data_file_name(save_id: str, rank: int) -> str:
+    return f"data-{save_id}-{rank:05d}.safetensors"
+
+
+def chunk_key(fqn: str, offsets: tuple[int, ...], whole: bool) -> str:
+    """The safetensors tensor name of a chunk: the fqn itself for a whole tensor, fqn@offsets otherwise."""
+    return fqn if whole else f"{fqn}@{','.join(map(str, offsets))}"
+
+
+def object_key(fqn: str) -> str:
+    return f"{fqn}#object"
+
+
+def encode_object(value: Any) -> bytes:
+    """Serialise a Python object so that loading it cannot execute code.
+
+    The bytes are ``torch.save``'s; they are accepted only if ``torch.load(weights_only=True)`` restores
+    them, which is exactly what load will do. ``ValueError`` otherwise.
+    """
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the unpickler's refusal is the user's answer
+        lines = [ln.strip() for ln in str(e).splitlines() if "WeightsUnpickler error" in ln]
+        why = lines[0].split("error:", 1)[-1].strip() if lines else type(e).__name__
+        raise ValueError(
+            f"value of type {type(value).__name__} cannot be restored with torch.load(weights_only=True) "
+            f"({why}); store plain Python types and tensors, or convert it first"
+        ) from None
+    return data
+
+
+def _local_plan(leaves) -> tuple[list[tuple], dict, list[str]]:
+    """(compact entries for the gather, {key: payload} of what this rank could write, problems)."""
+    entries: list[tuple] = []
+    payload: dict[tuple, Any] = {}
+    problems: list[str] = []
+    for fqn, leaf in sorted(leaves.items()):
+        v = leaf.value
+        if is_tensor(v):
+            if v.layout != torch.strided or v.is_nested:
+                problems.append(f"{fqn!r}: tensors with layout {v.layout} cannot be stored; convert to dense")
+                continue
+            if v.device.type == "meta":
+                problems.append(f"{fqn!r}: tensor on the meta device has no data to store")
+                continue
+            if not storable_dtype(v.dtype):
+                problems.append(f"{fqn!r}: dtype {v.dtype} has no safetensors name")
+                continue
+            try:
+                box = tensor_box(fqn, v)
+            except ValueError as e:
+                problems.append(str(e))
+                continue
+            if box.local is None:
+                continue  # outside the DTensor's mesh: holds nothing
+            key = ("t", fqn, box.offsets, box.lengths)
+            entries.append(("t", fqn, dtype_name(v.dtype), box.global_shape, box.offsets, box.lengths))
+            payload[key] = box.local
+        else:
+            try:
+                data = encode_object(v)
+            except ValueError as e:
+                problems.append(f"{fqn!r}: {e}")
+                continue
+            entries.append(("o", fqn, len(data), checksum(data)))
+            payload[("o", fqn)] = data
+    return entries, payload, problems
+
+
+def plan_save(per_rank: list[list[tuple]]) -> tuple[dict[tuple, int], dict[str, tuple], list[str]]:
+    """Pure global plan: ({key: owner rank}, {fqn: (dtype, shape)}, problems). Same on every rank."""
+    problems: list[str] = []
+    holders: dict[tuple, list[int]] = defaultdict(list)
+    weights: dict[tuple, int] = {}
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    chunks: dict[str, set[tuple]] = defaultdict(set)
+    kinds: dict[str, str] = {}
+    object_sums: dict[str, set[str]] = defaultdict(set)
+    for rank, entries in enumerate(per_rank):
+        for e in entries:
+            kind, fqn = e[0], e[1]
+            if kinds.setdefault(fqn, kind) != kind:
+                problems.append(f"{fqn!r}: a tensor on some ranks and a Python object on rank {rank}")
+                continue
+            if kind == "t":
+                _, _, dtype, shape, offsets, lengths = e
+                known = tensors.setdefault(fqn, (dtype, shape))
+                if known != (dtype, shape):
+                    problems.append(
+                        f"{fqn!r}: rank {rank} has dtype {dtype} shape {list(shape)}, "
+                        f"an earlier rank {known[0]} {list(known[1])}"
+                    )
+                    continue
+                key = ("t", fqn, offsets, lengths)
+                weights[key] = math.prod(lengths) * dtype_itemsize(dtype)
+                chunks[fqn].add(key)
+            else:
+                _, _, nbytes, csum = e
+                key = ("o", fqn)
+                weights[key] = max(weights.get(key, 0), nbytes)
+                object_sums[fqn].add(csum)
+            holders[key].append(rank)
+    for fqn, keys in chunks.items():
+        shape = tensors[fqn][1]
+        # Zero-size chunks carry no bytes: keep one only to record an empty tensor.
+        empty = sorted(k for k in keys if weights[k] == 0)
+        for k in empty[1:] if len(empty) == len(keys) else empty:
+            del weights[k], holders[k]
+            keys.discard(k)
+        problem = tiling_problem(shape, [(k[2], k[3]) for k in keys])
+        if problem:
+            problems.append(f"{fqn!r}: the ranks' shards {problem}")
+    differing = sorted(f for f, sums in object_sums.items() if len(sums) > 1)
+    if differing:
+        warnings.warn(
+            f"pipeload.save: Python objects differ between ranks; one rank's value is stored for "
+            f"{differing[:5]}{' ...' if len(differing) > 5 else ''}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return balance.assign(weights, holders), tensors, problems
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """A host, contiguous byte view of ``t`` (copies only when ``t`` is on a device or not contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, ...], Any]]) -> dict[str, str]:
+    """Write ``items`` [(key, dtype, shape, tensor-or-bytes)] as one safetensors file; {key: checksum}."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pipeload", "save_id": save_id}}
+    start = 0
+    sizes = []
+    for key, dtype, shape, value in items:
+        n = len(value) if isinstance(value, bytes) else value.numel() * value.element_size()
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [start, start + n]}
+        sizes.append(n)
+        start += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    sums: dict[str, str] = {}
+    with open(path, "wb", buffering=_WRITE_BUFFER) as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for (key, _, _, value), n in zip(items, sizes):
+            data = memoryview(value) if isinstance(value, bytes) else _host_bytes(value)
+            if data.nbytes != n:
+                raise RuntimeError(f"{key!r} changed size while being saved")
+            h = hasher()
+            h.update(data)
+            f.write(data)
+            sums[key] = h.hexdigest()
+        f.flush()
+        os.fsync(f.fileno())
+    return sums
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(directory: str, md: Metadata) -> None:
+    """Rank 0: write ``.metadata`` atomically, then remove data files no longer referenced."""
+    final = os.path.join(directory, METADATA_FILE)
+    tmp = os.path.join(directory, f"{METADATA_FILE}.tmp-{md.save_id}")
+    with open(tmp, "w") as f:
+        f.write(md.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    keep = set(md.files)
+    for name in os.listdir(directory):
+        stale = (DATA_FILE_RE.match(name) and name not in keep) or name.startswith(f"{METADATA_FILE}.tmp-")
+        if stale:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=None) -> None:
+    """Save ``state_dict`` as a pipeload checkpoint; every rank of ``process_group`` must call it.
+
+    Values may be ``torch.Tensor`` (whole on this rank), ``DTensor`` (Shard/Replicate placements on any
+    mesh, uneven shards included) and Python objects that ``torch.load(weights_only=True)`` accepts
+    (Python objects are assumed equal on every rank: one copy is stored). Replicated chunks are written
+    once. Bad input raises :class:`StateDictError` on every rank, naming the key, before anything is
+    written; a failed write raises :class:`DistributedError` on every rank and leaves no new loadable
+    checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads).
+    """
+    comm = Comm(process_group)
+    directory = os.fspath(checkpoint_dir)
+    problems: list[str] = []
+    try:
+        leaves = flatten(state_dict)
+    except (TypeError, ValueError) as e:
+        leaves, problems = {}, [str(e)]
+    entries, payload, local_problems = _local_plan(leaves)
+    problems += local_problems
+    save_id = uuid.uuid4().hex[:16] if comm.rank == 0 else None
+    gathered = comm.all_gather_object((problems, entries, save_id))
+    all_problems = [f"rank {r}: {p}" for r, (ps, _, _) in enumerate(gathered) for p in ps]
+    if all_problems:
+        raise StateDictError("pipeload.save: the state dict cannot be saved", all_problems)
+    save_id = gathered[0][2]
+    owners, tensors, plan_problems = plan_save([g[1] for g in gathered])
+    if plan_problems:
+        raise StateDictError("pipeload.save: ranks disagree about the state dict", plan_problems)
+
+    # Write this rank's file. Failures are carried to the agreement below, never raised alone.
+    mine = sorted((k for k, r in owners.items() if r == comm.rank), key=lambda k: (k[0] == "o", k))
+    name = data_file_name(save_id, comm.rank)
+    path = os.path.join(directory, name)
+    error, sums = None, {}
+    if mine:
+        items = []
+        for k in mine:
+            if k[0] == "t":
+                dtype, shape = tensors[k[1]]
+                items.append((chunk_key(k[1], k[2], k[3] == shape), dtype, k[3], payload[k]))
+            else:
+                data = payload[k]
+                items.append((object_key(k[1]), "U8", (len(data),), data))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            sums = _write_file(path, save_id, items)
+            _fsync_dir(directory)
+        except Exception as e:  # noqa: BLE001
+            error = f"writing {path}: {_error_text(e)}"
+    results = comm.all_gather_object((error, sums))
+    failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
+    if failures:
+        if mine:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        raise DistributedError("pipeload.save", failures)
+
+    md = Metadata(save_id=save_id, world_size=comm.size)
+    all_sums = [s for _, s in results]
+    chunks: dict[str, list[ChunkMeta]] = defaultdict(list)
+    for key, owner in owners.items():
+        fname = data_file_name(save_id, owner)
+        if key[0] == "t":
+            _, fqn, offsets, lengths = key
+            skey = chunk_key(fqn, offsets, lengths == tensors[fqn][1])
+            chunks[fqn].append(ChunkMeta(offsets, lengths, fname, skey, all_sums[owner][skey]))
+        else:
+            okey = object_key(key[1])
+            nbytes = next(e[2] for e in gathered[owner][1] if e[0] == "o" and e[1] == key[1])
+            md.objects[key[1]] = ObjectMeta(fname, okey, nbytes, all_sums[owner][okey])
+    for fqn, cs in chunks.items():
+        dtype, shape = tensors[fqn]
+        md.tensors[fqn] = TensorMeta(dtype, shape, tuple(sorted(cs, key=lambda c: c.offsets)))
+    error = None
+    if comm.rank == 0:
+        try:
+            _commit(directory, md)
+        except Exception as e:  # noqa: BLE001
+            error = f"committing {os.path.join(directory, METADATA_FILE)}: {_error_text(e)}"
+    try:
+        comm.agree("pipeload.save", error)
+    except DistributedError:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,195 @@
+"""Everything pipeload asks of ``torch.distributed``; no other module calls it.
+
+:class:`Comm` is one save's or load's view of its process group. Without an initialised process group
+it is a world of one (evaluation, conversion, inspection) and every collective is a local no-op.
+
+Rules kept here (see docs/DESIGN.md, "Why this cannot deadlock"):
+
+- every rank of the group calls the same collectives in the same order, decided by data all ranks
+  share (the gathered plan), never by local state;
+- a process group is created only by a decision every rank takes alike from gathered data; groups are
+  created in one global order, with the load's timeout;
+- a failure on one rank is gathered and raised on every rank (:meth:`Comm.agree`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from datetime import timedelta
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import DistributedError, PipeloadError
+
+
+def _backends_by_device(pg) -> dict[str, str]:
+    """Device type -> backend name of a group, e.g. {"cpu": "gloo", "cuda": "nccl"}."""
+    config = dist.get_backend_config(pg)  # "cpu:gloo,cuda:nccl", or a bare backend name
+    if ":" not in config:
+        return {"cuda": config} if config in ("nccl", "xccl") else {"cpu": config}
+    return dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+
+
+class Comm:
+    """A group's rank, size and collectives, plus the broadcast groups one load uses."""
+
+    def __init__(self, process_group=None, timeout: timedelta | float | None = None):
+        self.active = dist.is_available() and dist.is_initialized()
+        if not self.active:
+            if process_group is not None:
+                raise PipeloadError("process_group was given but torch.distributed is not initialised")
+            self.pg = None
+            self.rank, self.size, self.global_ranks = 0, 1, [0]
+            self.is_world = True
+            self.device_types = {"cpu", "cuda"}
+            self.broadcast_device = torch.device("cpu")
+            self.timeout = timedelta(seconds=float(timeout or 1800))
+            return
+        self.pg = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.pg)
+        if self.rank < 0:
+            raise PipeloadError(
+                f"global rank {dist.get_rank()} is not a member of the process_group passed to pipeload"
+            )
+        self.size = dist.get_world_size(self.pg)
+        self.global_ranks = list(dist.get_process_group_ranks(self.pg))
+        self.is_world = self.global_ranks == list(range(dist.get_world_size()))
+        backends = _backends_by_device(self.pg)
+        self.device_types = set(backends)
+        # One device type for every broadcast of the load, the same on every rank: the accelerator when
+        # the group has an accelerator backend (NCCL), host memory otherwise (gloo stages through host).
+        if backends.get("cuda", "gloo") != "gloo" and torch.cuda.is_available():
+            self.broadcast_device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.broadcast_device = torch.device("cpu")
+        if timeout is None:
+            try:
+                timeout = self.pg._get_backend(self.broadcast_device).options._timeout
+            except Exception:  # noqa: BLE001 - fall back to torch's default for the backend
+                timeout = timedelta(minutes=30)
+        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+
+    # -- collectives over the whole group ------------------------------------------------------------
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def agree(self, what: str, error: str | None) -> None:
+        """Gather every rank's error (None = success); raise one DistributedError on every rank if any."""
+        errors = self.all_gather_object(error)
+        failures = {r: e for r, e in enumerate(errors) if e is not None}
+        if failures:
+            raise DistributedError(what, failures)
+
+    def broadcastable(self, tensor: torch.Tensor) -> bool:
+        """Whether this rank can take part in a broadcast of ``tensor``'s data through the group's backend.
+
+        Under gloo everything is staged through host memory, so every destination qualifies. Under an
+        accelerator-only backend, host destinations cannot be broadcast (and are too small to be worth it).
+        """
+        if self.broadcast_device.type == "cpu":
+            return True
+        return tensor.device.type == self.broadcast_device.type
+
+    # -- broadcast groups ----------------------------------------------------------------------------
+
+    def reusable_sets(self, groups: Iterable[Any]) -> dict[tuple[int, ...], Any]:
+        """Map each candidate group this rank is a member of to its member set, in this load's ranks.
+
+        Groups with a member outside the load's group cannot serve it and are skipped.
+        """
+        if not self.active:
+            return {}
+        index = {g: i for i, g in enumerate(self.global_ranks)}
+        out: dict[tuple[int, ...], Any] = {}
+        for g in groups:
+            if g is None or g == dist.GroupMember.NON_GROUP_MEMBER:
+                continue
+            members = dist.get_process_group_ranks(g)
+            if dist.get_rank() not in members or any(m not in index for m in members):
+                continue
+            out.setdefault(tuple(sorted(index[m] for m in members)), g)
+        return out
+
+    def make_groups(
+        self, sets: Sequence[tuple[int, ...]], create: Sequence[bool], reusable: dict[tuple[int, ...], Any]
+    ) -> tuple[dict[tuple[int, ...], Any], list[Any]]:
+        """Resolve every broadcast set to a process group; return ({set: group}, groups created here).
+
+        ``sets`` and ``create`` come from the global plan, identical on every rank. The full set is the
+        load's own group. Creating is a world-wide collective (``new_group`` on every rank of the default
+        group, members or not), so it is only planned when the load's group is the world.
+        """
+        resolved: dict[tuple[int, ...], Any] = {tuple(range(self.size)): self.pg}
+        created: list[Any] = []
+        for members, make in zip(sets, create):
+            if make:
+                g = dist.new_group([self.global_ranks[r] for r in members], timeout=self.timeout)
+                if self.rank in members:
+                    resolved[members] = g
+                    created.append(g)
+            elif self.rank in members:
+                resolved[members] = reusable[members]
+        return resolved, created
+
+    def destroy(self, groups: list[Any]) -> None:
+        """Destroy groups this load created, after draining the device (best effort: warn, never fail).
+
+        A queued transfer on a destroyed communicator can be cancelled, leaving receivers with stale data,
+        so the device is synchronized first.
+        """
+        if not groups:
+            return
+        if self.broadcast_device.type == "cuda":
+            torch.cuda.synchronize()
+        for g in groups:
+            try:
+                dist.destroy_process_group(g)
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"pipeload: destroying a broadcast group failed: {e}", RuntimeWarning, stacklevel=2)
+
+    # -- asynchronous broadcast ----------------------------------------------------------------------
+
+    def broadcast(self, tensor: torch.Tensor, group: Any, src: int) -> asyncio.Future:
+        """Post a broadcast of ``tensor`` from load-rank ``src`` and return an asyncio future of it.
+
+        Completion comes from the work's own future (a callback from the backend's thread), never from
+        polling. The future's result is the ``Work``; call :func:`finish` on it before using the data.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        work = dist.broadcast(tensor, src=self.global_ranks[src], group=group, async_op=True)
+
+        def _settle(exc: BaseException | None) -> None:
+            if fut.done():
+                return
+            if exc is None:
+                fut.set_result(work)
+            else:
+                fut.set_exception(exc)
+
+        def _done(tfut) -> None:
+            try:
+                tfut.value()
+                exc = None
+            except BaseException as e:  # noqa: BLE001 - carried to the awaiting task
+                exc = e
+            try:
+                loop.call_soon_threadsafe(_settle, exc)
+            except RuntimeError:  # loop already closed: the load has failed elsewhere
+                pass
+
+        work.get_future().add_done_callback(_done)
+        return fut
+
+
+def finish(work) -> None:
+    """Order the current device stream after a completed broadcast (a no-op for host collectives)."""
+    work.wait()

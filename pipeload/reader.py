@@ -1,0 +1,97 @@
+"""Copying ReadItems out of checkpoint files: the torch-facing side of ``pipeload._fastio``.
+
+A stored chunk is viewed in place (``torch.frombuffer`` over the file's mapping, no copy) and the
+ReadItem's box is copied from that view straight into its destination region: one copy per byte.
+Nothing is pre-checked that the next call checks anyway: a missing file or key surfaces from the
+open or lookup itself, with the file name and key in the message.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+
+from ._fastio import FileCache, SafetensorsFile
+from .checksum import checksum
+from .errors import ChecksumError, CheckpointFormatError, ReadError
+from .metadata import ObjectMeta, torch_dtype
+from .planner import ReadItem
+
+
+def narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """The box (offsets, lengths) of ``t`` as a view."""
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        if o != 0 or n != t.shape[dim]:
+            t = t.narrow(dim, o, n)
+    return t
+
+
+class ChunkReader:
+    """Reads chunks of one checkpoint directory through one LRU of open files."""
+
+    def __init__(self, directory: str, *, cache_size: int = 8, verify_checksums: bool = False):
+        self.directory = directory
+        self.cache = FileCache(cache_size)
+        self.verify = verify_checksums
+        self._verified: set[tuple[str, str]] = set()
+        self.bytes_read = 0
+
+    def _file(self, name: str) -> SafetensorsFile:
+        f = self.cache.get(os.path.join(self.directory, name))
+        f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
+        return f
+
+    def _bytes(self, f: SafetensorsFile, key: str, expect_checksum: str) -> memoryview:
+        buf = f.buffer(key)
+        if self.verify and (f.path, key) not in self._verified:
+            got = checksum(buf)
+            if got != expect_checksum:
+                raise ChecksumError(
+                    f"{f.path}: tensor {key!r} has checksum {got}, the metadata recorded {expect_checksum}"
+                )
+            self._verified.add((f.path, key))
+        return buf
+
+    def chunk(self, item: ReadItem, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-copy tensor view of the whole stored chunk ``item`` reads from."""
+        f = self._file(item.file)
+        stored_dtype, shape, _, _ = f.entry(item.key)
+        if tuple(shape) != item.chunk_lengths or torch_dtype(stored_dtype) != dtype:
+            raise CheckpointFormatError(
+                f"{f.path}: tensor {item.key!r} is {stored_dtype} {list(shape)}, "
+                f"the metadata says {dtype} {list(item.chunk_lengths)}"
+            )
+        buf = self._bytes(f, item.key, item.checksum)
+        if buf.nbytes == 0:
+            return torch.empty(item.chunk_lengths, dtype=dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(item.chunk_lengths)
+
+    def read_into(self, item: ReadItem, out: torch.Tensor) -> None:
+        """Copy ``item``'s box into ``out`` (the destination shard, or its staging view)."""
+        if item.nbytes == 0:
+            return
+        try:
+            src = narrow(self.chunk(item, out.dtype), item.src_offsets, item.lengths)
+            narrow(out, item.dest_offsets, item.lengths).copy_(src)
+        except (CheckpointFormatError, ReadError):
+            raise
+        except OSError as e:
+            raise ReadError(f"{os.path.join(self.directory, item.file)}: {e.strerror or e}") from e
+        self.bytes_read += item.nbytes
+
+    def read_object(self, meta: ObjectMeta) -> Any:
+        """A Python object, decoded with ``torch.load(weights_only=True)``: it cannot execute code."""
+        f = self._file(meta.file)
+        buf = self._bytes(f, meta.key, meta.checksum)
+        if buf.nbytes != meta.nbytes:
+            raise CheckpointFormatError(
+                f"{f.path}: object {meta.key!r} has {buf.nbytes} bytes, the metadata says {meta.nbytes}"
+            )
+        self.bytes_read += buf.nbytes
+        return torch.load(io.BytesIO(bytes(buf)), weights_only=True)
+
+    def close(self) -> None:
+        self.cache.close()

@@ -1,0 +1,208 @@
+"""The asyncio pipeline of a load: read -> stage -> broadcast, then the private reads.
+
+Shared phase. This rank walks the broadcasts it takes part in, in the global order of the plan. A
+producer task prepares each one: as the reader it copies every ReadItem of every shard of the op
+(in a worker thread, so the event loop stays free), as a receiver it only allocates. A consumer task
+issues the broadcasts strictly in order, keeps at most ``max_inflight`` outstanding, and blocks only on
+the oldest one; when one completes, its staging buffer is unpacked into the destinations with one
+grouped copy. Reads therefore run ahead of the collectives (bounded by the queue) and overlap them,
+and no rank ever waits on anything outside the global order, which is what keeps the load deadlock
+free (docs/DESIGN.md).
+
+A read that fails does not stop the pipeline: the reader still sends (whatever the buffer holds), so
+no peer waits forever, and the error is recorded; the load's final agreement raises it on every rank.
+
+Private phase, after the shared phase is flushed (peers may be waiting on us before that): every
+shard nobody shares and every Python object, grouped by file and read in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .comm import Comm, finish
+from .planner import STAGING_ALIGN, DestShard, ObjectRead, Op, ShardKey, aligned
+from .reader import ChunkReader
+
+
+@dataclass
+class Counters:
+    """What this rank's shared and private phases did (bytes read are counted by the ChunkReader)."""
+
+    bytes_received: int = 0
+    broadcasts: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _direct(shard: DestShard, device: torch.device) -> torch.Tensor | None:
+    """The destination itself as a flat byte buffer, when it can be broadcast without staging."""
+    d = shard.dest
+    if d.is_contiguous() and d.device == device and d.numel() > 0:
+        return d.reshape(-1).view(torch.uint8)
+    return None
+
+
+@dataclass
+class _Prepared:
+    op: Op
+    buffer: torch.Tensor  # what the broadcast sends or fills
+    unpack: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, staging view) copies after it
+
+
+class SharedPhase:
+    def __init__(
+        self,
+        comm: Comm,
+        reader: ChunkReader,
+        shards: dict[ShardKey, DestShard],
+        groups: dict[tuple[int, ...], Any],
+        pool: Executor,
+        counters: Counters,
+        max_inflight: int,
+        on_bytes: Callable[[int], None] | None = None,
+    ):
+        self.comm = comm
+        self.reader = reader
+        self.shards = shards
+        self.groups = groups
+        self.pool = pool
+        self.counters = counters
+        self.max_inflight = max(1, max_inflight)
+        self.on_bytes = on_bytes or (lambda n: None)
+        self.device = comm.broadcast_device
+
+    def _layout(self, op: Op) -> tuple[torch.Tensor, list[tuple[DestShard, torch.Tensor]]]:
+        """The buffer to broadcast and, per shard, the view of it shaped like the shard."""
+        shards = [self.shards[k] for k in op.shards]
+        if len(shards) == 1:
+            direct = _direct(shards[0], self.device)
+            if direct is not None:
+                return direct, [(shards[0], shards[0].dest)]
+        total = sum(aligned(s.nbytes) for s in shards)
+        staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+        views, pos = [], 0
+        for s in shards:
+            views.append((s, staging[pos : pos + s.nbytes].view(s.dtype).view(s.dest.shape)))
+            pos += aligned(s.nbytes)
+        return staging, views
+
+    def _read_op(self, op: Op) -> _Prepared:
+        """Reader side, in the worker thread: every ReadItem of every shard lands before the send."""
+        buffer, views = self._layout(op)
+        unpack = []
+        for shard, view in views:
+            try:
+                for item in shard.reads:
+                    self.reader.read_into(item, view)
+            except Exception as e:  # noqa: BLE001 - recorded, the broadcast still goes out
+                self.counters.errors.append(f"reading {shard.fqn!r}: {type(e).__name__}: {e}")
+            if view is not shard.dest:
+                unpack.append((shard.dest, view))
+        return _Prepared(op, buffer, unpack)
+
+    def _recv_op(self, op: Op) -> _Prepared:
+        buffer, views = self._layout(op)
+        return _Prepared(op, buffer, [(s.dest, v) for s, v in views if v is not s.dest])
+
+    async def run(self, ops: list[Op]) -> None:
+        loop = asyncio.get_running_loop()
+        me = self.comm.rank
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.max_inflight)
+
+        async def produce() -> None:
+            for op in ops:
+                if op.reader == me:
+                    prepared = await loop.run_in_executor(self.pool, self._read_op, op)
+                else:
+                    prepared = self._recv_op(op)
+                await queue.put(prepared)
+            await queue.put(None)
+
+        producer = asyncio.ensure_future(produce())
+        inflight: deque[tuple[asyncio.Future, _Prepared]] = deque()
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, producer}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():  # the producer died: surface its exception
+                    getter.cancel()
+                    producer.result()
+                prepared = getter.result()
+                if prepared is None:
+                    break
+                op = prepared.op
+                inflight.append((self.comm.broadcast(prepared.buffer, self.groups[op.members], op.reader),
+                                 prepared))
+                while len(inflight) >= self.max_inflight:
+                    await self._complete(*inflight.popleft())
+            while inflight:
+                await self._complete(*inflight.popleft())
+        finally:
+            if not producer.done():
+                producer.cancel()
+            # Never leave a posted broadcast un-awaited: its buffer must outlive the transfer.
+            for fut, _ in inflight:
+                try:
+                    await fut
+                except BaseException:  # noqa: BLE001 - the first error is already propagating
+                    pass
+
+    async def _complete(self, fut: asyncio.Future, prepared: _Prepared) -> None:
+        finish(await fut)
+        if prepared.unpack:
+            dests = [d for d, _ in prepared.unpack]
+            srcs = [s for _, s in prepared.unpack]
+            torch._foreach_copy_(dests, srcs)
+        n = sum(self.shards[k].nbytes for k in prepared.op.shards)
+        self.counters.broadcasts += 1
+        if prepared.op.reader != self.comm.rank:
+            self.counters.bytes_received += n
+        self.on_bytes(n)
+
+
+def read_private(
+    reader: ChunkReader,
+    shards: list[DestShard],
+    objects: list[ObjectRead],
+    counters: Counters,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[tuple[ObjectRead, Any]]:
+    """Read every private shard and object, grouped by file and in file order; return decoded objects.
+
+    Runs in the worker thread. Objects are decoded here but put into their containers by the caller,
+    on the event loop's thread, after every read succeeded.
+    """
+    on_bytes = on_bytes or (lambda n: None)
+    work: list[tuple[str, str, int, Any, Any]] = []
+    for shard in shards:
+        for i, item in enumerate(shard.reads):
+            work.append((item.file, item.key, i, shard, item))
+    for obj in objects:
+        work.append((obj.meta.file, obj.meta.key, 0, obj, None))
+    # File-major, then by the stored key: the saver lays chunks out in key order, so this is file order.
+    work.sort(key=lambda w: (w[0], w[1], w[2]))
+    decoded = []
+    failed: set[int] = set()
+    for file, _, _, target, item in work:
+        if id(target) in failed:
+            continue
+        before = reader.bytes_read
+        try:
+            if item is None:
+                decoded.append((target, reader.read_object(target.meta)))
+            else:
+                reader.read_into(item, target.dest)
+        except Exception as e:  # noqa: BLE001 - gathered and raised on every rank by the loader
+            failed.add(id(target))
+            counters.errors.append(f"reading {target.fqn!r} from {file}: {type(e).__name__}: {e}")
+        on_bytes(reader.bytes_read - before)
+    return decoded
+
+
+__all__ = ["Counters", "SharedPhase", "read_private", "STAGING_ALIGN"]

@@ -1,0 +1,125 @@
+"""Flattening a trainer's state dict and resolving what box of each global tensor this rank holds.
+
+A state dict is a nested structure of ``dict``/``list`` containers whose leaves are ``torch.Tensor``
+(this rank holds the whole tensor), ``DTensor`` (this rank holds the local shard its mesh and
+placements say) or plain Python objects. Leaves are named by their dotted path ("optim.state.0.step");
+the path is the fqn stored in the checkpoint, so save and load flatten alike by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:  # DTensor moved out of the private namespace in torch 2.4
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
+
+
+@dataclass
+class Leaf:
+    """A leaf of the state dict and the container slot it lives in (so objects can be replaced)."""
+
+    fqn: str
+    container: Any  # the dict or list holding the value
+    key: Any  # its key/index there
+    value: Any
+
+
+def flatten(state_dict: Any) -> dict[str, Leaf]:
+    """Map every leaf's dotted path to its :class:`Leaf`; raise ``ValueError`` on ambiguous paths.
+
+    Dicts and lists are descended into; everything else (tensors, tuples, numbers, strings, sets...) is
+    a leaf. Empty containers hold no leaves and are left as they are.
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    out: dict[str, Leaf] = {}
+    stack: list[tuple[str, Any]] = [("", state_dict)]
+    while stack:
+        prefix, node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            fqn = f"{prefix}{k}"
+            if isinstance(v, (dict, list)) and not isinstance(v, torch.Tensor):
+                stack.append((fqn + ".", v))
+                continue
+            if fqn in out:
+                raise ValueError(f"state dict key {fqn!r} is reached by two different paths")
+            out[fqn] = Leaf(fqn, node, k, v)
+    return out
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class Box:
+    """The part of a global tensor this rank holds: ``offsets``/``lengths`` per dim of ``global_shape``."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    local: torch.Tensor | None  # the tensor holding the box on this rank (None: this rank holds nothing)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for x in self.lengths:
+            n *= x
+        return n
+
+
+def tensor_box(fqn: str, value: torch.Tensor) -> Box:
+    """Resolve which box of its global tensor ``value`` holds on this rank.
+
+    Plain tensors hold everything. DTensors may use any mesh with ``Shard(d)`` and ``Replicate()``
+    placements, several mesh dims sharding one tensor dim, and uneven shards. Raises ``ValueError``
+    with a message naming ``fqn`` for what cannot be stored as a box (``Partial``, strided shards).
+    """
+    if isinstance(value, DTensor):
+        for p in value.placements:
+            if type(p) is not Shard and type(p) is not Replicate:
+                raise ValueError(
+                    f"{fqn!r}: DTensor placement {p} cannot be stored; use Shard or Replicate "
+                    f"(redistribute Partial placements first)"
+                )
+        mesh = value.device_mesh
+        local = value.to_local()
+        shape = tuple(value.shape)
+        if mesh.get_coordinate() is None:  # this rank is outside the mesh
+            return Box(shape, tuple(0 for _ in shape), tuple(0 for _ in shape), None)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, value.placements)
+        lengths, offsets = tuple(int(x) for x in lengths), tuple(int(x) for x in offsets)
+        if tuple(local.shape) != lengths:
+            raise ValueError(
+                f"{fqn!r}: DTensor local shard has shape {list(local.shape)}, its placements say {list(lengths)}"
+            )
+        return Box(shape, offsets, lengths, local)
+    shape = tuple(value.shape)
+    return Box(shape, tuple(0 for _ in shape), shape, value)
+
+
+def mesh_groups(leaves: dict[str, Leaf]) -> list[Any]:
+    """Every process group of every DTensor mesh dim in the state dict (this rank's groups only)."""
+    seen: dict[int, Any] = {}
+    meshes = {}
+    for leaf in leaves.values():
+        if isinstance(leaf.value, DTensor):
+            meshes[id(leaf.value.device_mesh)] = leaf.value.device_mesh
+    for mesh in meshes.values():
+        if mesh.get_coordinate() is None:
+            continue
+        for dim in range(mesh.ndim):
+            try:
+                g = mesh.get_group(dim)
+            except Exception:  # noqa: BLE001 - a mesh without groups simply offers none
+                continue
+            seen[id(g)] = g
+    return list(seen.values())
