@@ -198,7 +198,7 @@ async def load_async(
             bar.close()
         # 7. teardown (also on failure: never leave a created group behind)
         comm.destroy(created)
-    error = "\n".join(counters.errors) or None
+    error = counters.error_report()
     if collective:
         comm.agree(f"pipeload.load from {directory}", error)
     elif error:

@@ -79,7 +79,7 @@ class ChunkReader:
         except (CheckpointFormatError, ReadError):
             raise
         except OSError as e:
-            raise ReadError(f"{os.path.join(self.directory, item.file)}: {e.strerror or e}") from e
+            raise ReadError(f"{os.path.join(self.directory, item.file)}: {type(e).__name__}: {e.strerror or e}") from e
         self.bytes_read += item.nbytes
 
     def read_object(self, meta: ObjectMeta) -> Any:

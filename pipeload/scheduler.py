@@ -37,7 +37,18 @@ class Counters:
 
     bytes_received: int = 0
     broadcasts: int = 0
-    errors: list[str] = field(default_factory=list)
+    # (file, cause) -> fqns that failed with it: one line per cause, not one per tensor
+    failed: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+
+    def fail(self, fqn: str, file: str, e: BaseException) -> None:
+        self.failed.setdefault((file, f"{type(e).__name__}: {e}"), []).append(fqn)
+
+    def error_report(self) -> str | None:
+        lines = []
+        for (file, cause), fqns in self.failed.items():
+            more = f" and {len(fqns) - 3} more" if len(fqns) > 3 else ""
+            lines.append(f"reading {', '.join(map(repr, fqns[:3]))}{more} from {file}: {cause}")
+        return "\n".join(lines) or None
 
 
 def _direct(shard: DestShard, device: torch.device) -> torch.Tensor | None:
@@ -97,11 +108,12 @@ class SharedPhase:
         buffer, views = self._layout(op)
         unpack = []
         for shard, view in views:
-            try:
-                for item in shard.reads:
+            for item in shard.reads:
+                try:
                     self.reader.read_into(item, view)
-            except Exception as e:  # noqa: BLE001 - recorded, the broadcast still goes out
-                self.counters.errors.append(f"reading {shard.fqn!r}: {type(e).__name__}: {e}")
+                except Exception as e:  # noqa: BLE001 - recorded, the broadcast still goes out
+                    self.counters.fail(shard.fqn, item.file, e)
+                    break
             if view is not shard.dest:
                 unpack.append((shard.dest, view))
         return _Prepared(op, buffer, unpack)
@@ -200,7 +212,7 @@ def read_private(
                 reader.read_into(item, target.dest)
         except Exception as e:  # noqa: BLE001 - gathered and raised on every rank by the loader
             failed.add(id(target))
-            counters.errors.append(f"reading {target.fqn!r} from {file}: {type(e).__name__}: {e}")
+            counters.fail(target.fqn, file, e)
         on_bytes(reader.bytes_read - before)
     return decoded
 

@@ -32,8 +32,9 @@ class Leaf:
 def flatten(state_dict: Any) -> dict[str, Leaf]:
     """Map every leaf's dotted path to its :class:`Leaf`; raise ``ValueError`` on ambiguous paths.
 
-    Dicts and lists are descended into; everything else (tensors, tuples, numbers, strings, sets...) is
-    a leaf. Empty containers hold no leaves and are left as they are.
+    Dicts are descended into, and so are lists that hold tensors or containers; everything else
+    (tensors, tuples, numbers, strings, lists of plain values such as a param group's ``params``) is a
+    leaf, stored as one object. An empty dict holds no leaves and is left as it is.
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
@@ -44,13 +45,17 @@ def flatten(state_dict: Any) -> dict[str, Leaf]:
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
             fqn = f"{prefix}{k}"
-            if isinstance(v, (dict, list)) and not isinstance(v, torch.Tensor):
+            if isinstance(v, dict) or (isinstance(v, list) and any(_is_node(x) for x in v)):
                 stack.append((fqn + ".", v))
                 continue
             if fqn in out:
                 raise ValueError(f"state dict key {fqn!r} is reached by two different paths")
             out[fqn] = Leaf(fqn, node, k, v)
     return out
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, (dict, list, torch.Tensor))
 
 
 def is_tensor(value: Any) -> bool:

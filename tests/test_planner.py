@@ -1,0 +1,208 @@
+"""The pure parts of planning: balancing, the global load plan, the save plan, metadata."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from pipeload import balance
+from pipeload.errors import CheckpointFormatError
+from pipeload.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
+from pipeload.planner import Op, decode_plan, encode_plan, global_plan, local_plan, LocalPlan, DestShard
+from pipeload.saver import plan_save
+from pipeload.statedict import flatten
+
+
+def _nbytes(key):
+    return math.prod(key[2]) * 4
+
+
+def _random_payloads(rng: random.Random, world: int, n_fqn: int):
+    """Per-rank lists of (key, broadcastable) with random replication, plus object indices."""
+    per_rank = [([], []) for _ in range(world)]
+    for idx in range(n_fqn):
+        rows = rng.choice([1, 2, 4, 8, 64, 3000])
+        parts = rng.choice([1, 2, 4])
+        for p in range(parts):
+            key = (idx, (p * rows, 0), (rows, rng.choice([1, 16])))
+            holders = rng.sample(range(world), rng.randint(1, world))
+            bc = rng.random() > 0.05
+            for r in holders:
+                per_rank[r][0].append((key, bc if r == holders[0] else True))
+    for r in range(world):
+        per_rank[r][1].extend(rng.sample(range(n_fqn), 3))
+    return per_rank
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_global_plan_ignores_item_order(seed):
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4, 8])
+    per_rank = _random_payloads(rng, world, 60)
+    kw = dict(broadcast=True, batch_bytes=rng.choice([0, 512, 4096]), can_create=True)
+    ref = global_plan(per_rank, _nbytes, **kw)
+    assert ref.ops, "the random layout must share something"
+    for _ in range(5):
+        shuffled = []
+        for shards, objs in per_rank:
+            shards, objs = shards[:], objs[:]
+            rng.shuffle(shards)
+            rng.shuffle(objs)
+            shuffled.append((shards, objs))
+        other = global_plan(shuffled, _nbytes, **kw)
+        assert other.ops == ref.ops and other.shared == ref.shared and other.sets == ref.sets
+
+
+def test_one_non_broadcastable_holder_makes_the_shard_private():
+    k = (0, (0,), (10,))
+    plan = global_plan([([(k, True)], []), ([(k, False)], []), ([(k, True)], [])], _nbytes,
+                       broadcast=True, batch_bytes=0)
+    assert plan.ops == [] and plan.shared == {}
+
+
+def test_reader_is_least_loaded_largest_first_ties_in_rank_order():
+    big, mid, small = (0, (0,), (100,)), (1, (0,), (60,)), (2, (0,), (50,))
+    per_rank = [([(big, True), (mid, True), (small, True)], []) for _ in range(2)]
+    plan = global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=0)
+    # big -> rank 0 (tie, rank order); mid -> rank 1 (0 bytes); small -> rank 1 (240 < 400).
+    assert plan.shared[big][1] == 0 and plan.shared[mid][1] == 1 and plan.shared[small][1] == 1
+    # Execution order is the key order, not the size order.
+    assert [op.shards for op in plan.ops] == [(big,), (mid,), (small,)]
+
+
+def test_small_shards_are_batched_per_group_and_reader():
+    keys = [(i, (0,), (16,)) for i in range(10)]  # 64 bytes each, 64 aligned
+    per_rank = [([(k, True) for k in keys], []) for _ in range(2)]
+    plan = global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=256)
+    assert sum(len(op.shards) for op in plan.ops) == 10
+    assert all(len({plan.shared[k][1] for k in op.shards}) == 1 for op in plan.ops)
+    assert len(plan.ops) < 10
+    flat = [k for op in plan.ops for k in op.shards]
+    assert sorted(flat) == keys
+
+
+def test_subgroup_sets_need_a_group_unless_creatable():
+    k = (0, (0,), (8,))
+    per_rank = [([(k, True)], []), ([], []), ([(k, True)], [])]
+    assert global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=0, can_create=False).ops == []
+    plan = global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=0, can_create=True)
+    assert plan.sets == [(0, 2)] and plan.create == [True]
+    reuse = global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=0, can_create=False,
+                        reusable=[[(0, 2)], [], [(0, 2)]])
+    assert reuse.ops == [Op((0, 2), 0, (k,))] and reuse.create == [False]
+
+
+def test_exchange_roundtrip_is_compact():
+    plan = LocalPlan()
+    t = torch.zeros(3)
+    for i in range(100):
+        plan.shards.append(DestShard("x", (i, (i, 0), (3, 7)), torch.float32, 84, [], t, i % 2 == 0))
+    data = encode_plan(plan)
+    shards, objs = decode_plan(data)
+    assert shards == [((i, (i, 0), (3, 7)), i % 2 == 0) for i in range(100)] and objs == []
+    assert len(data) == 100 * 7 * 8
+
+
+def test_balance_assign_is_order_independent():
+    rng = random.Random(0)
+    weights = {i: rng.randint(1, 1000) for i in range(200)}
+    holders = {i: sorted(rng.sample(range(8), 3)) for i in weights}
+    a = balance.assign(weights, holders)
+    items = list(weights.items())
+    rng.shuffle(items)
+    assert balance.assign(dict(items), holders) == a
+
+
+def _md(tensors: dict[str, TensorMeta]) -> Metadata:
+    return Metadata(save_id="0" * 16, world_size=2, tensors=tensors)
+
+
+def test_local_plan_reshards_into_exact_read_items():
+    # Stored as 3 uneven row chunks, loaded as a column shard: every element exactly once.
+    chunks = tuple(
+        ChunkMeta((o, 0), (n, 6), f"f{i}", f"k{i}", "0" * 16) for i, (o, n) in enumerate([(0, 3), (3, 4), (7, 3)])
+    )
+    md = _md({"w": TensorMeta("F32", (10, 6), chunks)})
+    plan = local_plan(flatten({"w": torch.zeros(10, 6)}), md, lambda t: True)
+    assert not plan.problems and len(plan.shards) == 1
+    cover = torch.zeros(10, 6, dtype=torch.int32)
+    for it in plan.shards[0].reads:
+        sl = tuple(slice(o, o + n) for o, n in zip(it.dest_offsets, it.lengths))
+        cover[sl] += 1
+    assert torch.equal(cover, torch.ones_like(cover))
+    assert sum(it.nbytes for it in plan.shards[0].reads) == plan.shards[0].nbytes == 240
+
+
+def test_local_plan_collects_every_problem():
+    md = _md({
+        "a": TensorMeta("F32", (4,), (ChunkMeta((0,), (4,), "f", "a", "0" * 16),)),
+        "b": TensorMeta("F32", (4,), (ChunkMeta((0,), (4,), "f", "b", "0" * 16),)),
+    })
+    sd = {"a": torch.zeros(4, dtype=torch.float64), "b": torch.zeros(5), "c": torch.zeros(1)}
+    plan = local_plan(flatten(sd), md, lambda t: True)
+    text = "\n".join(plan.problems)
+    assert "'a'" in text and "F64" in text and "'b'" in text and "[5]" in text and "'c'" in text
+    loose = local_plan(flatten({"c": torch.zeros(1)}), md, lambda t: True, strict=False)
+    assert loose.missing == ["c"] and not loose.problems
+
+
+def test_plan_save_writes_replicas_once_and_checks_tiling():
+    e = lambda off, ln: ("t", "w", "F32", (8, 4), off, ln)  # noqa: E731
+    owners, tensors, problems = plan_save([[e((0, 0), (4, 4))], [e((4, 0), (4, 4))], [e((0, 0), (4, 4))],
+                                           [e((4, 0), (4, 4))]])
+    assert not problems and sorted(owners.values()) == [0, 1]
+    _, _, problems = plan_save([[e((0, 0), (4, 4))], [e((2, 0), (4, 4))]])
+    assert problems and "tile" in problems[0]
+    _, _, problems = plan_save([[("t", "w", "F32", (8, 4), (0, 0), (8, 4))], [("t", "w", "F16", (8, 4), (0, 0), (8, 4))]])
+    assert problems and "F16" in problems[0]
+
+
+def test_save_balance_on_moe_shapes():
+    """TP2xDP2 MoE-shaped layout: the largest writer writes at most 1.10x the mean."""
+    from pipeload import synth
+
+    spec = synth.model_spec(64)
+    world, tp = 4, 2
+    per_rank = [[] for _ in range(world)]
+    for fqn, shape, role in spec.tensors():
+        dim = {"col": 0, "row": 1}.get(role)
+        for r in range(world):
+            t = r % tp
+            if dim is None or len(shape) < 2:
+                off, ln = (0,) * len(shape), shape
+            else:
+                n = shape[dim] // tp
+                off = tuple(t * n if d == dim else 0 for d in range(len(shape)))
+                ln = tuple(n if d == dim else s for d, s in enumerate(shape))
+            per_rank[r].append(("t", fqn, "BF16", shape, off, ln))
+    owners, tensors, problems = plan_save(per_rank)
+    assert not problems and len(tensors) > 3000
+    written = [0] * world
+    for key, r in owners.items():
+        written[r] += math.prod(key[3]) * 2
+    assert max(written) <= 1.10 * (sum(written) / world), written
+
+
+def test_metadata_roundtrip_and_rejects_bad_json():
+    md = _md({"w": TensorMeta("BF16", (2, 3), (ChunkMeta((0, 0), (2, 3), "d.safetensors", "w", "a" * 16),))})
+    md.objects["o"] = ObjectMeta("d.safetensors", "o#object", 10, "b" * 16)
+    assert Metadata.from_json(md.to_json()) == md
+    doc = json.loads(md.to_json())
+    for mutate, needle in (
+        (lambda d: d.update(format="x"), "not a pipeload checkpoint"),
+        (lambda d: d.update(version=99), "version 99"),
+        (lambda d: d["tensors"]["w"].update(dtype="F99"), "unsupported dtype"),
+        (lambda d: d["tensors"]["w"]["chunks"][0].update(file="../etc/passwd"), "plain file name"),
+        (lambda d: d["tensors"]["w"]["chunks"][0].update(lengths=[1, 3]), "tile"),
+        (lambda d: d["tensors"]["w"]["chunks"][0].pop("checksum"), "checksum"),
+    ):
+        bad = json.loads(json.dumps(doc))
+        mutate(bad)
+        with pytest.raises(CheckpointFormatError, match=needle):
+            Metadata.from_json(json.dumps(bad), source="ckpt/.metadata")
+    with pytest.raises(CheckpointFormatError, match="ckpt/.metadata: metadata is not valid JSON"):
+        Metadata.from_json(b"{", source="ckpt/.metadata")
