@@ -74,7 +74,10 @@ def encode_object(value: Any) -> bytes:
     them, which is exactly what load will do. ``ValueError`` otherwise.
     """
     buf = io.BytesIO()
-    torch.save(value, buf)
+    try:
+        torch.save(value, buf)
+    except Exception as e:  # noqa: BLE001 - unpicklable values
+        raise ValueError(f"value of type {type(value).__name__} cannot be serialised ({e})") from None
     data = buf.getvalue()
     try:
         torch.load(io.BytesIO(data), weights_only=True)

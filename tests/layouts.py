@@ -155,14 +155,11 @@ def random_build(rng: random.Random, meshes: Meshes, fill: bool, layout=None):
     return nest(flat), layout
 
 
-def flat_items(sd: dict, prefix: str = ""):
-    items = sd.items() if isinstance(sd, dict) else enumerate(sd)
-    for k, v in items:
-        key = f"{prefix}{k}"
-        if isinstance(v, (dict, list)):
-            yield from flat_items(v, key + ".")
-        else:
-            yield key, v
+def flat_items(sd: dict):
+    """(fqn, value) of every leaf, named the way pipeload names them."""
+    from pipeload.statedict import flatten
+
+    return [(fqn, leaf.value) for fqn, leaf in flatten(sd).items()]
 
 
 def check_values(sd: dict) -> None:
