@@ -25,9 +25,11 @@ class WorldError(RuntimeError):
 
 def _rank_main(fn, rank: int, world: int, store_path: str, pg_timeout: float, args, results) -> None:
     try:
+        import torch
         import torch.distributed as dist
 
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # Ranks share this machine's cores: one intra-op thread each unless told otherwise.
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         store = dist.FileStore(store_path, world)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout)

@@ -3,7 +3,7 @@
 :class:`Comm` is one save's or load's view of its process group. Without an initialised process group
 it is a world of one (evaluation, conversion, inspection) and every collective is a local no-op.
 
-Rules kept here (see docs/DESIGN.md, "Why this cannot deadlock"):
+Rules kept here (see docs/ARCHITECTURE.md, "Why this cannot deadlock"):
 
 - every rank of the group calls the same collectives in the same order, decided by data all ranks
   share (the gathered plan), never by local state;

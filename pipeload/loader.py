@@ -1,6 +1,6 @@
 """``pipeload.load()`` and ``pipeload.load_async()``: orchestration of one load.
 
-Phases (every rank of the group, in this order; see docs/DESIGN.md):
+Phases (every rank of the group, in this order; see docs/ARCHITECTURE.md):
 
 1. plan: read ``.metadata``, flatten the state dict, resolve ReadItems, validate — no destination
    is touched, problems are collected;

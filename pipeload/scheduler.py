@@ -7,7 +7,7 @@ issues the broadcasts strictly in order, keeps at most ``max_inflight`` outstand
 the oldest one; when one completes, its staging buffer is unpacked into the destinations with one
 grouped copy. Reads therefore run ahead of the collectives (bounded by the queue) and overlap them,
 and no rank ever waits on anything outside the global order, which is what keeps the load deadlock
-free (docs/DESIGN.md).
+free (docs/ARCHITECTURE.md).
 
 A read that fails does not stop the pipeline: the reader still sends (whatever the buffer holds), so
 no peer waits forever, and the error is recorded; the load's final agreement raises it on every rank.
