@@ -123,8 +123,8 @@ async def load_async(
         leaves = flatten(state_dict)
         plan = local_plan(leaves, md, comm.broadcastable, strict=strict)
         problems = plan.problems
-    except (PipeloadError, TypeError, ValueError) as e:
-        problems = [str(e)]
+    except Exception as e:  # noqa: BLE001 - raised below on every rank, never on this one alone
+        problems = [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"]
     reusable = comm.reusable_sets([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
     clock.lap("plan")
 

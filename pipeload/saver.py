@@ -272,11 +272,9 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     directory = os.fspath(checkpoint_dir)
     problems: list[str] = []
     try:
-        leaves = flatten(state_dict)
-    except (TypeError, ValueError) as e:
-        leaves, problems = {}, [str(e)]
-    entries, payload, local_problems = _local_plan(leaves)
-    problems += local_problems
+        entries, payload, problems = _local_plan(flatten(state_dict))
+    except Exception as e:  # noqa: BLE001 - raised below on every rank, never on this one alone
+        entries, payload, problems = [], {}, [f"{type(e).__name__}: {e}"]
     save_id = uuid.uuid4().hex[:16] if comm.rank == 0 else None
     gathered = comm.all_gather_object((problems, entries, save_id))
     all_problems = [f"rank {r}: {p}" for r, (ps, _, _) in enumerate(gathered) for p in ps]

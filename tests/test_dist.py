@@ -111,6 +111,12 @@ def world4(rank: int, world: int, root: str, from2: str) -> dict:
     out["pp_again"] = pipeload.load(sd, pp)
     L.check_values(sd)
 
+    # Two subgroup loads side by side: each pair broadcasts inside its own group.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    sd = L.build("plain", meshes, fill=False)
+    out["subgroup"] = pipeload.load(sd, c("plain"), process_group=pairs[rank // 2])
+    L.check_values(sd)
+
     # Randomized layouts: random meshes/placements for save and for load, random batching.
     rng = random.Random(1234)
     for i in range(6):
@@ -247,10 +253,14 @@ def world2_save(rank: int, world: int, root: str) -> dict:
     assert [f for f in os.listdir(fresh) if f.endswith(".safetensors")] == []
 
     # Bad input is refused on every rank, naming the key, before any file is written.
+    from torch.distributed.tensor import DTensor, Partial
+
     bad = L.build("plain", meshes)
     if rank == 0:
         bad["extra"]["fn"] = print
-    msg = _expect_failure(lambda: pipeload.save(bad, os.path.join(root, "2-bad")), "rank 0", "extra.fn")
+    bad["model"]["partial"] = DTensor.from_local(torch.ones(2), meshes.get((2,)), [Partial()])
+    msg = _expect_failure(lambda: pipeload.save(bad, os.path.join(root, "2-bad")), "rank 0", "extra.fn",
+                          "rank 1: 'model.partial'", "Partial")
     assert not os.path.exists(os.path.join(root, "2-bad", ".metadata"))
     out["bad_msg"] = msg
     return out
@@ -309,6 +319,14 @@ def test_no_sharing_when_nothing_is_replicated(worlds):
     for r in r4:
         # FSDP: only the 0-d scalars are replicated (Replicate on a 1-D mesh).
         assert r["fsdp4"].shared_shards == 2
+
+
+def test_subgroup_loads_read_once_per_group(worlds):
+    _, r4, _ = worlds
+    objects = r4[0]["object_bytes"]
+    for pair in (r4[:2], r4[2:]):
+        assert sum(r["subgroup"].bytes_read for r in pair) == L.unique_bytes() + 2 * objects
+        assert all(r["subgroup"].groups_created == 0 for r in pair)
 
 
 def test_pipeline_stages_create_one_group(worlds):
