@@ -173,3 +173,10 @@ def test_checksum_verification(tmp_path):
     pipeload.load(dst, tmp_path)  # off by default: the flipped bit goes through
     with pytest.raises(DistributedError, match="checksum"):
         pipeload.load(dst, tmp_path, verify_checksums=True)
+
+
+def test_progress_bar_on_rank_zero(tmp_path, capsys):
+    pipeload.save({"a": torch.ones(1000)}, tmp_path)
+    pipeload.load({"a": torch.zeros(1000)}, tmp_path, progress=True)
+    err = capsys.readouterr().err
+    assert "pipeload" in err and "3.91k" in err  # 4000 bytes, in KiB units
