@@ -1530,6 +1530,9 @@ cdef class SafetensorsFile:
         if code == V_OFFSETS:
             if e.end < e.start:
                 msg = f"data_offsets [{e.start}, {e.end}] end before they start"
+            elif s.cur == 0:
+                msg = (f"data_offsets [{e.start}, {e.end}] start at {e.start}: the first tensor "
+                       f"must start at 0")
             elif e.start > s.a:
                 msg = (f"data_offsets [{e.start}, {e.end}] leave a gap: the previous tensor "
                        f"ends at {s.a}")

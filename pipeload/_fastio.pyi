@@ -1,0 +1,123 @@
+"""Typing stub of the compiled reader ``pipeload._fastio`` (source: _fastio.pyx; rules: docs/READER.md).
+
+Torch-free: it hands out bytes as buffers. ``torch.frombuffer(f.buffer(name), dtype=torch.uint8)`` is a
+zero-copy tensor that stays valid after ``f.close()`` and after the file is evicted from a FileCache.
+"""
+
+import os
+from types import TracebackType
+from typing import Iterator, Literal
+
+#: safetensors dtype name -> bytes per element, for every dtype whose element is whole bytes.
+#: The sub-byte dtypes (F4, F6_E2M3, F6_E3M2) are absent: see DTYPE_BITS.
+DTYPE_SIZES: dict[str, int]
+#: safetensors dtype name -> bits per element, for all 22 names safetensors 0.8 accepts.
+#: A tensor's byte length is numel * bits / 8, which must be a whole number.
+DTYPE_BITS: dict[str, int]
+
+Advice = Literal["normal", "sequential", "random", "willneed", "dontneed"]
+
+class SafetensorsFile:
+    """One open safetensors file: validated header, name index, zero-copy views of its bytes.
+
+    Opening does open(O_RDONLY|O_CLOEXEC), fstat, one mmap of the whole file (MAP_PRIVATE,
+    PROT_READ|PROT_WRITE, MAP_NORESERVE: copy-on-write, so views are writable and writes never reach
+    the file), then validates the header exactly as safetensors does and builds the name index once.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError, PermissionError: from open, unchanged (they name the path).
+        pipeload.errors.HeaderError: the file is not valid safetensors ("<path>: <problem>", naming the
+            tensor where there is one); also for an empty or non-regular file.
+        pipeload.errors.ReadError: the file cannot be mapped.
+    """
+
+    path: str
+    """The path as given (str; os.fspath of a PathLike)."""
+    size: int
+    """File size in bytes at open."""
+    data_offset: int
+    """8 + header length: absolute offset of the data section."""
+    metadata: dict[str, str] | None
+    """The header's ``__metadata__`` map; None when absent or null."""
+    closed: bool
+
+    def __init__(self, path: str | os.PathLike[str]) -> None: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, name: object) -> bool: ...
+    def __iter__(self) -> Iterator[str]: ...
+    def keys(self) -> list[str]:
+        """Tensor names in data-offset order (a new list each call)."""
+    def entry(self, name: str) -> tuple[str, tuple[int, ...], int, int]:
+        """(dtype, shape, start, end); start/end are ABSOLUTE file offsets of the tensor's bytes.
+
+        Works after close(). Raises TensorNotFoundError("<path>: no tensor named '<name>'")."""
+    def buffer(self, name: str) -> memoryview:
+        """The tensor's bytes: 1-D, format "B", writable (copy-on-write), zero-copy over the mapping.
+
+        Zero-size tensors give an empty view (torch.frombuffer refuses those: use torch.empty).
+        Raises TensorNotFoundError for an unknown name, ValueError once closed."""
+    def span(self, start: int, end: int) -> memoryview:
+        """Raw bytes [start, end) of the file (absolute offsets), with buffer()'s properties.
+
+        Raises ValueError if start < 0 or end < start or the file is closed, ReadError if end is
+        past the end of the file."""
+    def check_unchanged(self) -> None:
+        """fstat the open descriptor; ReadError naming the path if the size, inode, device or
+        mtime_ns differ from open time (a file now shorter than the mapping would SIGBUS a reader).
+
+        A file replaced by rename is not a change: the open inode, and every view, keep the old
+        bytes. Raises ValueError once closed."""
+    def advise(self, advice: Advice, start: int = 0, end: int | None = None) -> None:
+        """madvise(2) over [start, end) (widened to whole pages; end defaults to the file size).
+
+        "dontneed" also discards bytes written through views of that range.
+        Raises ValueError for an unknown advice, a bad range or a closed file; OSError if madvise
+        fails."""
+    def close(self) -> None:
+        """Idempotent. Closes the descriptor and drops this object's reference to the mapping: the
+        mapping is unmapped when the last view handed out is released, never before."""
+    def __enter__(self) -> SafetensorsFile: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]: ...
+
+class FileCache:
+    """LRU of open SafetensorsFile objects keyed by the path string as given (one cache per load).
+
+    A hit costs a dict lookup and a move to the front, no system call (~0.2 µs). A miss opens the
+    file and, past `capacity`, evicts and closes the least recently used one; views already handed
+    out of an evicted file stay valid. A cached file its user closed is reopened on the next get().
+    Different spellings of one path are different entries.
+    """
+
+    capacity: int
+    opens: int
+    """Cold opens performed."""
+    hits: int
+
+    def __init__(self, capacity: int = 8) -> None:
+        """Raises ValueError if capacity < 1."""
+    def get(self, path: str | os.PathLike[str]) -> SafetensorsFile:
+        """The open file for `path`; raises what SafetensorsFile() raises on a miss."""
+    def __len__(self) -> int: ...
+    def __contains__(self, path: str | os.PathLike[str]) -> bool: ...
+    def close(self) -> None:
+        """Close every cached file (views handed out stay valid); the cache stays usable."""
+    def __enter__(self) -> FileCache: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]: ...
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, object]:
+    """{name: (dtype, shape, start, end)} in file order, plus "__metadata__": dict or None.
+
+    start/end are absolute file offsets; the file is validated like SafetensorsFile()."""
+
+def _set_force_readonly(value: bool) -> None:
+    """Testing only: make later opens take the read-only mapping fallback."""
