@@ -1,0 +1,8 @@
+"""``python -m pipeload``: the same as the ``pipeload`` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

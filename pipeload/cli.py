@@ -1,0 +1,179 @@
+"""The ``pipeload`` command: ``bench``, ``inspect`` and ``verify``. Only argument parsing and formatting
+live here; the work is in :mod:`pipeload.bench` and :mod:`pipeload.inspect`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+MiB = 2**20
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "missing"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .bench import DEFAULT_SIZE_MB, LOADERS, MODES
+
+    p = argparse.ArgumentParser(prog="pipeload", description="Inspect, verify and benchmark pipeload checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,inspect,verify}")
+
+    b = sub.add_parser(
+        "bench",
+        help="benchmark pipeload against torch.distributed.checkpoint on a local world",
+        description="Save a synthetic MoE state dict with pipeload and with torch DCP on a local gloo world, "
+        "then load it with pipeload (broadcast on/off) and DCP in each mode, verifying every load. "
+        "cold/throttled emulate separate nodes: each rank reads its own copy of the checkpoint.",
+    )
+    b.add_argument("--world", type=int, default=4, help="ranks (default 4)")
+    b.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    b.add_argument("--dp", type=int, default=None, help="data-parallel size (default world / tp)")
+    b.add_argument("--size", type=float, default=DEFAULT_SIZE_MB, metavar="MB",
+                   help=f"model size in MiB; scales widths, not the tensor count (default {DEFAULT_SIZE_MB})")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeats", type=int, default=3, help="runs per loader and mode; the median is reported (3)")
+    b.add_argument("--modes", type=_csv, default=MODES, help="comma list of warm,cold,throttled (default all)")
+    b.add_argument("--loaders", type=_csv, default=LOADERS,
+                   help="comma list of " + ",".join(LOADERS) + " (default all)")
+    b.add_argument("--read-mbps", type=float, default=200.0, metavar="MIBPS",
+                   help="throttled mode: read bandwidth of all ranks together, MiB/s (default 200)")
+    b.add_argument("--layers", type=int, default=8, help="transformer layers (default 8)")
+    b.add_argument("--experts", type=int, default=128, help="experts per layer (default 128)")
+    b.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir, deleted after)")
+    b.add_argument("--out", default=None, metavar="JSON", help="write every run and the summary as JSON")
+    b.add_argument("--plot", default=None, metavar="PNG", help="write a chart (needs matplotlib)")
+    b.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (1800)")
+    b.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    i = sub.add_parser("inspect", help="summarise a checkpoint", description="Summarise a pipeload checkpoint.")
+    i.add_argument("checkpoint")
+    i.add_argument("--json", action="store_true", help="print the summary as JSON")
+    i.add_argument("--objects", action="store_true", help="list every Python object")
+
+    v = sub.add_parser(
+        "verify",
+        help="check every chunk's bytes against its checksum",
+        description="Recompute every chunk's and object's checksum, check every data file is valid "
+        "safetensors and every chunk's dtype and shape match the metadata. Exit 0 when clean, 1 otherwise.",
+    )
+    v.add_argument("checkpoint")
+    return p
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, describe, format_table, run_bench
+
+    dp = args.dp if args.dp is not None else max(1, args.world // args.tp)
+    cfg = BenchConfig(
+        world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed, repeats=args.repeats,
+        modes=tuple(args.modes), loaders=tuple(args.loaders), read_mbps=args.read_mbps, dir=args.dir,
+        layers=args.layers, experts=args.experts, timeout=args.timeout, quiet=args.quiet,
+    )
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("pipeload bench: --plot needs matplotlib: pip install 'pipeload[plot]'", file=sys.stderr)
+            return 2
+    try:
+        result = run_bench(cfg, out=args.out, plot_path=args.plot)
+    except ValueError as e:
+        print(f"pipeload bench: {e}", file=sys.stderr)
+        return 2
+    print(describe(result))
+    print()
+    print(format_table(result))
+    print(f"\ntotal {result['total_seconds']:.0f} s"
+          + (f"; results in {args.out}" if args.out else "") + (f"; chart in {args.plot}" if args.plot else ""))
+    return 0
+
+
+def format_inspect(info: dict[str, Any], objects: bool = False) -> str:
+    lay = info["layout"]
+    lines = [
+        f"checkpoint  {info['path']}",
+        f"save id     {info['save_id']} (format v{info['version']}, saved by {info['world_size']} rank(s))",
+        f"tensors     {info['tensors']} in {info['chunks']} chunks, {_size(info['tensor_bytes'])}",
+        f"objects     {info['objects']}, {_size(info['object_bytes'])}",
+        f"files       {len(info['files'])}, {_size(info['file_bytes'])} on disk",
+        "",
+        "layout: "
+        + f"{lay['whole']} tensors stored whole, {lay['chunked']} cut into chunks"
+        + (f", {lay['empty']} empty" if lay["empty"] else ""),
+    ]
+    if lay["by_chunk_count"]:
+        lines.append("  chunks per cut tensor: " + ", ".join(
+            f"{n} tensors x {k}" for k, n in lay["by_chunk_count"].items()))
+    if lay["by_split_dims"]:
+        lines.append("  cut along dim: " + ", ".join(
+            f"{k}: {n} tensors" for k, n in lay["by_split_dims"].items()))
+    lines.append("")
+    lines.append("dtypes:")
+    for name, d in info["dtypes"].items():
+        lines.append(f"  {name:<6} {d['tensors']:>7} tensors  {_size(d['bytes']):>10}")
+    lines.append("")
+    lines.append("files:")
+    w = max([len(f["name"]) for f in info["files"]] + [4])
+    for f in info["files"]:
+        lines.append(f"  {f['name']:<{w}}  {_size(f['size']):>10}  {f['chunks']:>6} chunks  {f['objects']:>4} objects")
+    if info["largest"]:
+        lines.append("")
+        lines.append("largest tensors:")
+        for t in info["largest"]:
+            lines.append(f"  {t['fqn']}  {t['dtype']} {t['shape']}  {_size(t['bytes'])}  {t['chunks']} chunk(s)")
+    if info["object_list"]:
+        lines.append("")
+        shown = info["object_list"] if objects else info["object_list"][:10]
+        lines.append("objects:" if objects or len(info["object_list"]) <= 10 else
+                     f"objects (first 10 of {len(info['object_list'])}; --objects for all):")
+        for o in shown:
+            lines.append(f"  {o['fqn']}  {_size(o['bytes'])}  in {o['file']}")
+    return "\n".join(lines)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .errors import CheckpointFormatError
+    from .inspect import inspect_checkpoint
+
+    try:
+        info = inspect_checkpoint(args.checkpoint)
+    except CheckpointFormatError as e:
+        print(f"pipeload inspect: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(info, indent=1) if args.json else format_inspect(info, objects=args.objects))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .inspect import verify_checkpoint
+
+    problems = verify_checkpoint(args.checkpoint)
+    if problems:
+        print(f"{args.checkpoint}: {len(problems)} problem(s):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 1
+    print(f"{args.checkpoint}: ok")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = {"bench": _bench, "inspect": _inspect, "verify": _verify}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

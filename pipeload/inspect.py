@@ -1,0 +1,244 @@
+"""Looking at a checkpoint without loading it: a summary, and a full integrity check.
+
+:func:`inspect_checkpoint` reads only ``.metadata`` and the data files' sizes. :func:`verify_checkpoint`
+reads every byte once, file by file in offset order, and reports every problem it finds (file, key,
+what) instead of stopping at the first. ``pipeload inspect`` / ``pipeload verify`` format these.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections import Counter, defaultdict
+from typing import Any
+
+from .checksum import checksum
+from .errors import CheckpointFormatError
+from .metadata import METADATA_FILE, Metadata, dtype_itemsize
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    """Parse ``<path>/.metadata``; a :class:`CheckpointFormatError` that names the file otherwise."""
+    directory = os.fspath(path)
+    meta_path = os.path.join(directory, METADATA_FILE)
+    try:
+        with open(meta_path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{directory}: not a pipeload checkpoint (no {METADATA_FILE})") from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{meta_path}: cannot read ({e.strerror or e})") from None
+    return Metadata.from_json(text, source=meta_path)
+
+
+def _split_dims(shape: tuple[int, ...], chunks) -> tuple[int, ...]:
+    """The dims along which a tensor's chunks cut it."""
+    return tuple(d for d in range(len(shape)) if any(c.lengths[d] != shape[d] for c in chunks))
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A summary of the checkpoint at ``path`` (JSON-serialisable).
+
+    Keys: ``path``, ``save_id``, ``world_size`` (of the save), ``version``, ``tensors`` / ``chunks`` /
+    ``objects`` (counts), ``tensor_bytes`` / ``object_bytes`` (payload), ``file_bytes`` (on disk),
+    ``files`` (per data file: name, size, chunks, objects, payload bytes; ``size`` is ``None`` when the
+    file is missing), ``dtypes`` (per dtype: tensors, bytes), ``layout`` (tensors stored whole vs cut
+    into chunks, by chunk count and by the dims they are cut along), ``largest`` (the 5 biggest
+    tensors) and ``object_list`` (every object: fqn, file, bytes).
+    """
+    directory = os.fspath(path)
+    md = read_metadata(directory)
+    per_file: dict[str, dict[str, Any]] = defaultdict(lambda: {"chunks": 0, "objects": 0, "payload_bytes": 0})
+    dtypes: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+    chunk_counts: Counter[int] = Counter()
+    split_dims: Counter[str] = Counter()
+    sizes = []
+    tensor_bytes = 0
+    n_chunks = 0
+    for fqn, t in md.tensors.items():
+        itemsize = dtype_itemsize(t.dtype)
+        nbytes = math.prod(t.shape) * itemsize
+        tensor_bytes += nbytes
+        dtypes[t.dtype]["tensors"] += 1
+        dtypes[t.dtype]["bytes"] += nbytes
+        chunk_counts[len(t.chunks)] += 1
+        n_chunks += len(t.chunks)
+        if len(t.chunks) > 1:
+            dims = _split_dims(t.shape, t.chunks)
+            split_dims[",".join(map(str, dims)) or "-"] += 1
+        sizes.append((nbytes, fqn, t))
+        for c in t.chunks:
+            per_file[c.file]["chunks"] += 1
+            per_file[c.file]["payload_bytes"] += c.numel * itemsize
+    objects = []
+    for fqn, o in sorted(md.objects.items()):
+        per_file[o.file]["objects"] += 1
+        per_file[o.file]["payload_bytes"] += o.nbytes
+        objects.append({"fqn": fqn, "file": o.file, "bytes": o.nbytes})
+    files = []
+    file_bytes = 0
+    for name in md.files:
+        try:
+            size = os.stat(os.path.join(directory, name)).st_size
+            file_bytes += size
+        except OSError:
+            size = None
+        files.append({"name": name, "size": size, **per_file[name]})
+    sizes.sort(key=lambda x: (-x[0], x[1]))
+    return {
+        "path": directory,
+        "save_id": md.save_id,
+        "world_size": md.world_size,
+        "version": md.version,
+        "tensors": len(md.tensors),
+        "chunks": n_chunks,
+        "objects": len(md.objects),
+        "tensor_bytes": tensor_bytes,
+        "object_bytes": sum(o.nbytes for o in md.objects.values()),
+        "file_bytes": file_bytes,
+        "files": files,
+        "dtypes": {k: dict(v) for k, v in sorted(dtypes.items())},
+        "layout": {
+            "whole": chunk_counts.get(1, 0),
+            "chunked": sum(n for k, n in chunk_counts.items() if k > 1),
+            "empty": chunk_counts.get(0, 0),
+            "by_chunk_count": {str(k): n for k, n in sorted(chunk_counts.items()) if k > 1},
+            "by_split_dims": dict(sorted(split_dims.items())),
+        },
+        "largest": [
+            {"fqn": fqn, "dtype": t.dtype, "shape": list(t.shape), "bytes": nbytes, "chunks": len(t.chunks)}
+            for nbytes, fqn, t in sizes[:5]
+        ],
+        "object_list": objects,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Integrity check
+
+
+class _SafeOpenFile:
+    """The subset of ``pipeload._fastio.SafetensorsFile`` that verify needs, over ``safetensors``.
+
+    Only used when the compiled reader is not built (e.g. a source checkout before ``build_ext``).
+    """
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        self._f = safe_open(path, framework="pt")
+        self._keys = list(self._f.keys())
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def entry(self, name: str):
+        if name not in self._keys:
+            raise KeyError(name)
+        s = self._f.get_slice(name)
+        return s.get_dtype(), tuple(s.get_shape()), 0, 0
+
+    def buffer(self, name: str) -> memoryview:
+        import torch
+
+        t = self._f.get_tensor(name).contiguous()
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+    def close(self) -> None:
+        self._f = None
+
+
+def _open(path: str):
+    try:
+        from ._fastio import SafetensorsFile
+    except ImportError:
+        return _SafeOpenFile(path)
+    return SafetensorsFile(path)
+
+
+def _decodes(data: memoryview) -> str | None:
+    import torch
+
+    try:
+        torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to decode is the problem being reported
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike) -> list[str]:
+    """Every problem of the checkpoint at ``path``; an empty list when it is intact.
+
+    Checks that ``.metadata`` parses and its chunks tile each tensor; that every data file it names
+    exists and is valid safetensors; that every chunk and object is there with the dtype and shape the
+    metadata records; that the stored bytes match the recorded xxh3-64 checksums; and that every object
+    decodes with ``torch.load(weights_only=True)``. Each problem reads ``<file>: <key>: <what>``.
+    """
+    directory = os.fspath(path)
+    try:
+        md = read_metadata(directory)
+    except CheckpointFormatError as e:
+        return [str(e)]
+    # (key, expected dtype, expected shape, checksum, what) per file
+    wanted: dict[str, list[tuple[str, str, tuple[int, ...], str, str]]] = defaultdict(list)
+    for fqn, t in md.tensors.items():
+        for c in t.chunks:
+            wanted[c.file].append((c.key, t.dtype, tuple(c.lengths), c.checksum, f"chunk of {fqn!r}"))
+    for fqn, o in md.objects.items():
+        wanted[o.file].append((o.key, "U8", (o.nbytes,), o.checksum, f"object {fqn!r}"))
+    problems: list[str] = []
+    for name in sorted(wanted):
+        fpath = os.path.join(directory, name)
+        try:
+            f = _open(fpath)
+        except FileNotFoundError:
+            problems.append(f"{name}: file is missing ({len(wanted[name])} chunks/objects live there)")
+            continue
+        except Exception as e:  # noqa: BLE001 - a bad header is reported, not raised
+            problems.append(f"{name}: not a valid safetensors file: {_one_line(e)}")
+            continue
+        try:
+            problems += _verify_file(f, name, wanted[name])
+        finally:
+            f.close()
+    return problems
+
+
+def _verify_file(f, name: str, wanted) -> list[str]:
+    problems: list[str] = []
+    present = set(f.keys())
+    entries = []
+    for key, dtype, shape, expect, what in wanted:
+        if key not in present:
+            problems.append(f"{name}: {key}: missing ({what})")
+            continue
+        stored_dtype, stored_shape, start, _ = f.entry(key)
+        if stored_dtype != dtype or tuple(stored_shape) != shape:
+            problems.append(
+                f"{name}: {key}: stored as {stored_dtype} {list(stored_shape)}, "
+                f"the metadata says {dtype} {list(shape)} ({what})"
+            )
+            continue
+        entries.append((start, key, expect, what))
+    entries.sort()  # file-offset order: one sequential pass over the file
+    for _, key, expect, what in entries:
+        try:
+            buf = f.buffer(key)
+            got = checksum(buf)
+        except Exception as e:  # noqa: BLE001 - an unreadable range is a problem to report
+            problems.append(f"{name}: {key}: cannot read ({_one_line(e)})")
+            continue
+        if got != expect:
+            problems.append(f"{name}: {key}: checksum {got}, the metadata recorded {expect} ({what})")
+        elif what.startswith("object"):
+            err = _decodes(buf)
+            if err:
+                problems.append(f"{name}: {key}: does not load with torch.load(weights_only=True): {err}")
+    return problems
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

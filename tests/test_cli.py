@@ -1,0 +1,283 @@
+"""The ``pipeload`` command: inspect, verify (clean and every kind of corruption) and a tiny bench."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import pipeload
+from pipeload import bench, synth
+from pipeload._fastio import SafetensorsFile
+from pipeload.cli import main
+from pipeload.inspect import inspect_checkpoint, verify_checkpoint
+from pipeload.metadata import METADATA_FILE, Metadata
+
+SMALL = dict(layers=1, experts=2)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A one-process checkpoint of the synthetic model (some tensors chunked by hand) plus objects."""
+    root = tmp_path_factory.mktemp("ckpt")
+    sd = synth.build_state_dict(None, 3, 1, **SMALL)
+    path = str(root / "ckpt")
+    pipeload.save(sd, path)
+    return path
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    """A private copy of the saved checkpoint that a test may damage."""
+    dst = str(tmp_path / "copy")
+    shutil.copytree(saved, dst)
+    return dst
+
+
+def _md(path: str) -> Metadata:
+    with open(os.path.join(path, METADATA_FILE), "rb") as f:
+        return Metadata.from_json(f.read())
+
+
+def test_inspect_summary(saved, capsys):
+    info = inspect_checkpoint(saved)
+    spec = synth.model_spec(1, **SMALL)
+    assert info["tensors"] == len(spec.tensors()) + len(spec.step_fqns())
+    assert info["objects"] >= 3  # param_groups, iteration, run (however the saver groups them)
+    assert info["tensor_bytes"] == spec.model_nbytes + 4 * len(spec.step_fqns())
+    assert info["dtypes"]["BF16"]["tensors"] == len(spec.tensors())
+    assert info["dtypes"]["F32"]["tensors"] == len(spec.step_fqns())
+    assert info["file_bytes"] == sum(f["size"] for f in info["files"]) > info["tensor_bytes"]
+    assert info["layout"]["whole"] == info["tensors"] and info["layout"]["chunked"] == 0
+    assert info["largest"][0]["fqn"] in ("model.model.embed_tokens.weight", "model.lm_head.weight")
+    assert main(["inspect", saved]) == 0
+    out = capsys.readouterr().out
+    assert f"tensors     {info['tensors']} in {info['chunks']} chunks" in out
+    assert "BF16" in out and "files:" in out and "objects" in out
+    assert main(["inspect", "--json", saved]) == 0
+    assert json.loads(capsys.readouterr().out)["save_id"] == info["save_id"]
+
+
+def test_inspect_reports_chunking(tmp_path):
+    md = Metadata.from_json(json.dumps({
+        "format": "pipeload", "version": 1, "save_id": "0" * 16, "world_size": 2,
+        "tensors": {"w": {"dtype": "F32", "shape": [4, 6], "chunks": [
+            {"offsets": [0, 0], "lengths": [4, 3], "file": "a.safetensors", "key": "w@0,0", "checksum": "0" * 16},
+            {"offsets": [0, 3], "lengths": [4, 3], "file": "b.safetensors", "key": "w@0,3", "checksum": "0" * 16},
+        ]}},
+        "objects": {},
+    }))
+    (tmp_path / METADATA_FILE).write_text(md.to_json())
+    info = inspect_checkpoint(str(tmp_path))
+    assert info["layout"] == {"whole": 0, "chunked": 1, "empty": 0, "by_chunk_count": {"2": 1},
+                              "by_split_dims": {"1": 1}}
+    assert [f["size"] for f in info["files"]] == [None, None]  # missing files are shown, not fatal
+
+
+def test_inspect_not_a_checkpoint(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "not a pipeload checkpoint" in capsys.readouterr().err
+
+
+def test_verify_clean(saved, capsys):
+    assert verify_checkpoint(saved) == []
+    assert main(["verify", saved]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def _a_chunk(path: str, fqn: str = "model.model.layers.0.self_attn.q_proj.weight"):
+    md = _md(path)
+    return md.tensors[fqn].chunks[0]
+
+
+def test_verify_flipped_byte(ckpt, capsys):
+    c = _a_chunk(ckpt)
+    fpath = os.path.join(ckpt, c.file)
+    with SafetensorsFile(fpath) as f:
+        _, _, start, _ = f.entry(c.key)
+    with open(fpath, "r+b") as f:
+        f.seek(start + 5)
+        b = f.read(1)
+        f.seek(start + 5)
+        f.write(bytes([b[0] ^ 0x01]))
+    problems = verify_checkpoint(ckpt)
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{c.file}: {c.key}: checksum ") and c.checksum in problems[0]
+    assert main(["verify", ckpt]) == 1
+    err = capsys.readouterr().err
+    assert "1 problem(s)" in err and c.key in err
+
+
+def test_verify_every_problem_at_once(ckpt):
+    c = _a_chunk(ckpt)
+    other = _a_chunk(ckpt, "model.lm_head.weight")
+    assert other.file == c.file  # a world of one writes one data file
+    # Drop one key and store another with the wrong shape: both are reported.
+    fpath = os.path.join(ckpt, c.file)
+    tensors = load_file(fpath)
+    del tensors[c.key]
+    tensors[other.key] = tensors[other.key].reshape(-1)
+    save_file(tensors, fpath)
+    problems = verify_checkpoint(ckpt)
+    text = "\n".join(problems)
+    assert len(problems) == 2, text
+    assert f"{c.file}: {c.key}: missing (chunk of 'model.model.layers.0.self_attn.q_proj.weight')" in text
+    assert f"{c.file}: {other.key}: stored as BF16 [" in text and "the metadata says BF16" in text
+
+
+def test_verify_without_the_compiled_reader(ckpt, monkeypatch):
+    import pipeload.inspect as pi
+
+    monkeypatch.setattr(pi, "_open", pi._SafeOpenFile)
+    assert verify_checkpoint(ckpt) == []
+    c = _a_chunk(ckpt)
+    with SafetensorsFile(os.path.join(ckpt, c.file)) as f:
+        _, _, start, _ = f.entry(c.key)
+    with open(os.path.join(ckpt, c.file), "r+b") as f:
+        f.seek(start)
+        f.write(b"\x00\x00")
+    problems = verify_checkpoint(ckpt)
+    assert len(problems) == 1 and f"{c.key}: checksum" in problems[0]
+
+
+def test_verify_broken_and_missing_files(ckpt, capsys):
+    md = _md(ckpt)
+    name = md.files[0]
+    with open(os.path.join(ckpt, name), "r+b") as f:
+        f.write(b"\xff" * 8)  # header length far beyond the file
+    problems = verify_checkpoint(ckpt)
+    assert any(p.startswith(f"{name}: not a valid safetensors file") for p in problems), problems
+    os.remove(os.path.join(ckpt, name))
+    problems = verify_checkpoint(ckpt)
+    assert any(p.startswith(f"{name}: file is missing") for p in problems), problems
+    os.remove(os.path.join(ckpt, METADATA_FILE))
+    assert main(["verify", ckpt]) == 1
+    assert "not a pipeload checkpoint" in capsys.readouterr().err
+
+
+def test_verify_corrupt_object(ckpt):
+    md = _md(ckpt)
+    fqn, o = sorted(md.objects.items())[0]
+    fpath = os.path.join(ckpt, o.file)
+    with SafetensorsFile(fpath) as f:
+        _, _, start, end = f.entry(o.key)
+    with open(fpath, "r+b") as f:
+        f.seek(start)
+        f.write(b"\x00" * min(16, end - start))
+    problems = verify_checkpoint(ckpt)
+    assert len(problems) == 1 and problems[0].startswith(f"{o.file}: {o.key}: checksum") and fqn in problems[0]
+
+
+def test_python_dash_m(saved):
+    r = subprocess.run([sys.executable, "-m", "pipeload", "verify", os.path.dirname(saved)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "not a pipeload checkpoint" in r.stderr
+
+
+# -- bench machinery -----------------------------------------------------------------------------------
+
+
+def test_cache_drop_and_residency(tmp_path):
+    p = str(tmp_path / "f.bin")
+    with open(p, "wb") as f:
+        f.write(os.urandom(4 << 20))
+    bench.warm_files([p])
+    assert bench.residency([p]) == 1.0
+    if bench.block_device(p) is None:
+        pytest.skip("not on a block device: the page cache cannot be dropped")
+    bench.drop_cache([p])
+    assert bench.residency([p]) < 0.05
+    with open(p, "rb") as f:
+        f.read(1 << 20)
+    assert 0.2 <= bench.residency([p]) <= 1.0  # the first MiB, plus whatever readahead fetched
+
+
+def test_floor_slices_cover_every_byte_once(tmp_path):
+    paths = []
+    for i, n in enumerate((5000, 0, 123457, 4096)):
+        p = tmp_path / f"{i}.bin"
+        p.write_bytes(os.urandom(n))
+        paths.append(str(p))
+    total = sum(os.path.getsize(p) for p in paths)
+    for world in (1, 3, 4):
+        assert sum(bench._floor_read(paths, r, world) for r in range(world)) == total
+
+
+def _fake_runs():
+    runs = []
+    for mode, walls in (("warm", {"floor": 0.1, "pipeload": 1.0, "pipeload-nobcast": 1.0, "dcp": 0.85}),
+                        ("throttled", {"floor": 2.0, "pipeload": 2.2, "pipeload-nobcast": 4.1, "dcp": 4.4})):
+        for repeat in range(3):
+            for loader, w in walls.items():
+                run = {"mode": mode, "loader": loader, "repeat": repeat, "wall": w * (1 + 0.01 * repeat),
+                       "read_bytes": 100 if loader in ("floor", "pipeload") else 200,
+                       "requested_bytes": None if loader == "dcp" else 100, "resident_before": 0.0,
+                       "peak_rss_mib": 500.0, "peak_rss_delta_mib": 10.0}
+                if loader.startswith("pipeload"):
+                    run["broadcasts"] = 7
+                    run["timings"] = {k: 0.1 for k in bench.TIMING_KEYS}
+                runs.append(run)
+    return runs
+
+
+def test_summary_ratios_and_targets():
+    rows = bench.summarize(_fake_runs(), unique=100)
+    get = {(r["mode"], r["loader"]): r for r in rows}
+    pl = get[("throttled", "pipeload")]
+    assert pl["wall"] == pytest.approx(2.2 * 1.01)
+    assert pl["vs_floor"] == pytest.approx(1.1)
+    assert pl["vs_dcp"] == pytest.approx(0.5)
+    assert pl["read_amp"] == 1.0 and get[("throttled", "dcp")]["read_amp"] == 2.0
+    assert get[("throttled", "dcp")]["requested_amp"] is None
+    targets = {t["target"]: t for t in bench.check_targets(rows, dp=2)}
+    assert targets["throttled: pipeload / floor"]["ok"] is True
+    assert targets["throttled: DCP / pipeload (speed-up)"]["ok"] is True
+    assert targets["warm: pipeload broadcast off / DCP"]["ok"] is False  # 1.0 / 0.85 = 1.18
+    result = {"summary": rows, "targets": bench.check_targets(rows, dp=2)}
+    table = bench.format_table(result)
+    assert "pipeload broadcast on" in table and "torch DCP" in table and "[ok  ]" in table
+    assert "plan" in table and "teardown" in table
+
+
+def test_throttle_cgroup_roundtrip(tmp_path):
+    info = bench.setup_throttle(str(tmp_path), 123)
+    if not info["ok"]:
+        assert info["reason"]
+        pytest.skip(info["reason"])
+    try:
+        ctl = "blkio.throttle.read_bps_device" if "v1" in info["mechanism"] else "io.max"
+        with open(os.path.join(info["dir"], ctl)) as f:
+            assert str(123 * 2**20) in f.read()
+    finally:
+        bench.teardown_throttle(info)
+    assert not os.path.exists(info["dir"])
+
+
+@pytest.mark.timeout(120)
+def test_tiny_bench_end_to_end(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--world", "2", "--tp", "1", "--size", "1", "--layers", "1", "--experts", "2",
+               "--repeats", "1", "--modes", "warm,cold", "--out", str(out), "--dir", str(tmp_path / "b"),
+               "--quiet", "--timeout", "100"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "separate nodes emulated" in text and "torch DCP" in text
+    result = json.loads(out.read_text())
+    assert {(r["mode"], r["loader"]) for r in result["runs"]} == {
+        (m, l) for m in ("warm", "cold") for l in ("floor", *bench.LOADERS)}
+    assert not (tmp_path / "b" / "nodes").exists()  # per-rank copies are removed
+    assert (tmp_path / "b" / "pipeload" / METADATA_FILE).exists()
+    cold = {r["loader"]: r for r in result["runs"] if r["mode"] == "cold"}
+    assert all(r["resident_before"] == 0.0 for r in cold.values()) or bench.block_device(str(tmp_path)) is None
+    assert cold["pipeload"]["broadcasts"] > 0 and cold["pipeload-nobcast"]["broadcasts"] == 0
+
+
+def test_bench_rejects_bad_layout(capsys):
+    assert main(["bench", "--world", "4", "--tp", "3", "--quiet"]) == 2
+    assert "must equal --world" in capsys.readouterr().err
