@@ -176,6 +176,7 @@ cdef struct Scan:
     size_t n_meta
     size_t cap_meta
     int meta_state          # 0 absent, 1 null, 2 object
+    int last_dtype          # last dtype found (lookup cache), -1 at first
     Py_ssize_t cur          # entry being parsed, -1 outside entries
     int err
     int sub
@@ -361,6 +362,15 @@ cdef bint _validate_utf8(const uint8_t* p, size_t n, size_t* bad) noexcept nogil
     return True
 
 
+cdef inline uint64_t _str_special(uint64_t w) noexcept nogil:
+    """Non-zero iff one of the 8 bytes of w is '"', '\\' or below 0x20 (SWAR zero-byte tests)."""
+    cdef uint64_t ones = 0x0101010101010101ULL
+    cdef uint64_t q = w ^ (ones * 0x22)
+    cdef uint64_t b = w ^ (ones * 0x5C)
+    return (((q - ones) & ~q) | ((b - ones) & ~b) | ((w - ones * 0x20) & ~w)) \
+        & 0x8080808080808080ULL
+
+
 cdef bint _scan_string(Scan* s, size_t* at, size_t* ln, uint8_t* esc) noexcept nogil:
     """A JSON string at s.i (which is '"'): its raw span, whether it has escapes; checks escapes."""
     cdef const uint8_t* p = s.p
@@ -370,7 +380,14 @@ cdef bint _scan_string(Scan* s, size_t* at, size_t* ln, uint8_t* esc) noexcept n
     cdef uint8_t e = 0
     cdef uint8_t c
     cdef int cp, lo
+    cdef uint64_t w
     while True:
+        # 8 bytes at a time up to the word holding the next '"', '\\' or control character
+        while i + 8 <= n:
+            memcpy(&w, p + i, 8)
+            if _str_special(w):
+                break
+            i += 8
         while i < n and not _str_stop[p[i]]:
             i += 1
         if i >= n:
@@ -488,10 +505,13 @@ cdef bint _str_is(const uint8_t* p, size_t at, size_t ln, uint8_t esc,
     return m == litlen and memcmp(buf, lit, litlen) == 0
 
 
-cdef int _lookup_dtype(const uint8_t* p, size_t at, size_t ln, uint8_t esc) noexcept nogil:
-    cdef int k
+cdef int _lookup_dtype(Scan* s, size_t at, size_t ln, uint8_t esc) noexcept nogil:
+    cdef int k = s.last_dtype
+    if k >= 0 and _str_is(s.p, at, ln, esc, _dt_name[k], _dt_len[k]):
+        return k                    # checkpoints repeat a few dtypes: try the last one first
     for k in range(N_DTYPES):
-        if _str_is(p, at, ln, esc, _dt_name[k], _dt_len[k]):
+        if _str_is(s.p, at, ln, esc, _dt_name[k], _dt_len[k]):
+            s.last_dtype = k
             return k
     return -1
 
@@ -775,7 +795,7 @@ cdef bint _parse_dtype(Scan* s, Entry* e, int depth) noexcept nogil:
     if c == 0x22:
         if not _scan_string(s, &at, &ln, &esc):
             return False
-        k = _lookup_dtype(s.p, at, ln, esc)
+        k = _lookup_dtype(s, at, ln, esc)
         if k < 0:
             s.span_at = at
             s.span_len = ln
@@ -798,7 +818,7 @@ cdef bint _parse_dtype(Scan* s, Entry* e, int depth) noexcept nogil:
         if c != 0x3A:
             return _fail(s, E_JSON, J_EOF if c < 0 else J_COLON, s.i)
         s.i += 1
-        k = _lookup_dtype(s.p, at, ln, esc)
+        k = _lookup_dtype(s, at, ln, esc)
         if k < 0:
             s.span_at = at
             s.span_len = ln
@@ -1227,6 +1247,7 @@ cdef void memset_scan(Scan* s) noexcept nogil:
     s.n_meta = 0
     s.cap_meta = 0
     s.meta_state = 0
+    s.last_dtype = -1
     s.cur = -1
     s.err = 0
     s.sub = 0

@@ -197,6 +197,31 @@ def test_hand_built_headers_every_dtype_and_spelling(tmp_path):
         assert sorted(f.keys()) == sorted(expected)
 
 
+def test_string_scanning_at_every_length_and_position(tmp_path):
+    """Names of 0..40 characters with an escape, a non-ASCII or a control character at each
+    position: the 8-bytes-at-a-time string scan must find every one of them."""
+    names = {}
+    for n in range(0, 41):
+        for pos in range(0, n + 1, 3):
+            base = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQ"[:n]
+            for ins, spelled in (('"', '\\"'), ("\\", "\\\\"), ("\n", "\\n"), ("é", "é"), ("\x7f", "\x7f"),
+                                 ("😀", "\\ud83d\\ude00"), ("/", "\\/")):
+                names[base[:pos] + ins + base[pos:]] = '"' + base[:pos] + spelled + base[pos:] + '"'
+    body = ",".join(f'{spelled}:{entry_json("U8", [1], i, i + 1)}' for i, spelled in enumerate(names.values()))
+    path = raw_file(tmp_path / "names.safetensors", "{" + body + "}", bytes(range(256)) * (len(names) // 256 + 1))
+    with open(path, "r+b") as fh:
+        fh.truncate(8 + len(("{" + body + "}").encode()) + len(names))
+    check_like_oracle(path, {name: bytes([i % 256]) for i, name in enumerate(names)})
+    for ctrl in ("\x00", "\x01", "\x1f", "\t"):
+        for n, tail in ((0, 0), (5, 0), (8, 16), (13, 9), (3, 30)):
+            name = "x" * n + ctrl + "y" * tail
+            p = raw_file(tmp_path / "ctrl.safetensors", '{"%s":%s}' % (name, entry_json("U8", [1], 0, 1)), b"\0")
+            with pytest.raises(Exception):
+                oracle(p)
+            with pytest.raises(HeaderError, match="control character"):
+                SafetensorsFile(p)
+
+
 def test_empty_and_scalar_and_zero_size(tmp_path):
     path = raw_file(tmp_path / "e.safetensors", "{}")
     with SafetensorsFile(path) as f:
