@@ -436,12 +436,40 @@ def test_missing_and_directory_raise_the_oserror(tmp_path):
         FileCache().get(missing)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def _drop_file_capabilities():
+    """In a child: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so that
+    after exec even root is subject to file modes."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):                   # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:   # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
 def test_unreadable_raises_permission_error(tmp_path):
     path = raw_file(tmp_path / "p.safetensors", "{}")
     os.chmod(path, 0)
-    with pytest.raises(PermissionError):
-        SafetensorsFile(path)
+    if os.geteuid() != 0:
+        with pytest.raises(PermissionError) as ei:
+            SafetensorsFile(path)
+        assert ei.value.filename == path
+        return
+    # root reads any file: try again in a child without the capabilities that let it
+    root = os.path.dirname(os.path.dirname(os.path.abspath(_fastio.__file__)))
+    code = (
+        "import sys, types\n"
+        f"pkg = types.ModuleType('pipeload'); pkg.__path__ = [{os.path.join(root, 'pipeload')!r}]\n"
+        "sys.modules['pipeload'] = pkg\n"
+        "from pipeload._fastio import SafetensorsFile\n"
+        "try:\n"
+        f"    SafetensorsFile({path!r})\n"
+        "except PermissionError as e:\n"
+        f"    assert e.filename == {path!r}\n"
+        "    print('PermissionError')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         preexec_fn=_drop_file_capabilities)
+    assert out.stdout.strip() == "PermissionError", out.stderr
 
 
 def test_fifo_is_refused_without_blocking(tmp_path):
