@@ -143,7 +143,6 @@ cdef struct Entry:
     size_t dims_at          # index of the first dim in the dims array
     size_t name_at          # name span in the header (between the quotes, still escaped)
     size_t name_len
-    size_t order            # position in the header (tie-break of the sort)
     uint32_t ndim
     uint8_t dtype
     uint8_t name_esc
@@ -160,7 +159,7 @@ cdef struct MetaPair:
 cdef struct SortKey:
     uint64_t start
     uint64_t end
-    size_t idx
+    size_t idx              # position in the header: ties keep header order, like a stable sort
 
 cdef struct Scan:
     const uint8_t* p
@@ -1137,7 +1136,6 @@ cdef bint _parse_header(Scan* s) noexcept nogil:
                 e.name_at = at
                 e.name_len = ln
                 e.name_esc = esc
-                e.order = s.n_ents
                 e.dead = 0
                 e.ndim = 0
                 e.dims_at = s.n_dims
