@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
 
+import torch
+
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
 from .metadata import METADATA_FILE, Metadata
@@ -177,7 +179,10 @@ async def load_async(
     counters = Counters()
     bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in plan.shards))
     on_bytes = bar.update if bar is not None else None
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-read")
+    # Reads run in one worker thread; it copies onto the broadcast device, so it must have it current.
+    device = comm.broadcast_device
+    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-read", initializer=init)
     decoded = []
     try:
         # 5. shared phase
