@@ -74,16 +74,23 @@ class Comm:
 
     # -- collectives over the whole group ------------------------------------------------------------
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, what: str = "pipeload") -> list[Any]:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
+        try:
+            dist.all_gather_object(out, obj, group=self.pg)
+        except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
+            raise PipeloadError(
+                f"{what}: the all-gather over {self.size} ranks failed on rank {self.rank} "
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+                f"every rank of the group must make the same call"
+            ) from e
         return out
 
     def agree(self, what: str, error: str | None) -> None:
         """Gather every rank's error (None = success); raise one DistributedError on every rank if any."""
-        errors = self.all_gather_object(error)
+        errors = self.all_gather_object(error, what)
         failures = {r: e for r, e in enumerate(errors) if e is not None}
         if failures:
             raise DistributedError(what, failures)

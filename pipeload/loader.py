@@ -132,7 +132,7 @@ async def load_async(
 
     # 2. exchange
     mine = (problems, md.save_id if md else None, encode_plan(plan) if plan else b"", sorted(reusable))
-    gathered = comm.all_gather_object(mine) if collective else [mine]
+    gathered = comm.all_gather_object(mine, f"pipeload.load from {directory}") if collective else [mine]
     failures = {r: "\n".join(g[0]) for r, g in enumerate(gathered) if g[0]}
     if failures:
         if len(gathered) == 1:

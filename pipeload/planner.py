@@ -159,7 +159,7 @@ def local_plan(
                 dtype=value.dtype,
                 nbytes=box.numel * itemsize,
                 reads=reads,
-                dest=box.local,
+                dest=box.local.detach(),  # same storage; in-place copies into parameters need no autograd
                 broadcastable=broadcastable(box.local),
             )
         )

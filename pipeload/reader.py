@@ -12,6 +12,7 @@ import io
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._fastio import FileCache, SafetensorsFile
@@ -27,6 +28,27 @@ def narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) 
         if o != 0 or n != t.shape[dim]:
             t = t.narrow(dim, o, n)
     return t
+
+
+_MEMCPY_MIN = 1 << 16
+
+
+def copy_box(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, as a plain memcpy when both sides are contiguous host memory of one dtype.
+
+    torch's ``copy_`` runs at ~0.7x of memcpy on a contiguous host copy (measured in
+    bench/bench_fastio.py); numpy's ``copyto`` on byte views is a memcpy and releases the GIL.
+    """
+    if (
+        dst.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.nbytes >= _MEMCPY_MIN
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    ):
+        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+    else:
+        dst.copy_(src)
 
 
 class ChunkReader:
@@ -75,7 +97,7 @@ class ChunkReader:
             return
         try:
             src = narrow(self.chunk(item, out.dtype), item.src_offsets, item.lengths)
-            narrow(out, item.dest_offsets, item.lengths).copy_(src)
+            copy_box(narrow(out, item.dest_offsets, item.lengths), src)
         except (CheckpointFormatError, ReadError):
             raise
         except OSError as e:

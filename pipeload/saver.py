@@ -276,7 +276,7 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     except Exception as e:  # noqa: BLE001 - raised below on every rank, never on this one alone
         entries, payload, problems = [], {}, [f"{type(e).__name__}: {e}"]
     save_id = uuid.uuid4().hex[:16] if comm.rank == 0 else None
-    gathered = comm.all_gather_object((problems, entries, save_id))
+    gathered = comm.all_gather_object((problems, entries, save_id), "pipeload.save")
     all_problems = [f"rank {r}: {p}" for r, (ps, _, _) in enumerate(gathered) for p in ps]
     if all_problems:
         raise StateDictError("pipeload.save: the state dict cannot be saved", all_problems)
@@ -305,7 +305,7 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
             _fsync_dir(directory)
         except Exception as e:  # noqa: BLE001
             error = f"writing {path}: {_error_text(e)}"
-    results = comm.all_gather_object((error, sums))
+    results = comm.all_gather_object((error, sums), "pipeload.save")
     failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
     if failures:
         if mine:

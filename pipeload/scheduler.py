@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from .comm import Comm, finish
+from .errors import PipeloadError
 from .planner import STAGING_ALIGN, DestShard, ObjectRead, Op, ShardKey, aligned
 from .reader import ChunkReader
 
@@ -166,14 +167,23 @@ class SharedPhase:
                     pass
 
     async def _complete(self, fut: asyncio.Future, prepared: _Prepared) -> None:
-        finish(await fut)
+        op = prepared.op
+        try:
+            finish(await fut)
+        except Exception as e:  # noqa: BLE001 - a peer died or timed out: name what was in flight
+            first = self.shards[op.shards[0]].fqn
+            raise PipeloadError(
+                f"rank {self.comm.rank}: broadcast of {first!r}"
+                f"{f' and {len(op.shards) - 1} more shards' if len(op.shards) > 1 else ''} from rank "
+                f"{op.reader} to ranks {list(op.members)} failed: {type(e).__name__}: {e}"
+            ) from e
         if prepared.unpack:
             dests = [d for d, _ in prepared.unpack]
             srcs = [s for _, s in prepared.unpack]
             torch._foreach_copy_(dests, srcs)
-        n = sum(self.shards[k].nbytes for k in prepared.op.shards)
+        n = sum(self.shards[k].nbytes for k in op.shards)
         self.counters.broadcasts += 1
-        if prepared.op.reader != self.comm.rank:
+        if op.reader != self.comm.rank:
             self.counters.bytes_received += n
         self.on_bytes(n)
 

@@ -380,3 +380,20 @@ def test_world2_cases(worlds):
     assert all("extra.fn" in r["bad_msg"] for r in r2)
     assert all(r["async"].shared_shards == r["async_uvloop"].shared_shards for r in r2)
     assert sum(r["w4_to_w2"].bytes_read for r in r2b) > 0
+
+
+def absent_rank(rank: int, world: int, root: str) -> str:
+    """Rank 1 never calls load(): rank 0 must get an error within the group's timeout, not hang."""
+    if rank == 1:
+        return ""
+    pipeload.save({"a": torch.ones(2)}, os.path.join(root, f"solo{rank}"), process_group=dist.new_group([0]))
+    try:
+        pipeload.load({"a": torch.zeros(2)}, os.path.join(root, "solo0"))
+    except PipeloadError as e:
+        return str(e)
+    raise AssertionError("load() returned although rank 1 never joined")
+
+
+def test_absent_rank_fails_instead_of_hanging(tmp_path):
+    msgs = run_world(absent_rank, 2, str(tmp_path), timeout=60, pg_timeout=4)
+    assert "every rank of the group must make the same call" in msgs[0]

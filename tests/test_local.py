@@ -180,3 +180,16 @@ def test_progress_bar_on_rank_zero(tmp_path, capsys):
     pipeload.load({"a": torch.zeros(1000)}, tmp_path, progress=True)
     err = capsys.readouterr().err
     assert "pipeload" in err and "3.91k" in err  # 4000 bytes, in KiB units
+
+
+def test_loads_into_parameters(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    pipeload.save(model.state_dict(), tmp_path)
+    other = torch.nn.Linear(4, 3)
+    sd = {k: v for k, v in other.named_parameters()}  # requires_grad leaves, loaded in place
+    pipeload.load(sd, tmp_path)
+    assert torch.equal(other.weight, model.weight) and other.weight.requires_grad
+    big = torch.nn.Parameter(torch.zeros(128, 256))  # large enough for the memcpy path
+    pipeload.save({"w": torch.ones(128, 256)}, tmp_path / "big")
+    pipeload.load({"w": big}, tmp_path / "big")
+    assert bool((big == 1).all())
