@@ -692,6 +692,10 @@ def describe(result: dict[str, Any]) -> str:
             out.append(f"throttled: all ranks together limited to {cfg['read_mbps']:g} MiB/s ({th['mechanism']})")
         else:
             out.append(f"throttled: SKIPPED - {th.get('reason')}")
+    stuck = sorted({r["mode"] for r in result["summary"] if r["mode"] != "warm" and r["resident_before"] > 0.05})
+    if stuck:
+        out.append(f"WARNING: in {', '.join(stuck)} mode the page cache could not be emptied before every run "
+                   "(is --dir on tmpfs?): those runs are not cold")
     out.append("read amp = bytes the ranks read from storage (/proc/<pid>/io read_bytes) / unique bytes; "
                "requested = bytes pipeload asked for (LoadStats.bytes_read, all ranks) / unique bytes")
     return "\n".join(out)

@@ -87,11 +87,16 @@ def _bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("pipeload bench: --plot needs matplotlib: pip install 'pipeload[plot]'", file=sys.stderr)
             return 2
+    from ._world import WorldError
+
     try:
         result = run_bench(cfg, out=args.out, plot_path=args.plot)
     except ValueError as e:
         print(f"pipeload bench: {e}", file=sys.stderr)
         return 2
+    except WorldError as e:
+        print(f"pipeload bench: failed\n{e}", file=sys.stderr)
+        return 1
     print(describe(result))
     print()
     print(format_table(result))

@@ -281,3 +281,25 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
 def test_bench_rejects_bad_layout(capsys):
     assert main(["bench", "--world", "4", "--tp", "3", "--quiet"]) == 2
     assert "must equal --world" in capsys.readouterr().err
+
+
+def _mismatch_case(rank, world):
+    ref = synth.build_state_dict(None, 1, 1, **SMALL)
+    got = synth.build_state_dict(None, 1, 1, **SMALL)
+    if rank == 1:
+        got["model"]["model.norm.weight"][3] = 0
+    try:
+        bench._all_ok(synth.same_tensors(ref, got), "a load")
+    except bench._Failure as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_mismatch_on_one_rank_fails_every_rank():
+    from pipeload._world import run_world
+
+    for msg in run_world(_mismatch_case, 2, timeout=50):
+        assert msg is not None
+        assert "a load: loaded values do not match on rank(s) [1]" in msg
+        assert "[rank 1] model.model.norm.weight: 1 of" in msg
