@@ -12,16 +12,19 @@ from typing import Hashable, Mapping, Sequence, TypeVar
 K = TypeVar("K", bound=Hashable)
 
 
-def assign(weights: Mapping[K, int], holders: Mapping[K, Sequence[int]]) -> dict[K, int]:
+def assign(
+    weights: Mapping[K, int], holders: Mapping[K, Sequence[int]], base: Mapping[int, int] | None = None
+) -> dict[K, int]:
     """Give each key to one of its holders: heaviest key first, to the holder with the fewest bytes so far.
 
     Deterministic and independent of the mappings' iteration order: keys are visited by
     (-weight, key), so keys must be totally ordered; ties between holders go to the one listed first
     in ``holders[key]`` (callers list holders in rank order, so a tie goes to the lower rank).
     Every rank that evaluates this on the same data gets the same answer, which is what lets a reader
-    broadcast to receivers that never asked who reads.
+    broadcast to receivers that never asked who reads. ``base`` is the bytes each rank has to handle
+    anyway (what only it holds): save and load pass the same, so their answers coincide.
     """
-    load: dict[int, int] = {}
+    load: dict[int, int] = dict(base or {})
     owner: dict[K, int] = {}
     for key in sorted(weights, key=lambda k: (-weights[k], k)):
         best = None

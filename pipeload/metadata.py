@@ -8,6 +8,7 @@ untrusted input (never pickle).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,13 +229,17 @@ def _req(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
 
 
 def _int_list(v: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+    # type() is exact: bool (an int subclass) is refused, as JSON true/false are not sizes.
+    if type(v) is not list or not all(type(x) is int and x >= 0 for x in v):
         raise CheckpointFormatError(f"{where}: expected a list of non-negative integers")
     return tuple(v)
 
 
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
 def _checksum(v: Any, where: str) -> str:
-    if not isinstance(v, str) or len(v) != 16 or any(ch not in "0123456789abcdef" for ch in v):
+    if type(v) is not str or not _HEX16.fullmatch(v):
         raise CheckpointFormatError(f"{where}: checksum must be 16 lowercase hex digits")
     return v
 

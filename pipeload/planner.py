@@ -80,6 +80,10 @@ def fqn_index(md: Metadata) -> dict[str, int]:
 
 
 def _intersect(chunk: ChunkMeta, offsets, lengths) -> tuple | None:
+    """(offsets in the chunk, offsets in the destination, lengths) of their overlap, or None."""
+    if chunk.offsets == offsets and chunk.lengths == lengths:  # same layout as saved: the usual case
+        zero = (0,) * len(offsets)
+        return zero, zero, lengths
     lo = [max(a, b) for a, b in zip(chunk.offsets, offsets)]
     hi = [min(a + n, b + m) for a, n, b, m in zip(chunk.offsets, chunk.lengths, offsets, lengths)]
     if any(h <= l for l, h in zip(lo, hi)):
@@ -238,8 +242,9 @@ def global_plan(
     - A shard is *shared* when two or more ranks hold it, every holder can broadcast it, and its member
       set has a process group: the whole group, a group every member already has (``reusable[r]`` lists
       rank r's), or one the load may create (``can_create``).
-    - Readers: shared shards by bytes, largest first, each to the replica with the fewest bytes so far;
-      ties keep rank order (:func:`pipeload.balance.assign`).
+    - Readers: shared shards by bytes, largest first, each to the replica with the fewest bytes so far
+      (counting from what each rank alone holds); ties keep rank order (:func:`pipeload.balance.assign`,
+      exactly as the saver chose writers, so an unchanged layout reads each rank's own file).
     - Order: shared shards by (fqn, offsets, lengths). Shards smaller than ``batch_bytes`` join the
       pending batch of their (members, reader) and the batch is sent at the position of the shard that
       fills it; batches still pending at the end follow in the order of their first shard.
@@ -266,7 +271,11 @@ def global_plan(
             if len(hs) >= 2 and bc[key] and available(tuple(hs)):
                 shared_keys.append(key)
     weights = {k: nbytes(k) for k in shared_keys}
-    readers = balance.assign(weights, {k: holders[k] for k in shared_keys})
+    base: dict[int, int] = {}  # bytes each rank reads alone anyway, as the saver counted them
+    for key, hs in holders.items():
+        if key not in weights and len(hs) == 1:
+            base[hs[0]] = base.get(hs[0], 0) + nbytes(key)
+    readers = balance.assign(weights, {k: holders[k] for k in shared_keys}, base)
     shared = {k: (tuple(holders[k]), readers[k]) for k in shared_keys}
 
     ops: list[Op] = []

@@ -172,6 +172,7 @@ def plan_save(per_rank: list[list[tuple]]) -> tuple[dict[tuple, int], dict[str, 
         problem = tiling_problem(shape, [(k[2], k[3]) for k in keys])
         if problem:
             problems.append(f"{fqn!r}: the ranks' shards {problem}")
+    owners = _owners(weights, holders)
     differing = sorted(f for f, sums in object_sums.items() if len(sums) > 1)
     if differing:
         warnings.warn(
@@ -180,7 +181,41 @@ def plan_save(per_rank: list[list[tuple]]) -> tuple[dict[tuple, int], dict[str, 
             RuntimeWarning,
             stacklevel=3,
         )
-    return balance.assign(weights, holders), tensors, problems
+    return owners, tensors, problems
+
+
+def _owners(weights: dict[tuple, int], holders: dict[tuple, list[int]]) -> dict[tuple, int]:
+    """Who writes what, chosen so that a load with the same layout reads each rank's own file.
+
+    A chunk only one rank holds is written by it. Chunks several ranks hold go through the same
+    greedy, with the same starting loads (each rank's single-holder bytes), as the load's choice of
+    readers (:func:`pipeload.planner.global_plan`), so on an unchanged layout every reader finds its
+    shards in the file it wrote and reads it front to back. Python objects, which every rank reads
+    for itself on load, all go to one file: the least loaded rank's, after its tensors.
+    """
+    owners: dict[tuple, int] = {}
+    base: dict[int, int] = {}
+    shared: dict[tuple, int] = {}
+    for key, w in weights.items():
+        if key[0] != "t":
+            continue
+        if len(holders[key]) == 1:
+            owners[key] = holders[key][0]
+            base[owners[key]] = base.get(owners[key], 0) + w
+        else:
+            shared[key] = w
+    owners.update(balance.assign(shared, holders, base))
+    objects = [k for k in weights if k[0] == "o"]
+    if objects:
+        written: dict[int, int] = {}
+        for key, r in owners.items():
+            written[r] = written.get(r, 0) + weights[key]
+        candidates = set.intersection(*(set(holders[k]) for k in objects)) or None
+        pool = sorted(candidates) if candidates else sorted({r for k in objects for r in holders[k]})
+        target = min(pool, key=lambda r: (written.get(r, 0), r))
+        for key in objects:
+            owners[key] = target if target in holders[key] else holders[key][0]
+    return owners
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:

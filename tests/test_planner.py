@@ -161,12 +161,10 @@ def test_plan_save_writes_replicas_once_and_checks_tiling():
     assert problems and "F16" in problems[0]
 
 
-def test_save_balance_on_moe_shapes():
-    """TP2xDP2 MoE-shaped layout: the largest writer writes at most 1.10x the mean."""
+def _moe_entries(world=4, tp=2):
     from pipeload import synth
 
     spec = synth.model_spec(64)
-    world, tp = 4, 2
     per_rank = [[] for _ in range(world)]
     for fqn, shape, role in spec.tensors():
         dim = {"col": 0, "row": 1}.get(role)
@@ -179,12 +177,37 @@ def test_save_balance_on_moe_shapes():
                 off = tuple(t * n if d == dim else 0 for d in range(len(shape)))
                 ln = tuple(n if d == dim else s for d, s in enumerate(shape))
             per_rank[r].append(("t", fqn, "BF16", shape, off, ln))
+    for r in range(world):  # something only each rank has, and objects every rank has
+        per_rank[r].append(("t", f"rank{r}.only", "BF16", (1000 * (r + 1),), (0,), (1000 * (r + 1),)))
+        per_rank[r].append(("o", "iteration", 1100, "0" * 16))
+    return per_rank
+
+
+def test_save_balance_on_moe_shapes():
+    """TP2xDP2 MoE-shaped layout: the largest writer writes at most 1.10x the mean."""
+    world = 4
+    per_rank = _moe_entries(world)
     owners, tensors, problems = plan_save(per_rank)
     assert not problems and len(tensors) > 3000
     written = [0] * world
     for key, r in owners.items():
-        written[r] += math.prod(key[3]) * 2
+        if key[0] == "t":
+            written[r] += math.prod(key[3]) * 2
     assert max(written) <= 1.10 * (sum(written) / world), written
+
+
+def test_unchanged_layout_reads_the_file_each_rank_wrote():
+    per_rank = _moe_entries()
+    owners, _, _ = plan_save(per_rank)
+    names = sorted({e[1] for entries in per_rank for e in entries})
+    index = {n: i for i, n in enumerate(names)}
+    payloads = [([((index[e[1]], e[4], e[5]), True) for e in entries if e[0] == "t"],
+                 [index[e[1]] for e in entries if e[0] == "o"]) for entries in per_rank]
+    plan = global_plan(payloads, lambda k: math.prod(k[2]) * 2, broadcast=True, batch_bytes=6 << 20)
+    assert len(plan.shared) > 3000
+    for (idx, off, ln), (_, reader) in plan.shared.items():
+        assert owners[("t", names[idx], off, ln)] == reader, names[idx]
+    assert len({r for k, r in owners.items() if k[0] == "o"}) == 1  # objects live in one file
 
 
 def test_metadata_roundtrip_and_rejects_bad_json():
