@@ -30,7 +30,19 @@ def narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) 
     return t
 
 
+def box_span(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], itemsize: int):
+    """Byte range [lo, hi) of a C-contiguous tensor of ``shape`` that holds the box (offsets, lengths)."""
+    first = last = 0
+    stride = 1
+    for n, o, k in zip(reversed(shape), reversed(offsets), reversed(lengths)):
+        first += o * stride
+        last += (o + k - 1) * stride
+        stride *= n
+    return first * itemsize, (last + 1) * itemsize
+
+
 _MEMCPY_MIN = 1 << 16
+_MERGE_GAP = 1 << 20  # prefetch ranges closer than this are requested as one
 
 
 def copy_box(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -62,7 +74,13 @@ class ChunkReader:
         self.bytes_read = 0
 
     def _file(self, name: str) -> SafetensorsFile:
+        opens = self.cache.opens
         f = self.cache.get(os.path.join(self.directory, name))
+        if self.cache.opens != opens:
+            # No speculative readahead: every range is requested exactly (MADV_WILLNEED) before it is
+            # copied. Sequential reads run as fast as with readahead; scattered ones (another rank's
+            # file, resharding) no longer pull in neighbours nobody on this node needs.
+            f.advise("random")
         f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
         return f
 
@@ -77,10 +95,38 @@ class ChunkReader:
             self._verified.add((f.path, key))
         return buf
 
-    def chunk(self, item: ReadItem, dtype: torch.dtype) -> torch.Tensor:
+    def prefetch(self, items: list[ReadItem], itemsize: int | list[int]) -> None:
+        """Ask the kernel for the bytes of ``items`` now, as few large requests (adjacent ranges merged).
+
+        Asynchronous: the reads proceed while this rank copies what is already there.
+        """
+        spans: dict[str, list[tuple[int, int]]] = {}
+        sizes = itemsize if isinstance(itemsize, list) else [itemsize] * len(items)
+        try:
+            for item, isz in zip(items, sizes):
+                if item.nbytes == 0:
+                    continue
+                f = self._file(item.file)
+                start = f.entry(item.key)[2]
+                lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, isz)
+                spans.setdefault(item.file, []).append((start + lo, start + hi))
+            for name, ranges in spans.items():
+                f = self._file(name)
+                ranges.sort()
+                lo, hi = ranges[0]
+                for a, b in ranges[1:]:
+                    if a - hi > _MERGE_GAP:
+                        f.advise("willneed", lo, hi)
+                        lo = a
+                    hi = max(hi, b)
+                f.advise("willneed", lo, hi)
+        except Exception:  # noqa: BLE001 - a hint only; the read itself reports what is wrong
+            pass
+
+    def chunk(self, item: ReadItem, dtype: torch.dtype, advise: bool = True) -> torch.Tensor:
         """A zero-copy tensor view of the whole stored chunk ``item`` reads from."""
         f = self._file(item.file)
-        stored_dtype, shape, _, _ = f.entry(item.key)
+        stored_dtype, shape, start, _ = f.entry(item.key)
         if tuple(shape) != item.chunk_lengths or torch_dtype(stored_dtype) != dtype:
             raise CheckpointFormatError(
                 f"{f.path}: tensor {item.key!r} is {stored_dtype} {list(shape)}, "
@@ -89,14 +135,17 @@ class ChunkReader:
         buf = self._bytes(f, item.key, item.checksum)
         if buf.nbytes == 0:
             return torch.empty(item.chunk_lengths, dtype=dtype)
+        if advise:
+            lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, dtype.itemsize)
+            f.advise("willneed", start + lo, start + hi)
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(item.chunk_lengths)
 
-    def read_into(self, item: ReadItem, out: torch.Tensor) -> None:
+    def read_into(self, item: ReadItem, out: torch.Tensor, advise: bool = True) -> None:
         """Copy ``item``'s box into ``out`` (the destination shard, or its staging view)."""
         if item.nbytes == 0:
             return
         try:
-            src = narrow(self.chunk(item, out.dtype), item.src_offsets, item.lengths)
+            src = narrow(self.chunk(item, out.dtype, advise), item.src_offsets, item.lengths)
             copy_box(narrow(out, item.dest_offsets, item.lengths), src)
         except (CheckpointFormatError, ReadError):
             raise
@@ -107,6 +156,8 @@ class ChunkReader:
     def read_object(self, meta: ObjectMeta) -> Any:
         """A Python object, decoded with ``torch.load(weights_only=True)``: it cannot execute code."""
         f = self._file(meta.file)
+        _, _, start, end = f.entry(meta.key)
+        f.advise("willneed", start, end)
         buf = self._bytes(f, meta.key, meta.checksum)
         if buf.nbytes != meta.nbytes:
             raise CheckpointFormatError(

@@ -19,6 +19,7 @@ shard nobody shares and every Python object, grouped by file and read in file or
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -104,14 +105,26 @@ class SharedPhase:
             pos += aligned(s.nbytes)
         return staging, views
 
-    def _read_op(self, op: Op) -> _Prepared:
-        """Reader side, in the worker thread: every ReadItem of every shard lands before the send."""
+    def _prefetch(self, op: Op | None) -> None:
+        if op is not None:
+            shards = [self.shards[k] for k in op.shards]
+            items = [it for s in shards for it in s.reads]
+            self.reader.prefetch(items, [s.dtype.itemsize for s in shards for _ in s.reads])
+
+    def _read_op(self, op: Op, following: Op | None) -> _Prepared:
+        """Reader side, in the worker thread: every ReadItem of every shard lands before the send.
+
+        The next op this rank reads is requested from storage before this one is copied, so the
+        device keeps reading while the copies and the broadcasts run.
+        """
+        if following is not None:
+            self._prefetch(following)
         buffer, views = self._layout(op)
         unpack = []
         for shard, view in views:
             for item in shard.reads:
                 try:
-                    self.reader.read_into(item, view)
+                    self.reader.read_into(item, view, advise=False)
                 except Exception as e:  # noqa: BLE001 - recorded, the broadcast still goes out
                     self.counters.fail(shard.fqn, item.file, e)
                     break
@@ -128,10 +141,15 @@ class SharedPhase:
         me = self.comm.rank
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.max_inflight)
 
+        mine = [op for op in ops if op.reader == me]
+        following = dict(zip(map(id, mine), mine[1:]))
+        if mine:
+            await loop.run_in_executor(self.pool, self._prefetch, mine[0])
+
         async def produce() -> None:
             for op in ops:
                 if op.reader == me:
-                    prepared = await loop.run_in_executor(self.pool, self._read_op, op)
+                    prepared = await loop.run_in_executor(self.pool, self._read_op, op, following.get(id(op)))
                 else:
                     prepared = self._recv_op(op)
                 await queue.put(prepared)
@@ -211,19 +229,23 @@ def read_private(
     work.sort(key=lambda w: (w[0], w[1], w[2]))
     decoded = []
     failed: set[int] = set()
-    for file, _, _, target, item in work:
-        if id(target) in failed:
-            continue
-        before = reader.bytes_read
-        try:
-            if item is None:
-                decoded.append((target, reader.read_object(target.meta)))
-            else:
-                reader.read_into(item, target.dest)
-        except Exception as e:  # noqa: BLE001 - gathered and raised on every rank by the loader
-            failed.add(id(target))
-            counters.fail(target.fqn, file, e)
-        on_bytes(reader.bytes_read - before)
+    for file, group in itertools.groupby(work, key=lambda w: w[0]):
+        group = list(group)
+        tensors = [(w[4], w[3].dtype.itemsize) for w in group if w[4] is not None]
+        reader.prefetch([t[0] for t in tensors], [t[1] for t in tensors])  # the file's share, at once
+        for _, _, _, target, item in group:
+            if id(target) in failed:
+                continue
+            before = reader.bytes_read
+            try:
+                if item is None:
+                    decoded.append((target, reader.read_object(target.meta)))
+                else:
+                    reader.read_into(item, target.dest, advise=False)
+            except Exception as e:  # noqa: BLE001 - gathered and raised on every rank by the loader
+                failed.add(id(target))
+                counters.fail(target.fqn, file, e)
+            on_bytes(reader.bytes_read - before)
     return decoded
 
 
