@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ._gcpause import paused_gc
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
 from .metadata import METADATA_FILE, Metadata
@@ -88,7 +89,13 @@ def _progress_bar(enabled: bool, rank: int, total: int):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pipeload")
 
 
-async def load_async(
+async def load_async(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
+    """Fill ``state_dict`` in place from ``checkpoint_dir``; see :func:`load` for the options."""
+    with paused_gc():
+        return await _load(state_dict, checkpoint_dir, **options)
+
+
+async def _load(
     state_dict: dict,
     checkpoint_dir: str | os.PathLike,
     *,
@@ -103,7 +110,6 @@ async def load_async(
     timeout: timedelta | float | None = None,
     progress: bool = False,
 ) -> LoadStats:
-    """Fill ``state_dict`` in place from ``checkpoint_dir``; see :func:`load` for the options."""
     if max_inflight < 1:
         raise ValueError("max_inflight must be at least 1")
     if broadcast_batch_bytes < 0:

@@ -109,6 +109,7 @@ def local_plan(
     """
     index = fqn_index(md)
     plan = LocalPlan()
+    boxes: dict = {}  # meshes stay alive through this call, so their ids are stable keys
     for fqn in sorted(leaves):
         leaf = leaves[fqn]
         value = leaf.value
@@ -130,7 +131,7 @@ def local_plan(
                 plan.missing.append(fqn)
             continue
         try:
-            box = tensor_box(fqn, value)
+            box = tensor_box(fqn, value, boxes)
         except ValueError as e:
             plan.problems.append(str(e))
             continue

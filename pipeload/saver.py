@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import balance
+from ._gcpause import paused_gc
 from .checksum import checksum, hasher
 from .comm import Comm
 from .errors import DistributedError, StateDictError
@@ -96,6 +97,7 @@ def _local_plan(leaves) -> tuple[list[tuple], dict, list[str]]:
     entries: list[tuple] = []
     payload: dict[tuple, Any] = {}
     problems: list[str] = []
+    boxes: dict = {}
     for fqn, leaf in sorted(leaves.items()):
         v = leaf.value
         if is_tensor(v):
@@ -109,7 +111,7 @@ def _local_plan(leaves) -> tuple[list[tuple], dict, list[str]]:
                 problems.append(f"{fqn!r}: dtype {v.dtype} has no safetensors name")
                 continue
             try:
-                box = tensor_box(fqn, v)
+                box = tensor_box(fqn, v, boxes)
             except ValueError as e:
                 problems.append(str(e))
                 continue
@@ -303,8 +305,11 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     written; a failed write raises :class:`DistributedError` on every rank and leaves no new loadable
     checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads).
     """
-    comm = Comm(process_group)
-    directory = os.fspath(checkpoint_dir)
+    with paused_gc():
+        _save(state_dict, os.fspath(checkpoint_dir), Comm(process_group))
+
+
+def _save(state_dict: dict, directory: str, comm: Comm) -> None:
     problems: list[str] = []
     try:
         entries, payload, problems = _local_plan(flatten(state_dict))

@@ -79,12 +79,14 @@ class Box:
         return n
 
 
-def tensor_box(fqn: str, value: torch.Tensor) -> Box:
+def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
     """Resolve which box of its global tensor ``value`` holds on this rank.
 
     Plain tensors hold everything. DTensors may use any mesh with ``Shard(d)`` and ``Replicate()``
     placements, several mesh dims sharding one tensor dim, and uneven shards. Raises ``ValueError``
     with a message naming ``fqn`` for what cannot be stored as a box (``Partial``, strided shards).
+    ``cache`` (one dict per call site and state dict) memoises the box per (shape, mesh, placements):
+    a model repeats few of them, and computing one costs ~0.1 ms.
     """
     if isinstance(value, DTensor):
         for p in value.placements:
@@ -94,14 +96,20 @@ def tensor_box(fqn: str, value: torch.Tensor) -> Box:
                     f"(redistribute Partial placements first)"
                 )
         mesh = value.device_mesh
-        local = value.to_local()
+        # The local tensor itself (to_local() goes through autograd, ~50 us a call on 3,000 tensors).
+        local = getattr(value, "_local_tensor", None)
+        if local is None:
+            local = value.to_local()
         shape = tuple(value.shape)
-        if mesh.get_coordinate() is None:  # this rank is outside the mesh
+        key = (shape, id(mesh), tuple(value.placements))
+        hit = cache.get(key) if cache is not None else None
+        if hit is None:
+            hit = _local_box(shape, mesh, key[2])
+            if cache is not None:
+                cache[key] = hit
+        lengths, offsets = hit
+        if lengths is None:  # this rank is outside the mesh
             return Box(shape, tuple(0 for _ in shape), tuple(0 for _ in shape), None)
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, value.placements)
-        lengths, offsets = tuple(int(x) for x in lengths), tuple(int(x) for x in offsets)
         if tuple(local.shape) != lengths:
             raise ValueError(
                 f"{fqn!r}: DTensor local shard has shape {list(local.shape)}, its placements say {list(lengths)}"
@@ -109,6 +117,16 @@ def tensor_box(fqn: str, value: torch.Tensor) -> Box:
         return Box(shape, offsets, lengths, local)
     shape = tuple(value.shape)
     return Box(shape, tuple(0 for _ in shape), shape, value)
+
+
+def _local_box(shape: tuple[int, ...], mesh, placements: tuple) -> tuple:
+    """(lengths, offsets) of this rank's box, or (None, None) outside the mesh."""
+    if mesh.get_coordinate() is None:
+        return None, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(x) for x in lengths), tuple(int(x) for x in offsets)
 
 
 def mesh_groups(leaves: dict[str, Leaf]) -> list[Any]:

@@ -193,3 +193,23 @@ def test_loads_into_parameters(tmp_path):
     pipeload.save({"w": torch.ones(128, 256)}, tmp_path / "big")
     pipeload.load({"w": big}, tmp_path / "big")
     assert bool((big == 1).all())
+
+
+def test_gc_pause_nests_and_restores():
+    import gc
+
+    from pipeload._gcpause import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # a caller's own choice is left alone
+    finally:
+        gc.enable()
