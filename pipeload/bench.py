@@ -692,6 +692,11 @@ def describe(result: dict[str, Any]) -> str:
             out.append(f"throttled: all ranks together limited to {cfg['read_mbps']:g} MiB/s ({th['mechanism']})")
         else:
             out.append(f"throttled: SKIPPED - {th.get('reason')}")
+    busy = max(result["environment"].get("loadavg", [0.0]))
+    ncpu = result["environment"].get("cpus") or 1
+    if busy > max(ncpu, cfg["world"]) + 0.5:
+        out.append(f"WARNING: the machine was busy (1-minute load average up to {busy:.1f} on {ncpu} CPUs, "
+                   f"{cfg['world']} of it this benchmark's ranks): timings are noisy")
     stuck = sorted({r["mode"] for r in result["summary"] if r["mode"] != "warm" and r["resident_before"] > 0.05})
     if stuck:
         out.append(f"WARNING: in {', '.join(stuck)} mode the page cache could not be emptied before every run "
@@ -764,6 +769,7 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
         if not cfg.throttle["ok"] and not cfg.quiet:
             print(f"[bench] throttled mode SKIPPED: {cfg.throttle['reason']}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     try:
         values = run_world(_rank_main, cfg.world, cfg, timeout=cfg.timeout)
     finally:
@@ -782,6 +788,8 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
         "runs": data["runs"],
         "total_seconds": time.perf_counter() - t0,
     }
+    # The 1-minute load average before and after: other work on the machine makes timings noisy.
+    result["environment"]["loadavg"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     result["config"]["modes"] = list(cfg.modes)
     result["config"]["loaders"] = list(cfg.loaders)
     result["summary"] = summarize(data["runs"], data["unique_bytes"])
