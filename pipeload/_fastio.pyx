@@ -1375,6 +1375,10 @@ cdef class SafetensorsFile:
         m.addr = <char*>addr
         m.length = self.size
         self._map = m
+        # Readahead starts off: a fault reads its page, not the next 8 MiB of tensors the caller may
+        # never want (another rank's share of the file). Only the header is requested, whole; callers
+        # ask for their ranges with advise("willneed") or turn readahead back on ("normal").
+        madvise(addr, <size_t>self.size, MADV_RANDOM)
         base = <const uint8_t*>addr
         for k in range(8):
             hlen |= (<uint64_t>base[k]) << (8 * k)
@@ -1386,6 +1390,7 @@ cdef class SafetensorsFile:
                 f"{self.path}: header length {hlen} runs past the end of the file "
                 f"({self.size} bytes)")
         self.data_offset = 8 + <Py_ssize_t>hlen
+        madvise(addr, <size_t>(8 + hlen), MADV_WILLNEED)
         self._parse(base + 8, <size_t>hlen)
 
     cdef _parse(self, const uint8_t* hp, size_t hn):

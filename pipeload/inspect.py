@@ -118,44 +118,12 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 # Integrity check
 
 
-class _SafeOpenFile:
-    """The subset of ``pipeload._fastio.SafetensorsFile`` that verify needs, over ``safetensors``.
-
-    Only used when the compiled reader is not built (e.g. a source checkout before ``build_ext``).
-    """
-
-    def __init__(self, path: str):
-        from safetensors import safe_open
-
-        self.path = path
-        self._f = safe_open(path, framework="pt")
-        self._keys = list(self._f.keys())
-
-    def keys(self) -> list[str]:
-        return self._keys
-
-    def entry(self, name: str):
-        if name not in self._keys:
-            raise KeyError(name)
-        s = self._f.get_slice(name)
-        return s.get_dtype(), tuple(s.get_shape()), 0, 0
-
-    def buffer(self, name: str) -> memoryview:
-        import torch
-
-        t = self._f.get_tensor(name).contiguous()
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-    def close(self) -> None:
-        self._f = None
-
-
 def _open(path: str):
-    try:
-        from ._fastio import SafetensorsFile
-    except ImportError:
-        return _SafeOpenFile(path)
-    return SafetensorsFile(path)
+    from ._fastio import SafetensorsFile
+
+    f = SafetensorsFile(path)
+    f.advise("sequential")  # verify reads every byte, front to back
+    return f
 
 
 def _decodes(data: memoryview) -> str | None:

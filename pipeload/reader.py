@@ -74,13 +74,11 @@ class ChunkReader:
         self.bytes_read = 0
 
     def _file(self, name: str) -> SafetensorsFile:
-        opens = self.cache.opens
+        # Files open with readahead off (see _fastio); every range is requested exactly
+        # (MADV_WILLNEED) before it is copied. Sequential reads run as fast as with readahead;
+        # scattered ones (another rank's file, resharding) no longer pull in neighbours nobody on this
+        # node needs.
         f = self.cache.get(os.path.join(self.directory, name))
-        if self.cache.opens != opens:
-            # No speculative readahead: every range is requested exactly (MADV_WILLNEED) before it is
-            # copied. Sequential reads run as fast as with readahead; scattered ones (another rank's
-            # file, resharding) no longer pull in neighbours nobody on this node needs.
-            f.advise("random")
         f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
         return f
 

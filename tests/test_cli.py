@@ -131,21 +131,6 @@ def test_verify_every_problem_at_once(ckpt):
     assert f"{c.file}: {other.key}: stored as BF16 [" in text and "the metadata says BF16" in text
 
 
-def test_verify_without_the_compiled_reader(ckpt, monkeypatch):
-    import pipeload.inspect as pi
-
-    monkeypatch.setattr(pi, "_open", pi._SafeOpenFile)
-    assert verify_checkpoint(ckpt) == []
-    c = _a_chunk(ckpt)
-    with SafetensorsFile(os.path.join(ckpt, c.file)) as f:
-        _, _, start, _ = f.entry(c.key)
-    with open(os.path.join(ckpt, c.file), "r+b") as f:
-        f.seek(start)
-        f.write(b"\x00\x00")
-    problems = verify_checkpoint(ckpt)
-    assert len(problems) == 1 and f"{c.key}: checksum" in problems[0]
-
-
 def test_verify_broken_and_missing_files(ckpt, capsys):
     md = _md(ckpt)
     name = md.files[0]
