@@ -31,6 +31,7 @@ from .errors import CheckpointFormatError, DistributedError, PipeloadError, Stat
 from .metadata import METADATA_FILE, Metadata
 from .planner import decode_plan, encode_plan, fqn_index, global_plan, local_plan
 from .reader import ChunkReader
+from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
 from .statedict import flatten, mesh_groups
 
@@ -79,6 +80,18 @@ def read_metadata(directory: str) -> Metadata:
     return Metadata.from_json(text, source=path)
 
 
+def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
+    """Start reading, before the plan exchange, what this rank needs from the file it wrote itself.
+
+    Saved and loaded on the same world with the same layout, every rank reads exactly the shards it
+    wrote (save and load pick writers and readers with one greedy), so storage starts streaming while
+    the ranks are still planning. Otherwise this is a guess that can only be partly wrong: only bytes
+    this rank needs, from one file.
+    """
+    items = [it for s in plan.shards for it in s.reads if it.file == own_file]
+    reader.prefetch(items, [s.dtype.itemsize for s in plan.shards for it in s.reads if it.file == own_file])
+
+
 def _progress_bar(enabled: bool, rank: int, total: int):
     if not enabled or rank != 0:
         return None
@@ -120,95 +133,48 @@ async def _load(
     directory = os.fspath(checkpoint_dir)
     comm = Comm(process_group, timeout)
     collective = use_collectives and comm.size > 1
+    with ChunkReader(directory, verify_checksums=verify_checksums) as reader:
+        # 1. local plan: problems are carried to the exchange, never raised on this rank alone
+        md, leaves, plan, problems = _local_plan(state_dict, directory, comm, strict)
+        reusable = comm.reusable_sets([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
+        if not problems and md.world_size == comm.size:
+            _prefetch_own_file(reader, plan, data_file_name(md.save_id, comm.rank))
+        clock.lap("plan")
 
-    # 1. local plan
-    problems: list[str] = []
-    md = None
-    plan = None
-    leaves: dict = {}
-    try:
-        md = read_metadata(directory)
-        leaves = flatten(state_dict)
-        plan = local_plan(leaves, md, comm.broadcastable, strict=strict)
-        problems = plan.problems
-    except Exception as e:  # noqa: BLE001 - raised below on every rank, never on this one alone
-        problems = [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"]
-    reusable = comm.reusable_sets([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
-    clock.lap("plan")
+        # 2. exchange
+        mine = (problems, md.save_id if md else None, encode_plan(plan) if plan else b"", sorted(reusable))
+        gathered = comm.all_gather_object(mine, f"pipeload.load from {directory}") if collective else [mine]
+        _raise_if_any_failed(gathered, directory)
+        clock.lap("exchange")
 
-    # 2. exchange
-    mine = (problems, md.save_id if md else None, encode_plan(plan) if plan else b"", sorted(reusable))
-    gathered = comm.all_gather_object(mine, f"pipeload.load from {directory}") if collective else [mine]
-    failures = {r: "\n".join(g[0]) for r, g in enumerate(gathered) if g[0]}
-    if failures:
-        if len(gathered) == 1:
-            raise StateDictError(f"pipeload.load from {directory}: cannot load", problems)
-        raise DistributedError(f"pipeload.load from {directory}: validation", failures)
-    if len({g[1] for g in gathered}) > 1:
-        raise PipeloadError(
-            f"pipeload.load: ranks read different checkpoints from {directory} (it was overwritten during the load)"
-        )
-    clock.lap("exchange")
-
-    # 3. global plan
-    names = sorted(fqn_index(md))
-    itemsize = {i: md.tensors[n].itemsize for i, n in enumerate(names) if n in md.tensors}
-    gp = global_plan(
-        [decode_plan(g[2]) for g in gathered],
-        lambda key: math.prod(key[2]) * itemsize[key[0]],
-        broadcast=collective and broadcast_replicated_tensors,
-        batch_bytes=broadcast_batch_bytes,
-        reusable=[g[3] for g in gathered],
-        can_create=comm.is_world,
-    )
-    stats.missing_keys = list(plan.missing)
-    if collective:
-        stats.unexpected_keys = [n for i, n in enumerate(names) if i not in gp.requested]
+        # 3. global plan
+        gp = _global_plan(md, gathered, comm, collective and broadcast_replicated_tensors, broadcast_batch_bytes)
+        names = sorted(fqn_index(md))
+        stats.missing_keys = list(plan.missing)
+        stats.unexpected_keys = [n for i, n in enumerate(names) if i not in gp.requested] if collective else []
         if strict and stats.unexpected_keys:
             raise StateDictError(
                 f"pipeload.load from {directory}: keys in the checkpoint that no rank loads (strict=True)",
                 stats.unexpected_keys,
             )
-    by_key = {s.key: s for s in plan.shards}
-    my_ops = [op for op in gp.ops if comm.rank in op.members]
-    shared = [s for s in plan.shards if s.key in gp.shared]
-    private = [s for s in plan.shards if s.key not in gp.shared]
-    stats.shared_shards, stats.private_shards, stats.objects = len(shared), len(private), len(plan.objects)
-    clock.lap("plan")
+        shared = {s.key: s for s in plan.shards if s.key in gp.shared}
+        private = [s for s in plan.shards if s.key not in gp.shared]
+        stats.shared_shards, stats.private_shards, stats.objects = len(shared), len(private), len(plan.objects)
+        clock.lap("plan")
 
-    # 4. groups
-    groups, created = comm.make_groups(gp.sets, gp.create, reusable) if collective else ({}, [])
-    stats.groups_created = len(created)
-    clock.lap("groups")
+        # 4. groups
+        groups, created = comm.make_groups(gp.sets, gp.create, reusable) if collective else ({}, [])
+        stats.groups_created = len(created)
+        clock.lap("groups")
 
-    reader = ChunkReader(directory, verify_checksums=verify_checksums)
-    counters = Counters()
-    bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in plan.shards))
-    on_bytes = bar.update if bar is not None else None
-    # Reads run in one worker thread; it copies onto the broadcast device, so it must have it current.
-    device = comm.broadcast_device
-    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-read", initializer=init)
-    decoded = []
-    try:
-        # 5. shared phase
-        if my_ops:
-            phase = SharedPhase(comm, reader, by_key, groups, pool, counters, max_inflight, on_bytes)
-            await phase.run(my_ops)
-        clock.lap("shared")
-        # 6. private phase
-        loop = asyncio.get_running_loop()
-        decoded = await loop.run_in_executor(
-            pool, read_private, reader, private, plan.objects, counters, on_bytes
-        )
-        clock.lap("private")
-    finally:
-        pool.shutdown(wait=True)
-        reader.close()
-        if bar is not None:
-            bar.close()
-        # 7. teardown (also on failure: never leave a created group behind)
-        comm.destroy(created)
+        # 5-6. shared, then private phase; 7. teardown, also on failure: never leave a group behind
+        counters = Counters()
+        try:
+            my_ops = [op for op in gp.ops if comm.rank in op.members]
+            decoded = await _execute(comm, reader, shared, private, plan.objects, groups, my_ops,
+                                     counters, max_inflight, progress, clock)
+        finally:
+            comm.destroy(created)
     error = counters.error_report()
     if collective:
         comm.agree(f"pipeload.load from {directory}", error)
@@ -223,6 +189,68 @@ async def _load(
     clock.lap("teardown")
     stats.wall = time.perf_counter() - t0
     return stats
+
+
+def _local_plan(state_dict: dict, directory: str, comm: Comm, strict: bool):
+    """(metadata, leaves, local plan, problems); any exception becomes a problem to gather."""
+    md, leaves, plan = None, {}, None
+    try:
+        md = read_metadata(directory)
+        leaves = flatten(state_dict)
+        plan = local_plan(leaves, md, comm.broadcastable, strict=strict)
+        return md, leaves, plan, plan.problems
+    except Exception as e:  # noqa: BLE001
+        return md, leaves, plan, [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"]
+
+
+def _raise_if_any_failed(gathered: list, directory: str) -> None:
+    """The same error on every rank when any rank's local plan failed or ranks read different saves."""
+    failures = {r: "\n".join(g[0]) for r, g in enumerate(gathered) if g[0]}
+    if failures:
+        if len(gathered) == 1:
+            raise StateDictError(f"pipeload.load from {directory}: cannot load", gathered[0][0])
+        raise DistributedError(f"pipeload.load from {directory}: validation", failures)
+    if len({g[1] for g in gathered}) > 1:
+        raise PipeloadError(
+            f"pipeload.load: ranks read different checkpoints from {directory} (it was overwritten during the load)"
+        )
+
+
+def _global_plan(md: Metadata, gathered: list, comm: Comm, broadcast: bool, batch_bytes: int):
+    names = sorted(fqn_index(md))
+    itemsize = {i: md.tensors[n].itemsize for i, n in enumerate(names) if n in md.tensors}
+    return global_plan(
+        [decode_plan(g[2]) for g in gathered],
+        lambda key: math.prod(key[2]) * itemsize[key[0]],
+        broadcast=broadcast,
+        batch_bytes=batch_bytes,
+        reusable=[g[3] for g in gathered],
+        can_create=comm.is_world,
+    )
+
+
+async def _execute(comm, reader, shared, private, objects, groups, my_ops, counters, max_inflight, progress,
+                   clock) -> list:
+    """The shared phase, then the private phase, in one worker thread; returns decoded objects."""
+    bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in [*shared.values(), *private]))
+    on_bytes = bar.update if bar is not None else None
+    # Reads run in one worker thread; it copies onto the broadcast device, so it must have it current.
+    device = comm.broadcast_device
+    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-read", initializer=init)
+    try:
+        if my_ops:
+            phase = SharedPhase(comm, reader, shared, groups, pool, counters, max_inflight, on_bytes)
+            await phase.run(my_ops)
+        clock.lap("shared")
+        loop = asyncio.get_running_loop()
+        decoded = await loop.run_in_executor(pool, read_private, reader, private, objects, counters, on_bytes)
+        clock.lap("private")
+        return decoded
+    finally:
+        pool.shutdown(wait=True)
+        if bar is not None:
+            bar.close()
 
 
 def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:

@@ -166,3 +166,9 @@ class ChunkReader:
 
     def close(self) -> None:
         self.cache.close()
+
+    def __enter__(self) -> "ChunkReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
