@@ -8,9 +8,10 @@ untrusted input (never pickle).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -69,9 +70,11 @@ def storable_dtype(dtype: torch.dtype) -> bool:
     return dtype in _NAMES_BY_DTYPE
 
 
-@dataclass(frozen=True)
-class ChunkMeta:
-    """One stored box of a global tensor, written once by one rank."""
+class ChunkMeta(NamedTuple):
+    """One stored box of a global tensor, written once by one rank.
+
+    (NamedTuples: a checkpoint has one per chunk, built on every rank at every load.)
+    """
 
     offsets: tuple[int, ...]  # where the box starts in the global tensor, per dim
     lengths: tuple[int, ...]  # its extent per dim; the stored tensor has exactly this shape
@@ -81,14 +84,10 @@ class ChunkMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for x in self.lengths:
-            n *= x
-        return n
+        return math.prod(self.lengths)
 
 
-@dataclass(frozen=True)
-class TensorMeta:
+class TensorMeta(NamedTuple):
     """A global tensor: its dtype (safetensors name), global shape, and the chunks that tile it."""
 
     dtype: str

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -31,8 +31,7 @@ ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
 STAGING_ALIGN = 64  # byte alignment of each shard inside a staging buffer (any dtype can view it)
 
 
-@dataclass(frozen=True)
-class ReadItem:
+class ReadItem(NamedTuple):
     """One box copy: a region of a stored chunk -> the same-sized region of a destination shard."""
 
     file: str  # data file (relative name)
@@ -45,7 +44,7 @@ class ReadItem:
     nbytes: int
 
 
-@dataclass
+@dataclass(slots=True)
 class DestShard:
     """What this rank needs of one tensor: a box of the global tensor, and where it goes."""
 
