@@ -272,7 +272,12 @@ def _fsync_dir(path: str) -> None:
 
 
 def _commit(directory: str, md: Metadata) -> None:
-    """Rank 0: write ``.metadata`` atomically, then remove data files no longer referenced."""
+    """Rank 0: write ``.metadata`` atomically, then remove data files no longer referenced.
+
+    Raises only while the previous state is intact (before the rename); after it the checkpoint is
+    committed, and a failing fsync of the directory or clean-up is a warning, never a reason for the
+    ranks to delete the files the new ``.metadata`` points at.
+    """
     final = os.path.join(directory, METADATA_FILE)
     tmp = os.path.join(directory, f"{METADATA_FILE}.tmp-{md.save_id}")
     with open(tmp, "w") as f:
@@ -280,7 +285,11 @@ def _commit(directory: str, md: Metadata) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    _fsync_dir(directory)
+    try:
+        _fsync_dir(directory)
+    except OSError as e:
+        warnings.warn(f"pipeload.save: fsync of {directory} failed after the commit: {e}", RuntimeWarning,
+                      stacklevel=3)
     keep = set(md.files)
     for name in os.listdir(directory):
         stale = (DATA_FILE_RE.match(name) and name not in keep) or name.startswith(f"{METADATA_FILE}.tmp-")
@@ -310,7 +319,6 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
 
 
 def _save(state_dict: dict, directory: str, comm: Comm) -> None:
-    problems: list[str] = []
     try:
         entries, payload, problems = _local_plan(flatten(state_dict))
     except Exception as e:  # noqa: BLE001 - raised below on every rank, never on this one alone
