@@ -85,6 +85,7 @@ for _k in range(256):
     _str_stop[_k] = 1 if (_k < 0x20 or _k == 0x22 or _k == 0x5C) else 0
 
 cdef size_t _PAGE = <size_t>sysconf(_SC_PAGESIZE)
+cdef size_t _WILLNEED_PIECE = 1 << 20
 
 cdef enum: MAX_HEADER = 100000000
 cdef enum: MAX_DEPTH = 127          # serde_json's recursion limit: 128 levels refused, 127 accepted
@@ -1673,6 +1674,18 @@ cdef class SafetensorsFile:
         if stop == start:
             return
         a0 = <size_t>start & ~(_PAGE - 1)
+        if adv == MADV_WILLNEED:
+            # The kernel caps one WILLNEED at the readahead window (8 MiB here, 128 KiB on many
+            # disks) and silently drops the rest; asking in 1 MiB pieces queues all of it. Measured
+            # on a cold 134 MiB file: one call for the whole range 1.16 s (page-by-page faults after
+            # the first window), 1 MiB pieces 0.12 s, default readahead 0.18 s.
+            while a0 < <size_t>stop:
+                ln = min(<size_t>_WILLNEED_PIECE, <size_t>stop - a0)
+                if madvise(self._map.addr + a0, ln, adv) != 0:
+                    err = errno
+                    raise OSError(err, os.strerror(err), self.path)
+                a0 += ln
+            return
         ln = <size_t>stop - a0
         if madvise(self._map.addr + a0, ln, adv) != 0:
             err = errno

@@ -37,6 +37,7 @@ from .statedict import flatten, mesh_groups
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
+SPECULATIVE_PREFETCH = 256 << 20  # at most this much of its own file a rank requests while planning
 
 
 @dataclass
@@ -88,8 +89,14 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     the ranks are still planning. Otherwise this is a guess that can only be partly wrong: only bytes
     this rank needs, from one file.
     """
-    items = [it for s in plan.shards for it in s.reads if it.file == own_file]
-    reader.prefetch(items, [s.dtype.itemsize for s in plan.shards for it in s.reads if it.file == own_file])
+    items, sizes, total = [], [], 0
+    for s in plan.shards:
+        for it in s.reads:
+            if it.file == own_file and total < SPECULATIVE_PREFETCH:
+                items.append(it)
+                sizes.append(s.dtype.itemsize)
+                total += it.nbytes
+    reader.prefetch(items, sizes)
 
 
 def _progress_bar(enabled: bool, rank: int, total: int):

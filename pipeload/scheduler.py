@@ -89,6 +89,8 @@ class SharedPhase:
         self.max_inflight = max(1, max_inflight)
         self.on_bytes = on_bytes or (lambda n: None)
         self.device = comm.broadcast_device
+        self._cursor = 0  # ops of this rank requested from storage so far (worker thread only)
+        self._ends: list[int] = []  # cumulative bytes of this rank's read ops
 
     def _layout(self, op: Op) -> tuple[torch.Tensor, list[tuple[DestShard, torch.Tensor]]]:
         """The buffer to broadcast and, per shard, the view of it shaped like the shard."""
@@ -105,20 +107,28 @@ class SharedPhase:
             pos += aligned(s.nbytes)
         return staging, views
 
-    def _prefetch(self, op: Op | None) -> None:
-        if op is not None:
-            shards = [self.shards[k] for k in op.shards]
-            items = [it for s in shards for it in s.reads]
-            self.reader.prefetch(items, [s.dtype.itemsize for s in shards for _ in s.reads])
+    def _prefetch_ahead(self, mine: list[Op], i: int) -> None:
+        """Request from storage the ops this rank reads next, up to PREFETCH_WINDOW bytes past op i."""
+        if not self._ends:
+            total = 0
+            for op in mine:
+                total += sum(self.shards[k].nbytes for k in op.shards)
+                self._ends.append(total)
+        limit = self._ends[i] + PREFETCH_WINDOW
+        while self._cursor < len(mine) and (self._cursor <= i or self._ends[self._cursor - 1] < limit):
+            shards = [self.shards[k] for k in mine[self._cursor].shards]
+            self.reader.prefetch([it for s in shards for it in s.reads],
+                                 [s.dtype.itemsize for s in shards for _ in s.reads])
+            self._cursor += 1
 
-    def _read_op(self, op: Op, following: Op | None) -> _Prepared:
+    def _read_op(self, mine: list[Op], i: int) -> _Prepared:
         """Reader side, in the worker thread: every ReadItem of every shard lands before the send.
 
-        The next op this rank reads is requested from storage before this one is copied, so the
+        The ops this rank reads next are requested from storage before this one is copied, so the
         device keeps reading while the copies and the broadcasts run.
         """
-        if following is not None:
-            self._prefetch(following)
+        self._prefetch_ahead(mine, i)
+        op = mine[i]
         buffer, views = self._layout(op)
         unpack = []
         for shard, view in views:
@@ -142,14 +152,12 @@ class SharedPhase:
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.max_inflight)
 
         mine = [op for op in ops if op.reader == me]
-        following = dict(zip(map(id, mine), mine[1:]))
-        if mine:
-            await loop.run_in_executor(self.pool, self._prefetch, mine[0])
+        position = {id(op): i for i, op in enumerate(mine)}
 
         async def produce() -> None:
             for op in ops:
                 if op.reader == me:
-                    prepared = await loop.run_in_executor(self.pool, self._read_op, op, following.get(id(op)))
+                    prepared = await loop.run_in_executor(self.pool, self._read_op, mine, position[id(op)])
                 else:
                     prepared = self._recv_op(op)
                 await queue.put(prepared)
@@ -229,11 +237,13 @@ def read_private(
     work.sort(key=lambda w: (w[0], w[1], w[2]))
     decoded = []
     failed: set[int] = set()
-    for file, group in itertools.groupby(work, key=lambda w: w[0]):
-        group = list(group)
-        tensors = [(w[4], w[3].dtype.itemsize) for w in group if w[4] is not None]
-        reader.prefetch([t[0] for t in tensors], [t[1] for t in tensors])  # the file's share, at once
-        for _, _, _, target, item in group:
+    windows = _windows(work)
+    if windows:
+        _prefetch(reader, windows[0])
+    for i, window in enumerate(windows):
+        if i + 1 < len(windows):  # storage works on the next window while this one is copied
+            _prefetch(reader, windows[i + 1])
+        for file, _, _, target, item in window:
             if id(target) in failed:
                 continue
             before = reader.bytes_read
@@ -247,6 +257,27 @@ def read_private(
                 counters.fail(target.fqn, file, e)
             on_bytes(reader.bytes_read - before)
     return decoded
+
+
+PREFETCH_WINDOW = 64 << 20  # bytes requested ahead of the private reads
+
+
+def _windows(work: list) -> list[list]:
+    """Consecutive slices of ``work`` holding about PREFETCH_WINDOW bytes each."""
+    windows: list[list] = []
+    size = PREFETCH_WINDOW
+    for w in work:
+        if size >= PREFETCH_WINDOW:
+            windows.append([])
+            size = 0
+        windows[-1].append(w)
+        size += w[4].nbytes if w[4] is not None else w[3].meta.nbytes
+    return windows
+
+
+def _prefetch(reader: ChunkReader, window: list) -> None:
+    tensors = [(w[4], w[3].dtype.itemsize) for w in window if w[4] is not None]
+    reader.prefetch([t[0] for t in tensors], [t[1] for t in tensors])
 
 
 __all__ = ["Counters", "SharedPhase", "read_private", "STAGING_ALIGN"]
