@@ -140,12 +140,18 @@ async def _load(
     directory = os.fspath(checkpoint_dir)
     comm = Comm(process_group, timeout)
     collective = use_collectives and comm.size > 1
-    with ChunkReader(directory, verify_checksums=verify_checksums) as reader:
+    # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
+    device = comm.broadcast_device
+    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+    with ChunkReader(directory, verify_checksums=verify_checksums) as reader, ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="pipeload-read", initializer=init
+    ) as pool:
         # 1. local plan: problems are carried to the exchange, never raised on this rank alone
         md, leaves, plan, problems = _local_plan(state_dict, directory, comm, strict)
         reusable = comm.reusable_sets([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
         if not problems and md.world_size == comm.size:
-            _prefetch_own_file(reader, plan, data_file_name(md.save_id, comm.rank))
+            # in the worker: under a throttled device, queueing the requests blocks for a while
+            pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
         clock.lap("plan")
 
         # 2. exchange
@@ -178,7 +184,7 @@ async def _load(
         counters = Counters()
         try:
             my_ops = [op for op in gp.ops if comm.rank in op.members]
-            decoded = await _execute(comm, reader, shared, private, plan.objects, groups, my_ops,
+            decoded = await _execute(comm, reader, pool, shared, private, plan.objects, groups, my_ops,
                                      counters, max_inflight, progress, clock)
         finally:
             comm.destroy(created)
@@ -236,15 +242,11 @@ def _global_plan(md: Metadata, gathered: list, comm: Comm, broadcast: bool, batc
     )
 
 
-async def _execute(comm, reader, shared, private, objects, groups, my_ops, counters, max_inflight, progress,
-                   clock) -> list:
-    """The shared phase, then the private phase, in one worker thread; returns decoded objects."""
+async def _execute(comm, reader, pool, shared, private, objects, groups, my_ops, counters, max_inflight,
+                   progress, clock) -> list:
+    """The shared phase, then the private phase, reading in ``pool``; returns decoded objects."""
     bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in [*shared.values(), *private]))
     on_bytes = bar.update if bar is not None else None
-    # Reads run in one worker thread; it copies onto the broadcast device, so it must have it current.
-    device = comm.broadcast_device
-    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-read", initializer=init)
     try:
         if my_ops:
             phase = SharedPhase(comm, reader, shared, groups, pool, counters, max_inflight, on_bytes)
@@ -255,7 +257,6 @@ async def _execute(comm, reader, shared, private, objects, groups, my_ops, count
         clock.lap("private")
         return decoded
     finally:
-        pool.shutdown(wait=True)
         if bar is not None:
             bar.close()
 
