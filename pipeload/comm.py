@@ -88,6 +88,21 @@ class Comm:
             ) from e
         return out
 
+    def broadcast_object(self, obj: Any, what: str = "pipeload") -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=self.global_ranks[0], group=self.pg)
+        except Exception as e:  # noqa: BLE001
+            raise PipeloadError(
+                f"{what}: the broadcast from rank 0 failed on rank {self.rank} ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); every rank of the group "
+                f"must make the same call"
+            ) from e
+        return box[0]
+
     def agree(self, what: str, error: str | None) -> None:
         """Gather every rank's error (None = success); raise one DistributedError on every rank if any."""
         errors = self.all_gather_object(error, what)

@@ -15,21 +15,7 @@ from typing import Any
 
 from .checksum import checksum
 from .errors import CheckpointFormatError
-from .metadata import METADATA_FILE, Metadata, dtype_itemsize
-
-
-def read_metadata(path: str | os.PathLike) -> Metadata:
-    """Parse ``<path>/.metadata``; a :class:`CheckpointFormatError` that names the file otherwise."""
-    directory = os.fspath(path)
-    meta_path = os.path.join(directory, METADATA_FILE)
-    try:
-        with open(meta_path, "rb") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise CheckpointFormatError(f"{directory}: not a pipeload checkpoint (no {METADATA_FILE})") from None
-    except OSError as e:
-        raise CheckpointFormatError(f"{meta_path}: cannot read ({e.strerror or e})") from None
-    return Metadata.from_json(text, source=meta_path)
+from .metadata import Metadata, dtype_itemsize, read_metadata
 
 
 def _split_dims(shape: tuple[int, ...], chunks) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ import torch
 from ._gcpause import paused_gc
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
-from .metadata import METADATA_FILE, Metadata
+from .metadata import Metadata, metadata_path, read_metadata, read_metadata_bytes
 from .planner import decode_plan, encode_plan, fqn_index, global_plan, local_plan
 from .reader import ChunkReader
 from .saver import data_file_name
@@ -67,18 +67,6 @@ class _Clock:
         now = time.perf_counter()
         self.timings[phase] = self.timings.get(phase, 0.0) + now - self.last
         self.last = now
-
-
-def read_metadata(directory: str) -> Metadata:
-    path = os.path.join(directory, METADATA_FILE)
-    try:
-        with open(path, "rb") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise CheckpointFormatError(f"{directory}: not a pipeload checkpoint (no {METADATA_FILE})") from None
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot read metadata ({e.strerror or e})") from None
-    return Metadata.from_json(text, source=path)
 
 
 def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
@@ -208,12 +196,32 @@ def _local_plan(state_dict: dict, directory: str, comm: Comm, strict: bool):
     """(metadata, leaves, local plan, problems); any exception becomes a problem to gather."""
     md, leaves, plan = None, {}, None
     try:
-        md = read_metadata(directory)
+        md = _shared_metadata(directory, comm)
         leaves = flatten(state_dict)
         plan = local_plan(leaves, md, comm.broadcastable, strict=strict)
         return md, leaves, plan, plan.problems
     except Exception as e:  # noqa: BLE001
         return md, leaves, plan, [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"]
+
+
+def _shared_metadata(directory: str, comm: Comm) -> Metadata:
+    """Rank 0 reads ``.metadata`` and broadcasts its bytes: one read per job, not one per rank.
+
+    The first collective of a load; a rank-0 read error reaches every rank and is raised as a
+    problem of each, after the exchange.
+    """
+    if comm.size == 1:
+        return read_metadata(directory)
+    payload: bytes | Exception | None = None
+    if comm.rank == 0:
+        try:
+            payload = read_metadata_bytes(directory)
+        except CheckpointFormatError as e:
+            payload = e
+    payload = comm.broadcast_object(payload, f"pipeload.load from {directory}")
+    if isinstance(payload, Exception):
+        raise payload
+    return Metadata.from_json(payload, source=metadata_path(directory))
 
 
 def _raise_if_any_failed(gathered: list, directory: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -345,3 +346,26 @@ def _parse(doc: Any, source: str) -> Metadata:
         raise CheckpointFormatError(f"{source}: keys are both tensor and object: {sorted(clash)[:5]}")
     md.validate_geometry(source)
     return md
+
+
+def metadata_path(directory: str) -> str:
+    return os.path.join(directory, METADATA_FILE)
+
+
+def read_metadata_bytes(directory: str) -> bytes:
+    """The raw ``.metadata`` of a checkpoint directory; CheckpointFormatError naming it otherwise."""
+    path = metadata_path(directory)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{directory}: not a pipeload checkpoint (no {METADATA_FILE})") from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read metadata ({e.strerror or e})") from None
+
+
+def read_metadata(directory: str | os.PathLike) -> Metadata:
+    """Read, parse and validate ``<directory>/.metadata``."""
+    directory = os.fspath(directory)
+    return Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory))
+

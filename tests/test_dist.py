@@ -68,7 +68,7 @@ def world4(rank: int, world: int, root: str, from2: str) -> dict:
     out["tp2dp2"] = _load_check("tp2dp2", meshes, c("tp2dp2"))
     out["local_bytes"] = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
                              for _, t in L.flat_items(L.build("tp2dp2", meshes)) if isinstance(t, torch.Tensor))
-    md = pipeload.loader.read_metadata(c("tp2dp2"))
+    md = pipeload.metadata.read_metadata(c("tp2dp2"))
     out["object_bytes"] = sum(o.nbytes for o in md.objects.values())
     out["tp2dp2_dir"] = c("tp2dp2")
     out["tp2dp2_nobatch"] = _load_check("tp2dp2", meshes, c("tp2dp2"), broadcast_batch_bytes=0, max_inflight=2)
@@ -356,7 +356,7 @@ def test_save_writes_each_chunk_once(worlds):
 
     _, r4, _ = worlds
     ckpt = r4[0]["tp2dp2_dir"]
-    md = pipeload.loader.read_metadata(ckpt)
+    md = pipeload.metadata.read_metadata(ckpt)
     payload = 0
     for name in md.files:
         with safe_open(os.path.join(ckpt, name), "pt") as f:  # plain safetensors, any tool opens it
