@@ -2,8 +2,8 @@
 
 Phases (every rank of the group, in this order; see docs/ARCHITECTURE.md):
 
-1. plan: read ``.metadata``, flatten the state dict, resolve ReadItems, validate — no destination
-   is touched, problems are collected;
+1. plan: rank 0 reads ``.metadata`` and broadcasts it; flatten the state dict, resolve ReadItems,
+   validate — no destination is touched, problems are collected;
 2. exchange: one all-gather of the compact plans (every rank, also one with nothing to load); any
    rank's problem raises on every rank;
 3. plan (global part): pure, identical on every rank;
@@ -135,7 +135,7 @@ async def _load(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool:
         # 1. local plan: problems are carried to the exchange, never raised on this rank alone
-        md, leaves, plan, problems = _local_plan(state_dict, directory, comm, strict)
+        md, leaves, plan, problems = _local_plan(state_dict, directory, comm, collective, strict)
         reusable = comm.reusable_sets([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
         if not problems and md.world_size == comm.size:
             # in the worker: under a throttled device, queueing the requests blocks for a while
@@ -192,11 +192,11 @@ async def _load(
     return stats
 
 
-def _local_plan(state_dict: dict, directory: str, comm: Comm, strict: bool):
+def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool):
     """(metadata, leaves, local plan, problems); any exception becomes a problem to gather."""
     md, leaves, plan = None, {}, None
     try:
-        md = _shared_metadata(directory, comm)
+        md = _shared_metadata(directory, comm) if collective else read_metadata(directory)
         leaves = flatten(state_dict)
         plan = local_plan(leaves, md, comm.broadcastable, strict=strict)
         return md, leaves, plan, plan.problems
@@ -210,8 +210,6 @@ def _shared_metadata(directory: str, comm: Comm) -> Metadata:
     The first collective of a load; a rank-0 read error reaches every rank and is raised as a
     problem of each, after the exchange.
     """
-    if comm.size == 1:
-        return read_metadata(directory)
     payload: bytes | Exception | None = None
     if comm.rank == 0:
         try:

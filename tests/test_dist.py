@@ -212,6 +212,10 @@ def world2_save(rank: int, world: int, root: str) -> dict:
     meshes = L.Meshes(world)
     _save_all(root, meshes)
     out = {"plain": _load_check("plain", meshes, os.path.join(root, "2-plain"))}
+    # use_collectives=False issues no collective at all: one rank loads while the other does not.
+    if rank == 1:
+        out["alone"] = _load_check("plain", meshes, os.path.join(root, "2-plain"), use_collectives=False)
+    _barrier()
     ckpt = os.path.join(root, "2-shard1")
     out["async"] = asyncio.run(_async_cases(meshes, ckpt))
     import uvloop
