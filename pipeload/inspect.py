@@ -15,7 +15,7 @@ from typing import Any
 
 from .checksum import checksum
 from .errors import CheckpointFormatError
-from .metadata import Metadata, dtype_itemsize, read_metadata
+from .metadata import dtype_itemsize, read_metadata
 
 
 def _split_dims(shape: tuple[int, ...], chunks) -> tuple[int, ...]:

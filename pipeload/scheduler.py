@@ -19,7 +19,6 @@ shard nobody shares and every Python object, grouped by file and read in file or
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ import torch
 
 from .comm import Comm, finish
 from .errors import PipeloadError
-from .planner import STAGING_ALIGN, DestShard, ObjectRead, Op, ShardKey, aligned
+from .planner import DestShard, ObjectRead, Op, ShardKey, aligned
 from .reader import ChunkReader
 
 
@@ -280,4 +279,4 @@ def _prefetch(reader: ChunkReader, window: list) -> None:
     reader.prefetch([t[0] for t in tensors], [t[1] for t in tensors])
 
 
-__all__ = ["Counters", "SharedPhase", "read_private", "STAGING_ALIGN"]
+__all__ = ["Counters", "SharedPhase", "read_private"]

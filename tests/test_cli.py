@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 import pipeload

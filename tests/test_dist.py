@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import pipeload
 from pipeload._world import run_world
-from pipeload.errors import DistributedError, PipeloadError
+from pipeload.errors import PipeloadError
 
 import layouts as L
 
