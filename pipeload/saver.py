@@ -338,7 +338,11 @@ def _save(state_dict: dict, directory: str, comm: Comm) -> None:
     name = data_file_name(save_id, comm.rank)
     path = os.path.join(directory, name)
     error, sums = None, {}
-    if mine:
+    try:
+        os.makedirs(directory, exist_ok=True)  # every rank: rank 0 commits even when it writes no data
+    except OSError as e:
+        error = f"creating {directory}: {_error_text(e)}"
+    if mine and error is None:
         items = []
         for k in mine:
             if k[0] == "t":
@@ -348,7 +352,6 @@ def _save(state_dict: dict, directory: str, comm: Comm) -> None:
                 data = payload[k]
                 items.append((object_key(k[1]), "U8", (len(data),), data))
         try:
-            os.makedirs(directory, exist_ok=True)
             sums = _write_file(path, save_id, items)
             _fsync_dir(directory)
         except Exception as e:  # noqa: BLE001

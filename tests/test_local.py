@@ -213,3 +213,11 @@ def test_gc_pause_nests_and_restores():
         assert not gc.isenabled()  # a caller's own choice is left alone
     finally:
         gc.enable()
+
+
+def test_empty_state_dict_into_a_new_nested_directory(tmp_path):
+    target = tmp_path / "runs" / "step-0"
+    pipeload.save({"model": {}}, target)
+    assert os.listdir(target) == [".metadata"]
+    stats = pipeload.load({"model": {}}, target)
+    assert stats.bytes_read == 0 and stats.private_shards == 0
