@@ -18,7 +18,7 @@ import torch
 from ._fastio import FileCache, SafetensorsFile
 from .checksum import checksum
 from .errors import ChecksumError, CheckpointFormatError, ReadError
-from .metadata import ObjectMeta, torch_dtype
+from .metadata import ObjectMeta, dtype_name, torch_dtype
 from .planner import ReadItem
 
 
@@ -128,7 +128,7 @@ class ChunkReader:
         if tuple(shape) != item.chunk_lengths or torch_dtype(stored_dtype) != dtype:
             raise CheckpointFormatError(
                 f"{f.path}: tensor {item.key!r} is {stored_dtype} {list(shape)}, "
-                f"the metadata says {dtype} {list(item.chunk_lengths)}"
+                f"the metadata says {dtype_name(dtype)} {list(item.chunk_lengths)}"
             )
         buf = self._bytes(f, item.key, item.checksum)
         if buf.nbytes == 0:
