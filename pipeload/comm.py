@@ -44,7 +44,6 @@ class Comm:
             self.pg = None
             self.rank, self.size, self.global_ranks = 0, 1, [0]
             self.is_world = True
-            self.device_types = {"cpu", "cuda"}
             self.broadcast_device = torch.device("cpu")
             self.timeout = timedelta(seconds=float(timeout or 1800))
             return
@@ -58,7 +57,6 @@ class Comm:
         self.global_ranks = list(dist.get_process_group_ranks(self.pg))
         self.is_world = self.global_ranks == list(range(dist.get_world_size()))
         backends = _backends_by_device(self.pg)
-        self.device_types = set(backends)
         # One device type for every broadcast of the load, the same on every rank: the accelerator when
         # the group has an accelerator backend (NCCL), host memory otherwise (gloo stages through host).
         if backends.get("cuda", "gloo") != "gloo" and torch.cuda.is_available():

@@ -77,14 +77,13 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     the ranks are still planning. Otherwise this is a guess that can only be partly wrong: only bytes
     this rank needs, from one file.
     """
-    items, sizes, total = [], [], 0
-    for s in plan.shards:
-        for it in s.reads:
-            if it.file == own_file and total < SPECULATIVE_PREFETCH:
-                items.append(it)
-                sizes.append(s.dtype.itemsize)
-                total += it.nbytes
-    reader.prefetch(items, sizes)
+    items, total = [], 0
+    for it in (it for s in plan.shards for it in s.reads if it.file == own_file):
+        if total >= SPECULATIVE_PREFETCH:
+            break
+        items.append(it)
+        total += it.nbytes
+    reader.prefetch(items)
 
 
 def _progress_bar(enabled: bool, rank: int, total: int):
@@ -149,8 +148,9 @@ async def _load(
         clock.lap("exchange")
 
         # 3. global plan
-        gp = _global_plan(md, gathered, comm, collective and broadcast_replicated_tensors, broadcast_batch_bytes)
-        names = sorted(fqn_index(md))
+        names = list(fqn_index(md))  # checkpoint keys in index order (sorted)
+        gp = _global_plan(md, names, gathered, comm, collective and broadcast_replicated_tensors,
+                          broadcast_batch_bytes)
         stats.missing_keys = list(plan.missing)
         stats.unexpected_keys = [n for i, n in enumerate(names) if i not in gp.requested] if collective else []
         if strict and stats.unexpected_keys:
@@ -235,8 +235,7 @@ def _raise_if_any_failed(gathered: list, directory: str) -> None:
         )
 
 
-def _global_plan(md: Metadata, gathered: list, comm: Comm, broadcast: bool, batch_bytes: int):
-    names = sorted(fqn_index(md))
+def _global_plan(md: Metadata, names: list[str], gathered: list, comm: Comm, broadcast: bool, batch_bytes: int):
     itemsize = {i: md.tensors[n].itemsize for i, n in enumerate(names) if n in md.tensors}
     return global_plan(
         [decode_plan(g[2]) for g in gathered],

@@ -9,8 +9,9 @@ open or lookup itself, with the file name and key in the message.
 from __future__ import annotations
 
 import io
+import math
 import os
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -93,20 +94,20 @@ class ChunkReader:
             self._verified.add((f.path, key))
         return buf
 
-    def prefetch(self, items: list[ReadItem], itemsize: int | list[int]) -> None:
+    def prefetch(self, items: Iterable[ReadItem]) -> None:
         """Ask the kernel for the bytes of ``items`` now, as few large requests (adjacent ranges merged).
 
         Asynchronous: the reads proceed while this rank copies what is already there.
         """
         spans: dict[str, list[tuple[int, int]]] = {}
-        sizes = itemsize if isinstance(itemsize, list) else [itemsize] * len(items)
         try:
-            for item, isz in zip(items, sizes):
+            for item in items:
                 if item.nbytes == 0:
                     continue
                 f = self._file(item.file)
                 start = f.entry(item.key)[2]
-                lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, isz)
+                itemsize = item.nbytes // math.prod(item.lengths)
+                lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, itemsize)
                 spans.setdefault(item.file, []).append((start + lo, start + hi))
             for name, ranges in spans.items():
                 f = self._file(name)

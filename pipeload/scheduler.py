@@ -115,9 +115,7 @@ class SharedPhase:
                 self._ends.append(total)
         limit = self._ends[i] + PREFETCH_WINDOW
         while self._cursor < len(mine) and (self._cursor <= i or self._ends[self._cursor - 1] < limit):
-            shards = [self.shards[k] for k in mine[self._cursor].shards]
-            self.reader.prefetch([it for s in shards for it in s.reads],
-                                 [s.dtype.itemsize for s in shards for _ in s.reads])
+            self.reader.prefetch(it for k in mine[self._cursor].shards for it in self.shards[k].reads)
             self._cursor += 1
 
     def _read_op(self, mine: list[Op], i: int) -> _Prepared:
@@ -275,8 +273,7 @@ def _windows(work: list) -> list[list]:
 
 
 def _prefetch(reader: ChunkReader, window: list) -> None:
-    tensors = [(w[4], w[3].dtype.itemsize) for w in window if w[4] is not None]
-    reader.prefetch([t[0] for t in tensors], [t[1] for t in tensors])
+    reader.prefetch(w[4] for w in window if w[4] is not None)
 
 
 __all__ = ["Counters", "SharedPhase", "read_private"]
