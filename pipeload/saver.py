@@ -369,6 +369,7 @@ def _save(state_dict: dict, directory: str, comm: Comm) -> None:
     md = Metadata(save_id=save_id, world_size=comm.size)
     all_sums = [s for _, s in results]
     chunks: dict[str, list[ChunkMeta]] = defaultdict(list)
+    object_sizes = {(r, e[1]): e[2] for r, g in enumerate(gathered) for e in g[1] if e[0] == "o"}
     for key, owner in owners.items():
         fname = data_file_name(save_id, owner)
         if key[0] == "t":
@@ -377,8 +378,7 @@ def _save(state_dict: dict, directory: str, comm: Comm) -> None:
             chunks[fqn].append(ChunkMeta(offsets, lengths, fname, skey, all_sums[owner][skey]))
         else:
             okey = object_key(key[1])
-            nbytes = next(e[2] for e in gathered[owner][1] if e[0] == "o" and e[1] == key[1])
-            md.objects[key[1]] = ObjectMeta(fname, okey, nbytes, all_sums[owner][okey])
+            md.objects[key[1]] = ObjectMeta(fname, okey, object_sizes[owner, key[1]], all_sums[owner][okey])
     for fqn, cs in chunks.items():
         dtype, shape = tensors[fqn]
         md.tensors[fqn] = TensorMeta(dtype, shape, tuple(sorted(cs, key=lambda c: c.offsets)))
