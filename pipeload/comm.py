@@ -15,14 +15,17 @@ Rules kept here (see docs/ARCHITECTURE.md, "Why this cannot deadlock"):
 from __future__ import annotations
 
 import asyncio
+import bisect
 import warnings
 from datetime import timedelta
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .errors import DistributedError, PipeloadError
+from .exchange import Classes, Transfer, group_digest
 
 
 def _backends_by_device(pg) -> dict[str, str]:
@@ -101,6 +104,56 @@ class Comm:
             ) from e
         return box[0]
 
+    def _fail(self, what: str, call: str, e: Exception) -> PipeloadError:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return PipeloadError(
+            f"{what}: the {call} over {self.size} ranks failed on rank {self.rank} ({type(e).__name__}: "
+            f"{first}); every rank of the group must make the same call"
+        )
+
+    def gather_rows(self, row: np.ndarray, what: str = "pipeload") -> np.ndarray:
+        """Every rank's fixed-size int64 row, stacked (one all-gather of ``W x len(row)`` words)."""
+        if self.size == 1:
+            return row.reshape(1, -1).copy()
+        mine = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)).to(self.broadcast_device)
+        out = torch.empty(self.size * len(row), dtype=torch.int64, device=self.broadcast_device)
+        try:
+            dist.all_gather_into_tensor(out, mine, group=self.pg)
+        except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
+            raise self._fail(what, "all-gather of plan rows", e) from e
+        return out.cpu().numpy().reshape(self.size, len(row))
+
+    def transfer_records(self, t: Transfer, cls: Classes, mine: bytes, what: str = "pipeload") -> list[bytes]:
+        """The record of every class (``cls``), moved as ``t`` says; this rank's own class costs nothing."""
+        me = int(cls.of_rank[self.rank])
+        out: list[bytes] = [b""] * len(cls.owners)
+        out[me] = mine
+        try:
+            if t.how == "gather":
+                buf = torch.zeros(t.pad, dtype=torch.uint8)
+                if mine:
+                    buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+                buf = buf.to(self.broadcast_device)
+                got = torch.empty(self.size * t.pad, dtype=torch.uint8, device=self.broadcast_device)
+                dist.all_gather_into_tensor(got, buf, group=self.pg)
+                raw = got.cpu().numpy().tobytes()
+                for c, owner in enumerate(cls.owners.tolist()):
+                    if c != me:
+                        out[c] = raw[owner * t.pad : owner * t.pad + int(cls.nbytes[c])]
+            elif t.how == "broadcast":
+                for c, owner in enumerate(cls.owners.tolist()):
+                    n = int(cls.nbytes[c])
+                    if c == me:
+                        buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(self.broadcast_device)
+                    else:
+                        buf = torch.empty(n, dtype=torch.uint8, device=self.broadcast_device)
+                    dist.broadcast(buf, src=self.global_ranks[owner], group=self.pg)
+                    if c != me:
+                        out[c] = buf.cpu().numpy().tobytes()
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(what, "exchange of plan records", e) from e
+        return out
+
     def agree(self, what: str, error: str | None) -> None:
         """Gather every rank's error (None = success); raise one DistributedError on every rank if any."""
         errors = self.all_gather_object(error, what)
@@ -120,43 +173,46 @@ class Comm:
 
     # -- broadcast groups ----------------------------------------------------------------------------
 
-    def reusable_sets(self, groups: Iterable[Any]) -> dict[tuple[int, ...], Any]:
-        """Map each candidate group this rank is a member of to its member set, in this load's ranks.
+    def reusable_groups(self, groups: Iterable[Any]) -> dict[int, Any]:
+        """Map the digest (:func:`pipeload.exchange.group_digest`) of each candidate group to the group.
 
-        Groups with a member outside the load's group cannot serve it and are skipped.
+        Only groups this rank is a member of, all of whose members belong to the load's group, can
+        serve the load; the others are skipped.
         """
         if not self.active:
             return {}
-        index = {g: i for i, g in enumerate(self.global_ranks)}
-        out: dict[tuple[int, ...], Any] = {}
+        inside = set(self.global_ranks)
+        out: dict[int, Any] = {}
         for g in groups:
             if g is None or g == dist.GroupMember.NON_GROUP_MEMBER:
                 continue
             members = dist.get_process_group_ranks(g)
-            if dist.get_rank() not in members or any(m not in index for m in members):
+            if dist.get_rank() not in members or any(m not in inside for m in members):
                 continue
-            out.setdefault(tuple(sorted(index[m] for m in members)), g)
+            out.setdefault(group_digest(members), g)
         return out
 
-    def make_groups(
-        self, sets: Sequence[tuple[int, ...]], create: Sequence[bool], reusable: dict[tuple[int, ...], Any]
-    ) -> tuple[dict[tuple[int, ...], Any], list[Any]]:
-        """Resolve every broadcast set to a process group; return ({set: group}, groups created here).
+    def make_groups(self, sets: dict[int, Any], reusable: dict[int, Any]) -> tuple[dict[int, Any], list[Any]]:
+        """Resolve every holder set of the plan to a process group: ({set id: group}, groups created here).
 
-        ``sets`` and ``create`` come from the global plan, identical on every rank. The full set is the
-        load's own group. Creating is a world-wide collective (``new_group`` on every rank of the default
-        group, members or not), so it is only planned when the load's group is the world.
+        ``sets`` (set id -> :class:`pipeload.globalplan.HolderSet`) comes from the global plan, the same on
+        every rank. Set 0 is the load's own group. Creating is a world-wide collective (``new_group`` on
+        every rank of the default group, members or not), in sorted member order, so it is only planned
+        when the load's group is the world.
         """
-        resolved: dict[tuple[int, ...], Any] = {tuple(range(self.size)): self.pg}
+        resolved: dict[int, Any] = {0: self.pg}
         created: list[Any] = []
-        for members, make in zip(sets, create):
-            if make:
-                g = dist.new_group([self.global_ranks[r] for r in members], timeout=self.timeout)
-                if self.rank in members:
-                    resolved[members] = g
+        for sid, hs in sorted(sets.items(), key=lambda kv: kv[1].members):
+            if sid == 0:
+                continue
+            mine = _contains(hs.members, self.rank)
+            if hs.create:
+                g = dist.new_group([self.global_ranks[r] for r in hs.members], timeout=self.timeout)
+                if mine:
+                    resolved[sid] = g
                     created.append(g)
-            elif self.rank in members:
-                resolved[members] = reusable[members]
+            elif mine:
+                resolved[sid] = reusable[group_digest([self.global_ranks[r] for r in hs.members])]
         return resolved, created
 
     def destroy(self, groups: list[Any]) -> None:
@@ -208,6 +264,11 @@ class Comm:
 
         work.get_future().add_done_callback(_done)
         return fut
+
+
+def _contains(members: Sequence[int], r: int) -> bool:
+    i = bisect.bisect_left(members, r)
+    return i < len(members) and members[i] == r
 
 
 def finish(work) -> None:

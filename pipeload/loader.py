@@ -4,9 +4,10 @@ Phases (every rank of the group, in this order; see docs/ARCHITECTURE.md):
 
 1. plan: rank 0 reads ``.metadata`` and broadcasts it; flatten the state dict, resolve ReadItems,
    validate — no destination is touched, problems are collected;
-2. exchange: one all-gather of the compact plans (every rank, also one with nothing to load); any
-   rank's problem raises on every rank;
-3. plan (global part): pure, identical on every rank;
+2. exchange: one all-gather of a fixed-size row per rank, then each distinct plan record once
+   (:mod:`pipeload.exchange`; every rank, also one with nothing to load); any rank's problem raises on
+   every rank;
+3. plan (global part): pure, identical on every rank (:mod:`pipeload.globalplan`);
 4. groups: resolve or create the broadcast groups, by the same decision on every rank;
 5. shared: read-once + broadcast pipeline; 6. private: the rest, per file;
 7. teardown: drain, destroy created groups, agree on success — every rank raises the same error.
@@ -15,7 +16,6 @@ Phases (every rank of the group, in this order; see docs/ARCHITECTURE.md):
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +26,15 @@ from typing import Any, Sequence
 import torch
 
 from ._gcpause import paused_gc
+import numpy as np
+
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
+from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, encode_record, host_id, make_row,
+                       record_transfer)
+from .globalplan import GlobalPlan, global_plan
 from .metadata import Metadata, metadata_path, read_metadata, read_metadata_bytes
-from .planner import decode_plan, encode_plan, fqn_index, global_plan, local_plan
+from .planner import fqn_index, key_width, local_plan, piece_shard, plan_record
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
@@ -135,44 +140,51 @@ async def _load(
     ) as pool:
         # 1. local plan: problems are carried to the exchange, never raised on this rank alone
         md, leaves, plan, problems = _local_plan(state_dict, directory, comm, collective, strict)
-        reusable = comm.reusable_sets([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
+        reusable = comm.reusable_groups([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
         if not problems and md.world_size == comm.size:
             # in the worker: under a throttled device, queueing the requests blocks for a while
             pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
         clock.lap("plan")
 
-        # 2. exchange
-        mine = (problems, md.save_id if md else None, encode_plan(plan) if plan else b"", sorted(reusable))
-        gathered = comm.all_gather_object(mine, f"pipeload.load from {directory}") if collective else [mine]
-        _raise_if_any_failed(gathered, directory)
-        clock.lap("exchange")
-
-        # 3. global plan
-        names = list(fqn_index(md))  # checkpoint keys in index order (sorted)
-        gp = _global_plan(md, names, gathered, comm, collective and broadcast_replicated_tensors,
-                          broadcast_batch_bytes)
+        # 2-3. exchange and global plan
+        names = list(fqn_index(md)) if md else []  # checkpoint keys in index order (sorted)
+        width = key_width(md) if md else 0
+        record = plan_record(plan, width) if plan else encode_record([], [], [], [], [], width)
+        ex = comm if collective else None
+        gp = exchange_and_plan(ex, comm.rank, comm.size, md, names, record, problems, list(reusable),
+                               directory=directory, broadcast=collective and broadcast_replicated_tensors,
+                               batch_bytes=broadcast_batch_bytes, can_create=comm.is_world,
+                               global_ranks=comm.global_ranks, clock=clock)
         stats.missing_keys = list(plan.missing)
-        stats.unexpected_keys = [n for i, n in enumerate(names) if i not in gp.requested] if collective else []
+        if collective:
+            unexpected = np.setdiff1d(np.arange(len(names)), gp.requested)
+            stats.unexpected_keys = [names[i] for i in unexpected.tolist()]
         if strict and stats.unexpected_keys:
             raise StateDictError(
                 f"pipeload.load from {directory}: keys in the checkpoint that no rank loads (strict=True)",
                 stats.unexpected_keys,
             )
-        shared = {s.key: s for s in plan.shards if s.key in gp.shared}
-        private = [s for s in plan.shards if s.key not in gp.shared]
-        stats.shared_shards, stats.private_shards, stats.objects = len(shared), len(private), len(plan.objects)
+        shared = {}
+        private = []
+        for s in plan.shards:
+            pieces = gp.pieces.get(s.key)
+            if pieces is None:
+                private.append(s)
+            else:
+                shared.update((pk, piece_shard(s, pk)) for pk in pieces)
+        stats.shared_shards = len(plan.shards) - len(private)
+        stats.private_shards, stats.objects = len(private), len(plan.objects)
         clock.lap("plan")
 
         # 4. groups
-        groups, created = comm.make_groups(gp.sets, gp.create, reusable) if collective else ({}, [])
+        groups, created = comm.make_groups(gp.sets, reusable) if collective else ({}, [])
         stats.groups_created = len(created)
         clock.lap("groups")
 
         # 5-6. shared, then private phase; 7. teardown, also on failure: never leave a group behind
         counters = Counters()
         try:
-            my_ops = [op for op in gp.ops if comm.rank in op.members]
-            decoded = await _execute(comm, reader, pool, shared, private, plan.objects, groups, my_ops,
+            decoded = await _execute(comm, reader, pool, shared, private, plan.objects, groups, gp,
                                      counters, max_inflight, progress, clock)
         finally:
             comm.destroy(created)
@@ -222,40 +234,67 @@ def _shared_metadata(directory: str, comm: Comm) -> Metadata:
     return Metadata.from_json(payload, source=metadata_path(directory))
 
 
-def _raise_if_any_failed(gathered: list, directory: str) -> None:
-    """The same error on every rank when any rank's local plan failed or ranks read different saves."""
-    failures = {r: "\n".join(g[0]) for r, g in enumerate(gathered) if g[0]}
-    if failures:
+def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: list[str], record: bytes,
+                      problems: list[str], groups: list[int], *, directory: str, broadcast: bool,
+                      batch_bytes: int, can_create: bool, global_ranks=None, clock=None,
+                      on_phase=None) -> GlobalPlan:
+    """Steps 2-3 of a load on one rank: the exchange through ``ex`` and this rank's global plan.
+
+    ``ex`` is the load's :class:`~pipeload.comm.Comm` (or the simulated exchange of
+    :mod:`pipeload.simulate`; ``None``: no collectives, a world of one). It must provide
+    ``gather_rows``, ``transfer_records`` and ``all_gather_object``. Any rank's problem raises the same
+    error on every rank; ranks that read different saves raise too.
+    """
+    what = f"pipeload.load from {directory}"
+    row = make_row(record=record, save_id=md.save_id if md else None, problems=bool(problems),
+                   host=host_id(), groups=groups)
+    rows = ex.gather_rows(row, what) if ex is not None else row.reshape(1, -1)
+    if np.any(rows[:, F_FLAGS] & FLAG_PROBLEMS):
+        gathered = ex.all_gather_object(problems, what) if ex is not None else [problems]
+        failures = {r: "\n".join(p) for r, p in enumerate(gathered) if p}
         if len(gathered) == 1:
-            raise StateDictError(f"pipeload.load from {directory}: cannot load", gathered[0][0])
-        raise DistributedError(f"pipeload.load from {directory}: validation", failures)
-    if len({g[1] for g in gathered}) > 1:
+            raise StateDictError(f"{what}: cannot load", gathered[0])
+        raise DistributedError(f"{what}: validation", failures)
+    if len(np.unique(rows[:, F_SAVE])) > 1:
         raise PipeloadError(
             f"pipeload.load: ranks read different checkpoints from {directory} (it was overwritten during the load)"
         )
+    cls = classes(rows)
+    raw = ex.transfer_records(record_transfer(cls, len(rows)), cls, record, what) if ex is not None else [record]
+    records = [decode_record(b) for b in raw]
+    if clock is not None:
+        clock.lap("exchange")
+    ndim, itemsize = _key_shapes(md, names)
+    if on_phase is not None:
+        on_phase("key shapes")
+    return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
+                       batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
+                       on_phase=on_phase)
 
 
-def _global_plan(md: Metadata, names: list[str], gathered: list, comm: Comm, broadcast: bool, batch_bytes: int):
-    itemsize = {i: md.tensors[n].itemsize for i, n in enumerate(names) if n in md.tensors}
-    return global_plan(
-        [decode_plan(g[2]) for g in gathered],
-        lambda key: math.prod(key[2]) * itemsize[key[0]],
-        broadcast=broadcast,
-        batch_bytes=batch_bytes,
-        reusable=[g[3] for g in gathered],
-        can_create=comm.is_world,
-    )
+def _key_shapes(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per checkpoint key index: tensor rank and item size (0 for objects)."""
+    ndim = np.zeros(len(names), dtype=np.int64)
+    itemsize = np.zeros(len(names), dtype=np.int64)
+    if md is not None:
+        for i, n in enumerate(names):
+            t = md.tensors.get(n)
+            if t is not None:
+                ndim[i] = len(t.shape)
+                itemsize[i] = t.itemsize
+    return ndim, itemsize
 
 
-async def _execute(comm, reader, pool, shared, private, objects, groups, my_ops, counters, max_inflight,
+async def _execute(comm, reader, pool, shared, private, objects, groups, gp, counters, max_inflight,
                    progress, clock) -> list:
     """The shared phase, then the private phase, reading in ``pool``; returns decoded objects."""
     bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in [*shared.values(), *private]))
     on_bytes = bar.update if bar is not None else None
     try:
-        if my_ops:
+        if gp.ops:
             phase = SharedPhase(comm, reader, shared, groups, pool, counters, max_inflight, on_bytes)
-            await phase.run(my_ops)
+            phase.members = {sid: hs.members for sid, hs in gp.sets.items()}
+            await phase.run(gp.ops)
         clock.lap("shared")
         loop = asyncio.get_running_loop()
         decoded = await loop.run_in_executor(pool, read_private, reader, private, objects, counters, on_bytes)

@@ -1,34 +1,29 @@
-"""Load planning: pure functions, no I/O, no torch.distributed.
+"""Local load planning: pure functions, no I/O, no torch.distributed.
 
 Call order (every rank of the load's group)::
 
     local = local_plan(leaves, metadata, broadcastable)    # each rank alone
-    payload = encode_plan(local, index)                     # compact bytes for the one all-gather
-    ...all-gather payloads...
-    plan = global_plan([decode_plan(p) for p in payloads], sizes, ...)   # identical on every rank
+    record = plan_record(local, key_width(metadata))       # compact bytes for the exchange
+    ...exchange (pipeload.exchange): rows, then each distinct record once...
+    plan = globalplan.global_plan(rows, classes, records, rank, ...)   # identical decisions everywhere
 
-``global_plan`` is the only place where ranks must agree without talking: every rank evaluates it on the
-same gathered data and must get the same answer whatever the order of items inside any rank's plan;
-otherwise two ranks would each wait for the other's broadcast forever.
+A striped shared shard is loaded as pieces (row ranges); :func:`piece_shard` gives the part of a
+destination shard, and of its reads, that one piece covers.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
-from . import balance
+from .exchange import encode_record
+from .globalplan import ShardKey
 from .metadata import ChunkMeta, Metadata, ObjectMeta, dtype_name
-from .statedict import Leaf, is_tensor, tensor_box
-
-# A destination shard's identity: (fqn index in the checkpoint, global offsets, lengths).
-ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
-STAGING_ALIGN = 64  # byte alignment of each shard inside a staging buffer (any dtype can view it)
+from .statedict import Box, Leaf, is_tensor, tensor_box
 
 
 class ReadItem(NamedTuple):
@@ -100,11 +95,13 @@ def local_plan(
     broadcastable: Callable[[torch.Tensor], bool],
     *,
     strict: bool = True,
+    box_of: Callable[[str, torch.Tensor, dict], Box] = tensor_box,
 ) -> LocalPlan:
     """Resolve this rank's destination shards into ReadItems and validate them against ``md``.
 
     Nothing is read or written: every dtype/shape/key problem is collected in ``problems`` so the
-    load can refuse before touching any destination.
+    load can refuse before touching any destination. ``box_of`` resolves a tensor leaf's box
+    (:func:`pipeload.statedict.tensor_box`; the simulation passes the box a layout assigns).
     """
     index = fqn_index(md)
     plan = LocalPlan()
@@ -130,7 +127,7 @@ def local_plan(
                 plan.missing.append(fqn)
             continue
         try:
-            box = tensor_box(fqn, value, boxes)
+            box = box_of(fqn, value, boxes)
         except ValueError as e:
             plan.problems.append(str(e))
             continue
@@ -172,131 +169,52 @@ def local_plan(
     return plan
 
 
-# -- the exchange: one compact record per shard, no pickled per-item objects ---------------------------
-
-_OBJECT = -1
+# -- the exchange record and striped pieces -------------------------------------------------------------
 
 
-def encode_plan(plan: LocalPlan) -> bytes:
-    """[index, ndim, broadcastable, *offsets, *lengths] per shard, [index, -1, 0] per object, as int64."""
-    out: list[int] = []
-    for s in plan.shards:
-        idx, offsets, lengths = s.key
-        out += [idx, len(offsets), int(s.broadcastable), *offsets, *lengths]
-    for o in plan.objects:
-        out += [o.index, _OBJECT, 0]
-    return np.asarray(out, dtype=np.int64).tobytes()
+def key_width(md: Metadata) -> int:
+    """Columns per shard in the exchange record: the largest tensor rank in the checkpoint."""
+    return max((len(t.shape) for t in md.tensors.values()), default=0)
 
 
-def decode_plan(data: bytes) -> tuple[list[tuple[ShardKey, bool]], list[int]]:
-    """Inverse of :func:`encode_plan`: ([(key, broadcastable)], [object indices])."""
-    a = np.frombuffer(data, dtype=np.int64).tolist()
-    shards, objects, i = [], [], 0
-    while i < len(a):
-        idx, ndim, bc = a[i], a[i + 1], a[i + 2]
-        i += 3
-        if ndim == _OBJECT:
-            objects.append(idx)
-            continue
-        shards.append(((idx, tuple(a[i : i + ndim]), tuple(a[i + ndim : i + 2 * ndim])), bool(bc)))
-        i += 2 * ndim
-    return shards, objects
+def plan_record(plan: LocalPlan, width: int) -> bytes:
+    """This rank's exchange record (:func:`pipeload.exchange.encode_record`) of ``plan``.
 
-
-# -- the global plan -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Op:
-    """One broadcast: ``reader`` reads ``shards`` and sends them to ``members`` (load-group ranks)."""
-
-    members: tuple[int, ...]
-    reader: int
-    shards: tuple[ShardKey, ...]
-
-
-@dataclass
-class GlobalPlan:
-    ops: list[Op]  # every broadcast of the load, in the one global order all ranks issue them in
-    shared: dict[ShardKey, tuple[tuple[int, ...], int]]  # shard -> (members, reader)
-    sets: list[tuple[int, ...]]  # distinct member sets, sorted: the groups the load needs
-    create: list[bool]  # per set: must the load create it (some member has no group for it)
-    requested: set[int]  # checkpoint keys some rank asked for
-
-
-def aligned(n: int) -> int:
-    return -(-n // STAGING_ALIGN) * STAGING_ALIGN
-
-
-def global_plan(
-    per_rank: Sequence[tuple[list[tuple[ShardKey, bool]], list[int]]],
-    nbytes: Callable[[ShardKey], int],
-    *,
-    broadcast: bool,
-    batch_bytes: int,
-    reusable: Sequence[Sequence[tuple[int, ...]]] = (),
-    can_create: bool = True,
-) -> GlobalPlan:
-    """The load's plan, identical on every rank: who reads each shared shard and the broadcast order.
-
-    - A shard is *shared* when two or more ranks hold it, every holder can broadcast it, and its member
-      set has a process group: the whole group, a group every member already has (``reusable[r]`` lists
-      rank r's), or one the load may create (``can_create``).
-    - Readers: shared shards by bytes, largest first, each to the replica with the fewest bytes so far
-      (counting from what each rank alone holds); ties keep rank order (:func:`pipeload.balance.assign`,
-      exactly as the saver chose writers, so an unchanged layout reads each rank's own file).
-    - Order: shared shards by (fqn, offsets, lengths). Shards smaller than ``batch_bytes`` join the
-      pending batch of their (members, reader) and the batch is sent at the position of the shard that
-      fills it; batches still pending at the end follow in the order of their first shard.
+    Replicas with the same destination shards produce byte-identical records: shards are in fqn order
+    and carry no rank-specific field.
     """
-    size = len(per_rank)
-    full = tuple(range(size))
-    holders: dict[ShardKey, list[int]] = defaultdict(list)
-    bc: dict[ShardKey, bool] = {}
-    requested: set[int] = set()
-    for rank, (shards, objects) in enumerate(per_rank):
-        requested.update(objects)
-        for key, ok in shards:
-            holders[key].append(rank)
-            bc[key] = bc.get(key, True) and ok
-            requested.add(key[0])
-    has = [set(map(tuple, sets)) for sets in reusable] if reusable else [set() for _ in range(size)]
+    n = len(plan.shards)
+    offsets = np.zeros((n, width), dtype=np.int64)
+    lengths = np.zeros((n, width), dtype=np.int64)
+    for i, s in enumerate(plan.shards):
+        _, off, ln = s.key
+        offsets[i, : len(off)] = off
+        lengths[i, : len(ln)] = ln
+    return encode_record(
+        [s.key[0] for s in plan.shards], [s.broadcastable for s in plan.shards], offsets, lengths,
+        [o.index for o in plan.objects], width,
+    )
 
-    def available(members: tuple[int, ...]) -> bool:
-        return members == full or can_create or all(members in has[r] for r in members)
 
-    shared_keys = []
-    if broadcast:
-        for key, hs in holders.items():
-            if len(hs) >= 2 and bc[key] and available(tuple(hs)):
-                shared_keys.append(key)
-    weights = {k: nbytes(k) for k in shared_keys}
-    base: dict[int, int] = {}  # bytes each rank reads alone anyway, as the saver counted them
-    for key, hs in holders.items():
-        if key not in weights and len(hs) == 1:
-            base[hs[0]] = base.get(hs[0], 0) + nbytes(key)
-    readers = balance.assign(weights, {k: holders[k] for k in shared_keys}, base)
-    shared = {k: (tuple(holders[k]), readers[k]) for k in shared_keys}
-
-    ops: list[Op] = []
-    pending: dict[tuple[tuple[int, ...], int], tuple[list[ShardKey], int]] = {}
-    for key in sorted(shared_keys):
-        group_key = shared[key]
-        n = weights[key]
-        if n >= batch_bytes:
-            ops.append(Op(group_key[0], group_key[1], (key,)))
+def piece_shard(shard: DestShard, piece: ShardKey) -> DestShard:
+    """The part of ``shard`` a striped piece covers: a row range of its destination and of its reads."""
+    if piece == shard.key:
+        return shard
+    lo = piece[1][0] - shard.key[1][0]
+    rows = piece[2][0]
+    reads = []
+    for it in shard.reads:
+        a = max(lo, it.dest_offsets[0])
+        b = min(lo + rows, it.dest_offsets[0] + it.lengths[0])
+        if b <= a:
             continue
-        keys, total = pending.get(group_key, ([], 0))
-        keys.append(key)
-        total += aligned(n)
-        if total >= batch_bytes:
-            ops.append(Op(group_key[0], group_key[1], tuple(keys)))
-            pending.pop(group_key, None)
-        else:
-            pending[group_key] = (keys, total)
-    for group_key, (keys, _) in sorted(pending.items(), key=lambda kv: kv[1][0][0]):
-        ops.append(Op(group_key[0], group_key[1], tuple(keys)))
-
-    sets = sorted({op.members for op in ops if op.members != full})
-    create = [not all(s in has[r] for r in s) for s in sets]
-    return GlobalPlan(ops, shared, sets, create, requested)
+        ln = (b - a, *it.lengths[1:])
+        reads.append(it._replace(
+            src_offsets=(it.src_offsets[0] + a - it.dest_offsets[0], *it.src_offsets[1:]),
+            dest_offsets=(a - lo, *it.dest_offsets[1:]),
+            lengths=ln,
+            nbytes=math.prod(ln) * shard.dtype.itemsize,
+        ))
+    dest = shard.dest.narrow(0, lo, rows)
+    return DestShard(shard.fqn, piece, shard.dtype, dest.numel() * shard.dtype.itemsize, reads, dest,
+                     shard.broadcastable)

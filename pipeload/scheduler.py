@@ -28,7 +28,8 @@ import torch
 
 from .comm import Comm, finish
 from .errors import PipeloadError
-from .planner import DestShard, ObjectRead, Op, ShardKey, aligned
+from .globalplan import Op, ShardKey, aligned
+from .planner import DestShard, ObjectRead
 from .reader import ChunkReader
 
 
@@ -73,7 +74,7 @@ class SharedPhase:
         comm: Comm,
         reader: ChunkReader,
         shards: dict[ShardKey, DestShard],
-        groups: dict[tuple[int, ...], Any],
+        groups: dict[int, Any],
         pool: Executor,
         counters: Counters,
         max_inflight: int,
@@ -82,7 +83,8 @@ class SharedPhase:
         self.comm = comm
         self.reader = reader
         self.shards = shards
-        self.groups = groups
+        self.groups = groups  # holder set id -> process group
+        self.members: dict[int, tuple[int, ...]] = {}  # holder set id -> ranks (for error messages)
         self.pool = pool
         self.counters = counters
         self.max_inflight = max(1, max_inflight)
@@ -173,7 +175,7 @@ class SharedPhase:
                 if prepared is None:
                     break
                 op = prepared.op
-                inflight.append((self.comm.broadcast(prepared.buffer, self.groups[op.members], op.reader),
+                inflight.append((self.comm.broadcast(prepared.buffer, self.groups[op.group], op.reader),
                                  prepared))
                 while len(inflight) >= self.max_inflight:
                     await self._complete(*inflight.popleft())
@@ -198,7 +200,7 @@ class SharedPhase:
             raise PipeloadError(
                 f"rank {self.comm.rank}: broadcast of {first!r}"
                 f"{f' and {len(op.shards) - 1} more shards' if len(op.shards) > 1 else ''} from rank "
-                f"{op.reader} to ranks {list(op.members)} failed: {type(e).__name__}: {e}"
+                f"{op.reader} to ranks {_ranks(self.members.get(op.group, ()))} failed: {type(e).__name__}: {e}"
             ) from e
         if prepared.unpack:
             dests = [d for d, _ in prepared.unpack]
@@ -209,6 +211,12 @@ class SharedPhase:
         if op.reader != self.comm.rank:
             self.counters.bytes_received += n
         self.on_bytes(n)
+
+
+def _ranks(members: tuple[int, ...]) -> str:
+    if len(members) <= 8:
+        return str(list(members))
+    return f"[{members[0]}, {members[1]}, ..., {members[-1]}] ({len(members)} ranks)"
 
 
 def read_private(

@@ -6,19 +6,54 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from pipeload import balance
 from pipeload.errors import CheckpointFormatError
 from pipeload.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
-from pipeload.planner import Op, decode_plan, encode_plan, global_plan, local_plan, LocalPlan, DestShard
+from pipeload.exchange import classes, decode_record, encode_record, group_digest, make_row
+from pipeload.globalplan import global_plan
+from pipeload.planner import DestShard, LocalPlan, local_plan, plan_record
 from pipeload.saver import plan_save
 from pipeload.statedict import flatten
 
 
+ITEMSIZE = 4
+
+
+def plan_all(per_rank, *, broadcast=True, batch_bytes=0, can_create=True, reusable=None, stripe=True,
+             min_stripe=1 << 20, n_keys=None):
+    """The global plan of every rank, through the loader's own exchange formats (records, rows, classes).
+
+    ``per_rank[r]`` = ([(key, broadcastable)], [object indices]); keys are (index, offsets, lengths)
+    of 1-d or 2-d shards, ``ITEMSIZE`` bytes per element.
+    """
+    world = len(per_rank)
+    width = 2
+    rows, recs = [], []
+    for r, (shards, objects) in enumerate(per_rank):
+        off = [list(k[1]) + [0] * (width - len(k[1])) for k, _ in shards]
+        ln = [list(k[2]) + [0] * (width - len(k[2])) for k, _ in shards]
+        rec = encode_record([k[0] for k, _ in shards], [bc for _, bc in shards], off, ln, objects, width)
+        groups = [group_digest(m) for m in (reusable[r] if reusable else [])]
+        rows.append(make_row(record=rec, save_id="s", problems=False, host=0, groups=groups))
+        recs.append(rec)
+    rows = np.stack(rows)
+    cls = classes(rows)
+    records = [decode_record(recs[int(o)]) for o in cls.owners]
+    n = n_keys or 1 + max([k[0] for shards, _ in per_rank for k, _ in shards] + [0])
+    ndims = {k[0]: len(k[1]) for shards, _ in per_rank for k, _ in shards}
+    ndim = np.array([ndims.get(i, 1) for i in range(n)], dtype=np.int64)
+    itemsize = np.full(n, ITEMSIZE, dtype=np.int64)
+    return [global_plan(rows, cls, records, me, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
+                        batch_bytes=batch_bytes, can_create=can_create, stripe=stripe, min_stripe=min_stripe)
+            for me in range(world)]
+
+
 def _nbytes(key):
-    return math.prod(key[2]) * 4
+    return math.prod(key[2]) * ITEMSIZE
 
 
 def _random_payloads(rng: random.Random, world: int, n_fqn: int):
@@ -38,38 +73,79 @@ def _random_payloads(rng: random.Random, world: int, n_fqn: int):
     return per_rank
 
 
+def _ops(plan):
+    return [(op.group, op.reader, op.shards) for op in plan.ops]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_global_plan_ignores_item_order(seed):
+    """Shuffling any rank's items changes no decision and no rank's broadcast sequence."""
     rng = random.Random(seed)
     world = rng.choice([2, 3, 4, 8])
     per_rank = _random_payloads(rng, world, 60)
-    kw = dict(broadcast=True, batch_bytes=rng.choice([0, 512, 4096]), can_create=True)
-    ref = global_plan(per_rank, _nbytes, **kw)
-    assert ref.ops, "the random layout must share something"
-    for _ in range(5):
+    kw = dict(batch_bytes=rng.choice([0, 512, 4096]), min_stripe=rng.choice([1, 1 << 20]))
+    ref = plan_all(per_rank, **kw)
+    assert any(p.ops for p in ref), "the random layout must share something"
+    assert len({p.digest() for p in ref}) == 1
+    for _ in range(3):
         shuffled = []
         for shards, objs in per_rank:
             shards, objs = shards[:], objs[:]
             rng.shuffle(shards)
             rng.shuffle(objs)
             shuffled.append((shards, objs))
-        other = global_plan(shuffled, _nbytes, **kw)
-        assert other.ops == ref.ops and other.shared == ref.shared and other.sets == ref.sets
+        other = plan_all(shuffled, **kw)
+        for a, b in zip(ref, other):
+            assert a.digest() == b.digest() and _ops(a) == _ops(b) and a.pieces == b.pieces
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_rank_orders_shared_broadcasts_alike(seed):
+    """Any two ranks issue the broadcasts they both take part in in the same order (no deadlock)."""
+    rng = random.Random(100 + seed)
+    world = rng.choice([3, 4, 8])
+    plans = plan_all(_random_payloads(rng, world, 80), batch_bytes=rng.choice([0, 2048]), min_stripe=1)
+    for a in plans:
+        for b in plans:
+            common = set(_ops(a)) & set(_ops(b))
+            assert [o for o in _ops(a) if o in common] == [o for o in _ops(b) if o in common]
+    for r, p in enumerate(plans):  # a rank's broadcasts are those of the holder sets it is in
+        assert all(r in p.sets[op.group].members for op in p.ops)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_readers_are_the_greedy_of_balance_assign(seed):
+    """Without cutting, readers are exactly balance.assign (largest first, least loaded, ties to lower rank)."""
+    rng = random.Random(200 + seed)
+    world = rng.choice([2, 4, 8])
+    per_rank = _random_payloads(rng, world, 60)
+    plan = plan_all(per_rank, stripe=False)[0]
+    holders, bcs = {}, {}
+    for r, (shards, _) in enumerate(per_rank):
+        for k, bc in shards:
+            holders.setdefault(k, []).append(r)
+            bcs[k] = bcs.get(k, True) and bc
+    shared = {k: h for k, h in holders.items() if len(h) >= 2 and bcs[k]}
+    base: dict[int, int] = {}
+    for k, h in holders.items():
+        if len(h) == 1:
+            base[h[0]] = base.get(h[0], 0) + _nbytes(k)
+    expect = balance.assign({k: _nbytes(k) for k in shared}, shared, base)
+    assert plan.readers == expect
 
 
 def test_one_non_broadcastable_holder_makes_the_shard_private():
     k = (0, (0,), (10,))
-    plan = global_plan([([(k, True)], []), ([(k, False)], []), ([(k, True)], [])], _nbytes,
-                       broadcast=True, batch_bytes=0)
-    assert plan.ops == [] and plan.shared == {}
+    for plan in plan_all([([(k, True)], []), ([(k, False)], []), ([(k, True)], [])]):
+        assert plan.ops == [] and plan.pieces == {}
 
 
 def test_reader_is_least_loaded_largest_first_ties_in_rank_order():
     big, mid, small = (0, (0,), (100,)), (1, (0,), (60,)), (2, (0,), (50,))
     per_rank = [([(big, True), (mid, True), (small, True)], []) for _ in range(2)]
-    plan = global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=0)
+    plan = plan_all(per_rank)[0]
     # big -> rank 0 (tie, rank order); mid -> rank 1 (0 bytes); small -> rank 1 (240 < 400).
-    assert plan.shared[big][1] == 0 and plan.shared[mid][1] == 1 and plan.shared[small][1] == 1
+    assert plan.readers == {big: 0, mid: 1, small: 1}
     # Execution order is the key order, not the size order.
     assert [op.shards for op in plan.ops] == [(big,), (mid,), (small,)]
 
@@ -77,34 +153,50 @@ def test_reader_is_least_loaded_largest_first_ties_in_rank_order():
 def test_small_shards_are_batched_per_group_and_reader():
     keys = [(i, (0,), (16,)) for i in range(10)]  # 64 bytes each, 64 aligned
     per_rank = [([(k, True) for k in keys], []) for _ in range(2)]
-    plan = global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=256)
+    plan = plan_all(per_rank, batch_bytes=256)[0]
     assert sum(len(op.shards) for op in plan.ops) == 10
-    assert all(len({plan.shared[k][1] for k in op.shards}) == 1 for op in plan.ops)
+    assert all(len({plan.readers[k] for k in op.shards}) == 1 for op in plan.ops)
     assert len(plan.ops) < 10
-    flat = [k for op in plan.ops for k in op.shards]
-    assert sorted(flat) == keys
+    assert sorted(k for op in plan.ops for k in op.shards) == keys
 
 
 def test_subgroup_sets_need_a_group_unless_creatable():
     k = (0, (0,), (8,))
     per_rank = [([(k, True)], []), ([], []), ([(k, True)], [])]
-    assert global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=0, can_create=False).ops == []
-    plan = global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=0, can_create=True)
-    assert plan.sets == [(0, 2)] and plan.create == [True]
-    reuse = global_plan(per_rank, _nbytes, broadcast=True, batch_bytes=0, can_create=False,
-                        reusable=[[(0, 2)], [], [(0, 2)]])
-    assert reuse.ops == [Op((0, 2), 0, (k,))] and reuse.create == [False]
+    assert all(p.ops == [] for p in plan_all(per_rank, can_create=False))
+    plan = plan_all(per_rank, can_create=True)[0]
+    assert plan.creates == [(0, 2)]
+    reuse = plan_all(per_rank, can_create=False, reusable=[[(0, 2)], [], [(0, 2)]])
+    assert [_ops(p) for p in reuse] == [[(1, 0, (k,))], [], [(1, 0, (k,))]] and reuse[0].creates == []
 
 
-def test_exchange_roundtrip_is_compact():
+def test_large_replicated_shards_are_cut_into_contiguous_equal_runs():
+    """One huge shard and a few small ones, 8 replicas: every replica reads ~1/8, contiguous rows."""
+    huge, small = (0, (0, 0), (1000, 64)), [(i, (0, 0), (3, 64)) for i in range(1, 4)]
+    per_rank = [([(huge, True), *((k, True) for k in small)], []) for _ in range(8)]
+    plans = plan_all(per_rank, min_stripe=1)
+    plan = plans[0]
+    loads = plan.loads
+    assert max(loads) <= 1.01 * (sum(loads) / 8), loads
+    pieces = plan.pieces[huge]
+    assert len(pieces) >= 8 and sum(p[2][0] for p in pieces) == 1000
+    starts = [p[1][0] for p in pieces]
+    assert starts == sorted(starts) and all(a[1][0] + a[2][0] == b[1][0] for a, b in zip(pieces, pieces[1:]))
+    assert len({p.digest() for p in plans}) == 1
+    # without cutting, the reader of the huge shard reads ~all of it
+    assert max(plan_all(per_rank, stripe=False)[0].loads) >= 1000 * 64 * ITEMSIZE
+
+
+def test_exchange_record_roundtrip_is_compact():
     plan = LocalPlan()
     t = torch.zeros(3)
     for i in range(100):
         plan.shards.append(DestShard("x", (i, (i, 0), (3, 7)), torch.float32, 84, [], t, i % 2 == 0))
-    data = encode_plan(plan)
-    shards, objs = decode_plan(data)
-    assert shards == [((i, (i, 0), (3, 7)), i % 2 == 0) for i in range(100)] and objs == []
-    assert len(data) == 100 * 7 * 8
+    data = plan_record(plan, 2)
+    rec = decode_record(data)
+    assert rec.index.tolist() == list(range(100)) and rec.broadcastable.tolist() == [i % 2 == 0 for i in range(100)]
+    assert rec.offsets.tolist() == [[i, 0] for i in range(100)] and rec.lengths.tolist() == [[3, 7]] * 100
+    assert len(data) == 5 * 8 + 100 * 6 * 4  # int32 columns when every value fits
 
 
 def test_balance_assign_is_order_independent():
@@ -203,9 +295,14 @@ def test_unchanged_layout_reads_the_file_each_rank_wrote():
     index = {n: i for i, n in enumerate(names)}
     payloads = [([((index[e[1]], e[4], e[5]), True) for e in entries if e[0] == "t"],
                  [index[e[1]] for e in entries if e[0] == "o"]) for entries in per_rank]
-    plan = global_plan(payloads, lambda k: math.prod(k[2]) * 2, broadcast=True, batch_bytes=6 << 20)
-    assert len(plan.shared) > 3000
-    for (idx, off, ln), (_, reader) in plan.shared.items():
+    global ITEMSIZE
+    saved, ITEMSIZE = ITEMSIZE, 2
+    try:
+        plan = plan_all(payloads, batch_bytes=6 << 20, n_keys=len(names))[0]
+    finally:
+        ITEMSIZE = saved
+    assert len(plan.readers) > 3000
+    for (idx, off, ln), reader in plan.readers.items():
         assert owners[("t", names[idx], off, ln)] == reader, names[idx]
     assert len({r for k, r in owners.items() if k[0] == "o"}) == 1  # objects live in one file
 

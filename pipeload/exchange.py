@@ -1,0 +1,186 @@
+"""What ranks tell each other before a load: one fixed-size row per rank, then each distinct plan once.
+
+Pure data formats and decisions; the collectives that move them are in :mod:`pipeload.comm`.
+
+A load's exchange has two steps, both over the load's group and taken by every rank:
+
+1. **Rows.** An all-gather of one :data:`ROW_WORDS`-word int64 row per rank: a flag word (this rank has
+   problems to report), a hash of the save id it read, the 128-bit digest and the byte length of its
+   plan record, its host, its plan-cache token and the digests of up to :data:`MAX_GROUPS` process
+   groups it could reuse. ``W`` rows cost every rank ``W x 128`` bytes: 2 MiB at 16,384 ranks.
+2. **Distinct records.** Ranks whose records have the same digest are replicas of one another (data
+   parallelism makes most ranks byte-identical to others); only the lowest rank of each digest, its
+   *owner*, sends its record. :func:`record_transfer` decides how, from the rows alone (so every rank
+   decides alike): one broadcast per owner when there are few distinct records, one padded all-gather
+   when nearly every rank is distinct (``R = 1`` layouts, where the records are also of nearly equal
+   size, so padding costs little).
+
+Problem texts travel only when some row carries the problem flag (a third, rare all-gather).
+
+A record is columnar: ``[version, n_shards, n_objects, width, itemsize]`` then the arrays ``index``,
+``broadcastable``, ``offsets`` (n x width), ``lengths`` (n x width), ``objects``, all int32 when every
+value fits, int64 otherwise. ``width`` is the largest tensor rank of the checkpoint; shorter shapes are
+padded with zeros (a tensor's true rank comes from the metadata).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from typing import NamedTuple
+
+import numpy as np
+
+ROW_WORDS = 16
+MAX_GROUPS = 8  # reusable groups a rank can offer; more are ignored (the load then creates or reads privately)
+
+# row layout
+F_FLAGS, F_SAVE, F_DIGEST, F_NBYTES, F_HOST, F_TOKEN, F_NGROUPS, F_GROUPS = 0, 1, 2, 4, 5, 6, 7, 8
+FLAG_PROBLEMS = 1
+
+_RECORD_VERSION = 1
+_HEADER = 5
+_I32_MAX = 2**31 - 1
+
+# above this many distinct records, one padded all-gather replaces the per-owner broadcasts
+MAX_RECORD_BROADCASTS = 64
+
+
+def hash64(data: bytes) -> int:
+    """A signed 64-bit hash (fits an int64 row word)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def group_digest(global_ranks) -> int:
+    """The identifier of a process group in rows: a hash of its sorted global ranks."""
+    return hash64(np.asarray(sorted(global_ranks), dtype=np.int64).tobytes())
+
+
+def host_id() -> int:
+    """This process's host, as a hash. ``PIPELOAD_HOST_ID`` overrides it (emulating separate nodes)."""
+    return hash64((os.environ.get("PIPELOAD_HOST_ID") or socket.gethostname()).encode())
+
+
+class Record(NamedTuple):
+    """A decoded plan record: the destination shards and objects one rank (and its replicas) load."""
+
+    index: np.ndarray  # (n,) checkpoint key index of each shard
+    broadcastable: np.ndarray  # (n,) bool
+    offsets: np.ndarray  # (n, width)
+    lengths: np.ndarray  # (n, width)
+    objects: np.ndarray  # (m,) checkpoint key index of each object
+
+
+def encode_record(index, broadcastable, offsets, lengths, objects, width: int) -> bytes:
+    """The record bytes of one rank's plan (see the module docstring); identical plans give identical bytes."""
+    n, m = len(index), len(objects)
+    index = np.asarray(index, dtype=np.int64).reshape(n)
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(n, width)
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(n, width)
+    objects = np.asarray(objects, dtype=np.int64).reshape(m)
+    big = max((int(a.max()) for a in (index, offsets, lengths, objects) if a.size), default=0)
+    dtype = np.int32 if big <= _I32_MAX else np.int64
+    parts = [
+        np.asarray([_RECORD_VERSION, n, m, width, np.dtype(dtype).itemsize], dtype=np.int64).tobytes(),
+        index.astype(dtype).tobytes(),
+        np.asarray(broadcastable, dtype=bool).reshape(n).astype(dtype).tobytes(),
+        offsets.astype(dtype).tobytes(),
+        lengths.astype(dtype).tobytes(),
+        objects.astype(dtype).tobytes(),
+    ]
+    return b"".join(parts)
+
+
+def decode_record(data: bytes | memoryview) -> Record:
+    """Inverse of :func:`encode_record` (arrays are int64 views or copies)."""
+    head = np.frombuffer(data, dtype=np.int64, count=_HEADER)
+    version, n, m, width, itemsize = (int(x) for x in head)
+    if version != _RECORD_VERSION or itemsize not in (4, 8):
+        raise ValueError(f"unknown plan record (version {version}, itemsize {itemsize})")
+    body = np.frombuffer(data, dtype=np.int32 if itemsize == 4 else np.int64, offset=_HEADER * 8)
+    if body.size != n * (2 + 2 * width) + m:
+        raise ValueError("plan record has the wrong length")
+    body = body.astype(np.int64, copy=False)
+    a = 0
+    index = body[a : a + n]
+    a += n
+    bc = body[a : a + n].astype(bool)
+    a += n
+    offsets = body[a : a + n * width].reshape(n, width)
+    a += n * width
+    lengths = body[a : a + n * width].reshape(n, width)
+    a += n * width
+    return Record(index, bc, offsets, lengths, body[a : a + m])
+
+
+def record_digest(record: bytes) -> tuple[int, int]:
+    d = hashlib.blake2b(record, digest_size=16).digest()
+    return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
+
+
+def make_row(*, record: bytes, save_id: str | None, problems: bool, host: int, token: int = 0,
+             groups: list[int] = (), digest: tuple[int, int] | None = None) -> np.ndarray:
+    """One rank's row; ``digest`` is :func:`record_digest` of ``record`` when the caller has it."""
+    row = np.zeros(ROW_WORDS, dtype=np.int64)
+    row[F_FLAGS] = FLAG_PROBLEMS if problems else 0
+    row[F_SAVE] = hash64(save_id.encode()) if save_id else 0
+    row[F_DIGEST : F_DIGEST + 2] = digest if digest is not None else record_digest(record)
+    row[F_NBYTES] = len(record)
+    row[F_HOST] = host
+    row[F_TOKEN] = token
+    groups = sorted(set(groups))[:MAX_GROUPS]
+    row[F_NGROUPS] = len(groups)
+    row[F_GROUPS : F_GROUPS + len(groups)] = groups
+    return row
+
+
+class Classes(NamedTuple):
+    """Ranks grouped by identical records; classes are numbered by their owner (lowest rank)."""
+
+    of_rank: np.ndarray  # (W,) class of each rank
+    owners: np.ndarray  # (D,) owner rank of each class, ascending
+    members: list[np.ndarray]  # per class, its ranks ascending
+    nbytes: np.ndarray  # (D,) record length of each class
+
+
+def classes(rows: np.ndarray) -> Classes:
+    """Group the ranks of ``rows`` by record digest (a pure function of the rows)."""
+    keys = np.ascontiguousarray(rows[:, F_DIGEST : F_DIGEST + 2]).view([("a", np.int64), ("b", np.int64)]).ravel()
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    # renumber by owner so that class order does not depend on digest values
+    by_owner = np.argsort(first, kind="stable")
+    rank_of = np.empty_like(by_owner)
+    rank_of[by_owner] = np.arange(len(by_owner))
+    of_rank = rank_of[inverse.ravel()]
+    owners = first[by_owner]
+    order = np.argsort(of_rank, kind="stable")
+    bounds = np.searchsorted(of_rank[order], np.arange(len(owners) + 1))
+    members = [order[bounds[c] : bounds[c + 1]] for c in range(len(owners))]
+    return Classes(of_rank, owners, members, rows[owners, F_NBYTES].copy())
+
+
+class Transfer(NamedTuple):
+    """How the distinct records move: ``"broadcast"`` one per owner in owner order, or ``"gather"``."""
+
+    how: str
+    owners: np.ndarray
+    pad: int  # record length every rank sends in a padded all-gather
+
+
+def record_transfer(cls: Classes, world: int) -> Transfer:
+    if len(cls.owners) <= 1:
+        return Transfer("none", cls.owners, 0)
+    if len(cls.owners) > MAX_RECORD_BROADCASTS or world * int(cls.nbytes.max()) <= 2 * int(cls.nbytes.sum()):
+        return Transfer("gather", cls.owners, int(cls.nbytes.max()))
+    return Transfer("broadcast", cls.owners, 0)
+
+
+def received_bytes(t: Transfer, cls: Classes, rank: int, world: int) -> int:
+    """Record bytes ``rank`` receives in transfer ``t`` (what the simulation reports)."""
+    if t.how == "gather":
+        return (world - 1) * t.pad
+    if t.how == "broadcast":
+        mine = cls.of_rank[rank]
+        return int(cls.nbytes.sum()) - int(cls.nbytes[mine])
+    return 0

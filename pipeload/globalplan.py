@@ -1,0 +1,346 @@
+"""The global load plan: who reads each shared shard, how it is striped, and this rank's broadcasts.
+
+A pure function of the exchanged rows and distinct records (:mod:`pipeload.exchange`), evaluated by
+every rank on the same data, so every rank takes the same decisions without talking; if two ranks
+disagreed on a reader, each would wait for the other's broadcast forever. Nothing here depends on the
+order of items inside any rank's record (tested with permutations).
+
+Cost per rank, with ``W`` ranks, ``D`` distinct records (``D = W / R`` for replication ``R``), ``S``
+shards per record and ``P`` shared pieces after striping:
+
+- grouping identical shard keys across the ``D x S`` record rows: vectorised (numpy hashing and one
+  sort), the only step that stays ``O(W x S)`` when ``R = 1`` — and then nothing is shared, so it is
+  also the last;
+- reader choice: ``O(P log R)`` with one heap per distinct holder set (a holder set is a union of
+  record classes, never expanded per rank except once per distinct set);
+- this rank's broadcasts: ``O(P_mine log P_mine)``, the pieces whose holder set contains it.
+
+Rules (DESIGN.md, "Global plan"):
+
+- a shard is *shared* when two or more ranks hold it, every holder reported it broadcastable, and its
+  holder set has a process group (the load's own, one every member can reuse, or one the load may
+  create);
+- **striping**: a shared shard heavier than half the mean bytes a rank reads (and at least
+  ``min_stripe`` bytes) is split along its first dimension into row ranges of about that size; each
+  range is a piece of its own, read by one holder and broadcast to all (so one 245 MiB embedding no
+  longer sets the load's time);
+- readers: pieces by bytes, largest first (ties by key), each to the holder with the fewest bytes so
+  far, ties to the lower rank; starting loads are the bytes each rank reads alone anyway — exactly
+  :func:`pipeload.balance.assign`, the rule the saver used to pick writers;
+- order: pieces sorted by (fqn index, offsets, lengths); pieces under ``batch_bytes`` join the pending
+  batch of their (holder set, reader), which is sent at the position of the piece that fills it; the
+  batches left at the end follow in the order of their first piece.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .exchange import F_GROUPS, F_NGROUPS, Classes, Record, group_digest
+
+ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
+STAGING_ALIGN = 64  # byte alignment of each shard inside a staging buffer (any dtype can view it)
+MIN_STRIPE = 1 << 20  # a holder set whose mean share is smaller is never cut
+FULL = 0  # set id of the whole load group
+
+
+def aligned(n: int) -> int:
+    return -(-n // STAGING_ALIGN) * STAGING_ALIGN
+
+
+@dataclass(frozen=True)
+class Op:
+    """One broadcast: ``reader`` reads ``shards`` (pieces) and sends them to the members of set ``group``."""
+
+    group: int
+    reader: int
+    shards: tuple[ShardKey, ...]
+
+
+@dataclass
+class HolderSet:
+    members: tuple[int, ...]  # load-group ranks, ascending
+    create: bool  # the load creates a group for it (every rank calls new_group, sets in sorted order)
+
+
+@dataclass
+class GlobalPlan:
+    ops: list[Op]  # this rank's broadcasts, in the one global order
+    pieces: dict[ShardKey, list[ShardKey]]  # this rank's shared shards -> their pieces (one if not striped)
+    sets: dict[int, HolderSet]  # every holder set some broadcast uses (FULL: the load's group)
+    requested: np.ndarray  # checkpoint key indices some rank asked for
+    readers: dict[ShardKey, int]  # every piece of the load -> its reader
+    loads: list[int]  # bytes each rank reads (shared pieces + what it reads alone)
+    bound: int  # the largest unsplittable read: no plan's busiest reader reads less
+
+    @property
+    def creates(self) -> list[tuple[int, ...]]:
+        """Member sets the load creates groups for, in the order every rank creates them (sorted)."""
+        return sorted(s.members for s in self.sets.values() if s.create)
+
+    def digest(self) -> str:
+        """A digest of every global decision (readers, created groups): equal on every rank."""
+        h = hashlib.blake2b(digest_size=16)
+        for key in sorted(self.readers):
+            h.update(repr((key, self.readers[key])).encode())
+        h.update(repr(self.creates).encode())
+        return h.hexdigest()
+
+
+def _row_groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, starts): ``keys[order]`` has identical rows adjacent; ``starts`` opens each run.
+
+    Rows are hashed to 64 bits and sorted by hash; runs of equal hash are verified row by row, and a
+    collision (never seen in practice) falls back to an exact lexicographic sort.
+    """
+    n = len(keys)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    u = keys.astype(np.uint64)
+    h = np.full(n, 0x9E3779B97F4A7C15, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for c in range(u.shape[1]):
+            h = (h ^ u[:, c]) * np.uint64(0xBF58476D1CE4E5B9)
+            h ^= h >> np.uint64(31)
+    order = np.argsort(h, kind="stable")
+    hs = h[order]
+    same_hash = hs[1:] == hs[:-1]
+    ks = keys[order]
+    differ = np.any(ks[1:] != ks[:-1], axis=1)
+    if np.any(same_hash & differ):
+        order = np.lexsort(keys.T[::-1])
+        ks = keys[order]
+        differ = np.any(ks[1:] != ks[:-1], axis=1)
+        new = np.concatenate(([True], differ))
+    else:
+        new = np.concatenate(([True], ~same_hash))
+    return order, np.flatnonzero(new)
+
+
+def _cut(shards: list[tuple[ShardKey, int]], members: tuple[int, ...]) -> list[tuple[ShardKey, int, int, ShardKey]]:
+    """Stream cutting: (piece, weight, reader, shard) for a holder set whose shards greedy cannot balance.
+
+    The set's shards, in key order, form one byte stream; it is cut into ``len(members)`` contiguous
+    segments of equal size at row boundaries of each shard's first dimension, segment ``i`` read by
+    ``members[i]``. Every member reads one contiguous run of the stream, within a row of the mean
+    (a shard with no rows to cut goes whole to the segment it starts in).
+    """
+    n = len(members)
+    total = sum(w for _, w in shards)
+    bounds = [(i + 1) * total // n for i in range(n - 1)]  # stream byte where segment i ends
+    out: list[tuple[ShardKey, int, int, ShardKey]] = []
+    pos, seg = 0, 0
+    for key, w in shards:
+        idx, off, ln = key
+        rows = ln[0] if ln else 0
+        if rows < 1 or w == 0:
+            while seg < n - 1 and bounds[seg] <= pos:
+                seg += 1
+            out.append((key, w, members[seg], key))
+            pos += w
+            continue
+        row = w // rows
+        r0 = 0
+        while r0 < rows:
+            while seg < n - 1 and bounds[seg] <= pos + r0 * row:
+                seg += 1
+            r1 = rows if seg == n - 1 else min(rows, max(r0 + 1, round((bounds[seg] - pos) / row)))
+            piece = key if (r0, r1) == (0, rows) else (idx, (off[0] + r0, *off[1:]), (r1 - r0, *ln[1:]))
+            out.append((piece, (r1 - r0) * row, members[seg], key))
+            if r1 < rows:
+                seg += 1
+            r0 = r1
+        pos += w
+    return out
+
+
+def global_plan(
+    rows: np.ndarray,
+    cls: Classes,
+    records: Sequence[Record],
+    me: int,
+    *,
+    ndim: np.ndarray,
+    itemsize: np.ndarray,
+    broadcast: bool,
+    batch_bytes: int,
+    can_create: bool,
+    global_ranks: Sequence[int] | None = None,
+    stripe: bool = True,
+    min_stripe: int = MIN_STRIPE,
+    on_phase: Callable[[str], None] | None = None,
+) -> GlobalPlan:
+    """This rank's view of the one global plan (see the module docstring for the rules).
+
+    ``records[c]`` is the record of class ``c``; ``ndim``/``itemsize`` are indexed by checkpoint key
+    index; ``global_ranks`` maps load-group ranks to world ranks (for group digests; default identity).
+    """
+    lap = on_phase or (lambda name: None)
+    world = len(rows)
+    sizes = np.array([len(m) for m in cls.members], dtype=np.int64)
+    n_per = [len(r.index) for r in records]
+    width = records[0].offsets.shape[1] if records else 0
+    cl = np.repeat(np.arange(len(records)), n_per)
+    if records:
+        index = np.concatenate([r.index for r in records])
+        bc = np.concatenate([r.broadcastable for r in records])
+        offsets = np.concatenate([r.offsets for r in records])
+        lengths = np.concatenate([r.lengths for r in records])
+        requested = np.unique(np.concatenate([index, *[r.objects for r in records]]))
+    else:
+        index = bc = np.zeros(0, dtype=np.int64)
+        offsets = lengths = np.zeros((0, width), dtype=np.int64)
+        requested = np.zeros(0, dtype=np.int64)
+    weights = np.prod(lengths, axis=1, where=np.arange(width) < ndim[index][:, None]) * itemsize[index] \
+        if len(index) else np.zeros(0, dtype=np.int64)
+
+    # 1. identical shard keys across classes
+    order, starts = _row_groups(np.column_stack([index, offsets, lengths]))
+    ends = np.append(starts[1:], len(order))
+    holders = np.add.reduceat(sizes[cl[order]], starts) if len(order) else np.zeros(0, dtype=np.int64)
+    all_bc = np.logical_and.reduceat(bc[order], starts) if len(order) else np.zeros(0, dtype=bool)
+    n_classes = ends - starts
+    lap("group keys")
+
+    # bytes each rank reads alone anyway: keys with exactly one holder rank
+    loads = [0] * world
+    single = holders == 1
+    if np.any(single):
+        first = order[starts[single]]
+        per_class = np.bincount(cl[first], weights=weights[first], minlength=len(records))
+        for c in np.flatnonzero(per_class):
+            loads[int(cls.members[c][0])] += int(per_class[c])
+    base = list(loads)
+    # holders > 1 but private (not broadcastable / no group): every holder reads its own copy
+    extra_private = np.zeros(len(records), dtype=np.int64)
+
+    candidates = np.flatnonzero((holders >= 2) & all_bc) if broadcast else np.zeros(0, dtype=np.int64)
+    shut = np.flatnonzero((holders >= 2) & ~all_bc) if broadcast else np.flatnonzero(holders >= 2)
+
+    # 2. holder sets: a tuple of classes; members expanded once per distinct set
+    ranks_of = global_ranks if global_ranks is not None else range(world)
+    set_ids: dict[tuple[int, ...], int] = {}
+    sets: dict[int, HolderSet] = {}
+    usable: dict[int, bool] = {}
+    everyone = tuple(range(len(records)))
+
+    def holder_set(classes: tuple[int, ...]) -> int:
+        sid = set_ids.get(classes)
+        if sid is not None:
+            return sid
+        if classes == everyone:
+            sid = FULL
+            sets[sid] = HolderSet(tuple(range(world)), False)
+            usable[sid] = True
+        else:
+            sid = 1 + sum(1 for x in sets if x != FULL)
+            members = np.sort(np.concatenate([cls.members[c] for c in classes]))
+            mt = tuple(int(x) for x in members)
+            dg = group_digest([ranks_of[r] for r in mt])
+            g = rows[members, F_GROUPS:]
+            n = rows[members, F_NGROUPS]
+            have = np.any((g == dg) & (np.arange(g.shape[1]) < n[:, None]), axis=1).all()
+            sets[sid] = HolderSet(mt, not bool(have))
+            usable[sid] = bool(have) or can_create
+        set_ids[classes] = sid
+        return sid
+
+    class_of_row = cl[order]
+    piece_sets: list[tuple[ShardKey, int, int]] = []  # (key, weight, set id) of every shared shard
+    for g in candidates.tolist():
+        s, e = int(starts[g]), int(ends[g])
+        classes = tuple(sorted(class_of_row[s:e].tolist())) if n_classes[g] > 1 else (int(class_of_row[s]),)
+        sid = holder_set(classes)
+        r = int(order[s])
+        nd = int(ndim[index[r]])
+        key = (int(index[r]), tuple(offsets[r, :nd].tolist()), tuple(lengths[r, :nd].tolist()))
+        if not usable[sid]:
+            for c in classes:
+                extra_private[c] += weights[r]
+            continue
+        piece_sets.append((key, int(weights[r]), sid))
+    for g in shut.tolist():
+        s, e = int(starts[g]), int(ends[g])
+        for c in class_of_row[s:e].tolist():
+            extra_private[c] += weights[order[s]]
+    lap("holder sets")
+
+    # 3. readers: stream cutting for sets greedy cannot balance, the greedy for the rest
+    by_set: dict[int, list[tuple[ShardKey, int]]] = {}
+    for key, w, sid in piece_sets:
+        by_set.setdefault(sid, []).append((key, w))
+    pieces: list[tuple[ShardKey, int, int, ShardKey]] = []  # (piece key, weight, set, shard key)
+    readers: dict[ShardKey, int] = {}
+    greedy: list[tuple[ShardKey, int, int, ShardKey]] = []
+    for sid in sorted(by_set):
+        shards = by_set[sid]
+        members = sets[sid].members
+        share = sum(w for _, w in shards) // len(members)
+        if stripe and share >= min_stripe and 2 * max(w for _, w in shards) > share:
+            shards.sort()
+            for pk, pw, r, key in _cut(shards, members):
+                pieces.append((pk, pw, sid, key))
+                readers[pk] = r
+                loads[r] += pw
+        else:
+            greedy += [(key, w, sid, key) for key, w in shards]
+    greedy.sort(key=lambda p: (-p[1], p[0]))
+    heaps: dict[int, list[tuple[int, int]]] = {}
+    for pk, pw, sid, _ in greedy:
+        heap = heaps.get(sid)
+        if heap is None:
+            heap = heaps[sid] = [(loads[r], r) for r in sets[sid].members]
+            heapq.heapify(heap)
+        while True:
+            lr, r = heap[0]
+            if lr == loads[r]:
+                break
+            heapq.heapreplace(heap, (loads[r], r))  # stale: this rank took bytes through another set
+        readers[pk] = r
+        loads[r] = lr + pw
+        heapq.heapreplace(heap, (loads[r], r))
+    pieces += greedy
+    for c in np.flatnonzero(extra_private):
+        for r in cls.members[c]:
+            loads[int(r)] += int(extra_private[c])
+    bound = max([0, *(pw for _, pw, _, _ in pieces), *base])
+    lap("readers")
+
+    # 4. this rank's broadcasts, in global order
+    mine_sets = {sid for sid, s in sets.items() if _has(s.members, me)}
+    my_pieces = sorted((p for p in pieces if p[2] in mine_sets), key=lambda p: p[0])
+    by_shard: dict[ShardKey, list[ShardKey]] = {}
+    ops: list[Op] = []
+    pending: dict[tuple[int, int], tuple[list[ShardKey], int]] = {}
+    for pk, pw, sid, key in my_pieces:
+        by_shard.setdefault(key, []).append(pk)
+        reader = readers[pk]
+        if pw >= batch_bytes:
+            ops.append(Op(sid, reader, (pk,)))
+            continue
+        gk = (sid, reader)
+        keys, size = pending.get(gk, ([], 0))
+        keys.append(pk)
+        size += aligned(pw)
+        if size >= batch_bytes:
+            ops.append(Op(sid, reader, tuple(keys)))
+            pending.pop(gk, None)
+        else:
+            pending[gk] = (keys, size)
+    for (sid, reader), (keys, _) in sorted(pending.items(), key=lambda kv: kv[1][0][0]):
+        ops.append(Op(sid, reader, tuple(keys)))
+    used = {sid for _, _, sid, _ in pieces}
+    sets = {sid: s for sid, s in sets.items() if sid in used}
+    lap("ops")
+    return GlobalPlan(ops, by_shard, sets, requested, readers, loads, bound)
+
+
+def _has(members: tuple[int, ...], r: int) -> bool:
+    i = bisect.bisect_left(members, r)
+    return i < len(members) and members[i] == r
