@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     from .bench import DEFAULT_SIZE_MB, LOADERS, MODES
 
     p = argparse.ArgumentParser(prog="pipeload", description="Inspect, verify and benchmark pipeload checkpoints.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,inspect,verify}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,inspect,verify,simulate}")
 
     b = sub.add_parser(
         "bench",
@@ -69,7 +69,33 @@ def _parser() -> argparse.ArgumentParser:
         "safetensors and every chunk's dtype and shape match the metadata. Exit 0 when clean, 1 otherwise.",
     )
     v.add_argument("checkpoint")
+
+    s = sub.add_parser(
+        "simulate",
+        help="run the load's planning path for W simulated ranks and report its cost per rank",
+        description="Build every rank's exchange row and plan record for a layout of W ranks, then run "
+        "the loader's own planning path (metadata parse, local plan, exchange, global plan) for a few "
+        "sampled ranks with a simulated exchange. Reports CPU and peak memory per rank, exchange bytes, "
+        "reader balance, groups created, and whether every sampled rank took the same decisions. "
+        "Exit 1 when they did not.",
+    )
+    s.add_argument("--world", type=int, required=True, help="simulated ranks (a multiple of 8; 64 for dense-pp8)")
+    s.add_argument("--layout", required=True, choices=["dense", "dense-pp8", "moe", "fsdp"])
+    s.add_argument("--optim", action="store_true", help="add AdamW state (exp_avg, exp_avg_sq, step) per parameter")
+    s.add_argument("--samples", type=int, default=3, help="ranks whose planning runs (default 3: first, middle, last)")
+    s.add_argument("--no-memory", action="store_true", help="skip the second, memory-traced pass")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .simulate import format_result, simulate
+
+    log = None if args.json else (lambda m: print(m, file=sys.stderr))
+    res = simulate(args.world, args.layout, optim=args.optim, samples=args.samples, memory=not args.no_memory,
+                   log=log)
+    print(json.dumps(res, indent=2) if args.json else format_result(res))
+    return 0 if res["plans_identical"] else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -176,7 +202,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"bench": _bench, "inspect": _inspect, "verify": _verify}[args.command]
+    handler = {"bench": _bench, "inspect": _inspect, "verify": _verify, "simulate": _simulate}[args.command]
     return handler(args)
 
 

@@ -28,6 +28,10 @@ from .errors import DistributedError, PipeloadError
 from .exchange import Classes, Transfer, group_digest
 
 
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); older releases only have the old one
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _backends_by_device(pg) -> dict[str, str]:
     """Device type -> backend name of a group, e.g. {"cpu": "gloo", "cuda": "nccl"}."""
     config = dist.get_backend_config(pg)  # "cpu:gloo,cuda:nccl", or a bare backend name
@@ -118,7 +122,7 @@ class Comm:
         mine = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)).to(self.broadcast_device)
         out = torch.empty(self.size * len(row), dtype=torch.int64, device=self.broadcast_device)
         try:
-            dist.all_gather_into_tensor(out, mine, group=self.pg)
+            _all_gather_single(out, mine, group=self.pg)
         except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
             raise self._fail(what, "all-gather of plan rows", e) from e
         return out.cpu().numpy().reshape(self.size, len(row))
@@ -135,7 +139,7 @@ class Comm:
                     buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
                 buf = buf.to(self.broadcast_device)
                 got = torch.empty(self.size * t.pad, dtype=torch.uint8, device=self.broadcast_device)
-                dist.all_gather_into_tensor(got, buf, group=self.pg)
+                _all_gather_single(got, buf, group=self.pg)
                 raw = got.cpu().numpy().tobytes()
                 for c, owner in enumerate(cls.owners.tolist()):
                     if c != me:

@@ -1,4 +1,4 @@
-"""The global load plan: who reads each shared shard, how it is striped, and this rank's broadcasts.
+"""The global load plan: who reads each shared shard, how large ones are cut, and this rank's broadcasts.
 
 A pure function of the exchanged rows and distinct records (:mod:`pipeload.exchange`), evaluated by
 every rank on the same data, so every rank takes the same decisions without talking; if two ranks
@@ -12,7 +12,7 @@ shards per record and ``P`` shared pieces after striping:
   sort), the only step that stays ``O(W x S)`` when ``R = 1`` — and then nothing is shared, so it is
   also the last;
 - reader choice: ``O(P log R)`` with one heap per distinct holder set (a holder set is a union of
-  record classes, never expanded per rank except once per distinct set);
+  record classes, expanded to ranks once per distinct set); stream cutting is ``O(P + R)`` per set;
 - this rank's broadcasts: ``O(P_mine log P_mine)``, the pieces whose holder set contains it.
 
 Rules (DESIGN.md, "Global plan"):
@@ -20,13 +20,16 @@ Rules (DESIGN.md, "Global plan"):
 - a shard is *shared* when two or more ranks hold it, every holder reported it broadcastable, and its
   holder set has a process group (the load's own, one every member can reuse, or one the load may
   create);
-- **striping**: a shared shard heavier than half the mean bytes a rank reads (and at least
-  ``min_stripe`` bytes) is split along its first dimension into row ranges of about that size; each
-  range is a piece of its own, read by one holder and broadcast to all (so one 245 MiB embedding no
-  longer sets the load's time);
-- readers: pieces by bytes, largest first (ties by key), each to the holder with the fewest bytes so
-  far, ties to the lower rank; starting loads are the bytes each rank reads alone anyway — exactly
-  :func:`pipeload.balance.assign`, the rule the saver used to pick writers;
+- readers: shared shards by bytes, largest first (ties by key), each to the holder with the fewest
+  bytes so far, ties to the lower rank; starting loads are the bytes each rank reads alone anyway —
+  exactly :func:`pipeload.balance.assign`, the rule the saver used to pick writers (so an unchanged
+  layout reads each rank's own file);
+- **stream cutting**: a holder set whose largest shard exceeds half a member's mean share (and whose
+  share is at least ``min_stripe``) cannot be balanced by whole shards; after the greedy, its shards
+  in key order form one byte stream that is cut, at row boundaries, into one contiguous segment per
+  member, sized to even out the members' loads (water filling). Each segment's part of a shard is a
+  *piece* (a row range), read by that member and broadcast to all; so one 245 MiB embedding no longer
+  sets the load's time, and each reader's reads stay contiguous;
 - order: pieces sorted by (fqn index, offsets, lengths); pieces under ``batch_bytes`` join the pending
   batch of their (holder set, reader), which is sent at the position of the piece that fills it; the
   batches left at the end follow in the order of their first piece.
@@ -37,7 +40,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -123,17 +126,36 @@ def _row_groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.flatnonzero(new)
 
 
-def _cut(shards: list[tuple[ShardKey, int]], members: tuple[int, ...]) -> list[tuple[ShardKey, int, int, ShardKey]]:
+def _water_fill(loads: list[int], total: int) -> list[int]:
+    """Bytes to add to each of ``loads`` so that the busiest ends as low as possible (sum = ``total``)."""
+    order = sorted(range(len(loads)), key=lambda i: loads[i])
+    level, rest = 0.0, total
+    for k, i in enumerate(order):  # raise the k+1 lowest together until they reach the next load
+        nxt = loads[order[k + 1]] if k + 1 < len(order) else float("inf")
+        need = (nxt - loads[i]) * (k + 1) if k + 1 < len(order) else float("inf")
+        if need >= rest:
+            level = loads[i] + rest / (k + 1)
+            break
+        rest -= need
+    add = [max(0, int(level - x)) for x in loads]
+    add[order[0]] += total - sum(add)  # rounding remainder
+    return add
+
+
+def _cut(shards: list[tuple[ShardKey, int]], members: tuple[int, ...],
+         sizes: list[int]) -> list[tuple[ShardKey, int, int, ShardKey]]:
     """Stream cutting: (piece, weight, reader, shard) for a holder set whose shards greedy cannot balance.
 
-    The set's shards, in key order, form one byte stream; it is cut into ``len(members)`` contiguous
-    segments of equal size at row boundaries of each shard's first dimension, segment ``i`` read by
-    ``members[i]``. Every member reads one contiguous run of the stream, within a row of the mean
-    (a shard with no rows to cut goes whole to the segment it starts in).
+    The set's shards, in key order, form one byte stream; it is cut at row boundaries of each shard's
+    first dimension into contiguous segments of ``sizes`` bytes, segment ``i`` read by ``members[i]``.
+    Every member reads one contiguous run of the stream, within a row of its size (a shard with no
+    rows to cut goes whole to the segment it starts in).
     """
     n = len(members)
-    total = sum(w for _, w in shards)
-    bounds = [(i + 1) * total // n for i in range(n - 1)]  # stream byte where segment i ends
+    bounds, acc = [], 0
+    for x in sizes[:-1]:
+        acc += x
+        bounds.append(acc)  # stream byte where segment i ends
     out: list[tuple[ShardKey, int, int, ShardKey]] = []
     pos, seg = 0, 0
     for key, w in shards:
@@ -271,23 +293,19 @@ def global_plan(
             extra_private[c] += weights[order[s]]
     lap("holder sets")
 
-    # 3. readers: stream cutting for sets greedy cannot balance, the greedy for the rest
+    # 3. readers: the greedy, then stream cutting of the sets the greedy cannot balance
     by_set: dict[int, list[tuple[ShardKey, int]]] = {}
     for key, w, sid in piece_sets:
         by_set.setdefault(sid, []).append((key, w))
     pieces: list[tuple[ShardKey, int, int, ShardKey]] = []  # (piece key, weight, set, shard key)
     readers: dict[ShardKey, int] = {}
     greedy: list[tuple[ShardKey, int, int, ShardKey]] = []
+    cut: list[int] = []
     for sid in sorted(by_set):
         shards = by_set[sid]
-        members = sets[sid].members
-        share = sum(w for _, w in shards) // len(members)
+        share = sum(w for _, w in shards) // len(sets[sid].members)
         if stripe and share >= min_stripe and 2 * max(w for _, w in shards) > share:
-            shards.sort()
-            for pk, pw, r, key in _cut(shards, members):
-                pieces.append((pk, pw, sid, key))
-                readers[pk] = r
-                loads[r] += pw
+            cut.append(sid)
         else:
             greedy += [(key, w, sid, key) for key, w in shards]
     greedy.sort(key=lambda p: (-p[1], p[0]))
@@ -306,6 +324,14 @@ def global_plan(
         loads[r] = lr + pw
         heapq.heapreplace(heap, (loads[r], r))
     pieces += greedy
+    for sid in cut:  # after the greedy: each cut set evens out its members' loads
+        shards = sorted(by_set[sid])
+        members = sets[sid].members
+        sizes = _water_fill([loads[r] for r in members], sum(w for _, w in shards))
+        for pk, pw, r, key in _cut(shards, members, sizes):
+            pieces.append((pk, pw, sid, key))
+            readers[pk] = r
+            loads[r] += pw
     for c in np.flatnonzero(extra_private):
         for r in cls.members[c]:
             loads[int(r)] += int(extra_private[c])

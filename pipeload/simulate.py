@@ -170,11 +170,9 @@ class Layout:
         off, ln = [0] * len(t.shape), list(t.shape)
         if self.name == "fsdp" and t.role != "step" and t.shape:
             off[0], ln[0] = _split(t.shape[0], self.dp, dp)
-        if t.role == "expert":
-            per = 128 // self.tp
-            if t.expert // per != tp:
-                return None
-        elif t.role in ("col", "row"):
+        if t.expert >= 0 and t.expert // (128 // self.tp) != tp:
+            return None  # an expert (or its optimizer state) on another EP rank
+        if t.role in ("col", "row"):
             d = 0 if t.role == "col" else 1
             s, n = _split(ln[d], self.tp, tp)
             off[d] += s
@@ -254,7 +252,7 @@ class Layout:
             sd[t.fqn] = v
             boxes[t.fqn] = Box(t.shape, o, ln, v)
         for o in self.objects:
-            sd[o] = {"lr": 1e-4}
+            sd[o] = (1e-4, (0.9, 0.95))
         return sd, boxes
 
 
@@ -368,7 +366,9 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
                             ops=[(op.group, op.reader, op.shards) for op in gp.ops], gp=gp))
         log(f"rank {rank}: {cpu:.2f} s CPU, {len(gp.ops)} broadcasts")
     os.environ.pop("PIPELOAD_HOST_ID", None)
-    gp = results[0]["gp"]
+    gp = results[0].pop("gp")
+    for r in results[1:]:
+        r.pop("gp")
     loads = np.asarray(gp.loads, dtype=np.float64)
     mean = loads.mean() if len(loads) else 0.0
     identical = len({r["digest"] for r in results}) == 1 and _orders_agree([r["ops"] for r in results])
