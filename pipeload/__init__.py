@@ -18,6 +18,7 @@ from .errors import (
     TensorNotFoundError,
 )
 from .loader import LoadStats, load, load_async
+from .plancache import clear as clear_plan_cache
 from .saver import save
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "load",
     "load_async",
     "LoadStats",
+    "clear_plan_cache",
     "PipeloadError",
     "CheckpointFormatError",
     "HeaderError",

@@ -459,9 +459,9 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
         if loader == FLOOR:
             requested = _floor_read(my_files, rank, world)
         elif loader == "pipeload":
-            stats = pipeload.load(dest, directory, broadcast_replicated_tensors=True)
+            stats = pipeload.load(dest, directory, broadcast_replicated_tensors=True, reuse_plan=False)
         elif loader == "pipeload-nobcast":
-            stats = pipeload.load(dest, directory, broadcast_replicated_tensors=False)
+            stats = pipeload.load(dest, directory, broadcast_replicated_tensors=False, reuse_plan=False)
         elif loader == "dcp":
             dcp.load(dest, checkpoint_id=directory)
         wall = time.perf_counter() - t0
@@ -535,6 +535,7 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
         finally:
             if mode == "throttled":
                 _join_cgroup(throttle["leave"])
+    reuse = _plan_reuse(cfg, dest, ref, shared["pipeload"]) if "pipeload" in loaders else None
     dist.barrier()
     shutil.rmtree(os.path.join(root, "nodes", f"rank{rank}"), ignore_errors=True)
     if rank != 0:
@@ -548,7 +549,37 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
         "save_seconds": save_times,
         "build_seconds": t_build,
         "runs": runs,
+        "plan_reuse": reuse,
     }
+
+
+def _plan_reuse(cfg: BenchConfig, dest, ref, directory: str) -> dict[str, Any]:
+    """Plan + exchange of a first load and of a second one that reuses its plan (warm, median of repeats).
+
+    Each value is the per-load max over ranks, ranks aligned by a barrier before every load.
+    """
+    import torch.distributed as dist
+
+    import pipeload
+    from pipeload import synth
+
+    first, again = [], []
+    for repeat in range(cfg.repeats):
+        pipeload.clear_plan_cache()
+        got = []
+        for _ in range(2):
+            synth.zero_(dest)
+            dist.barrier()
+            st = pipeload.load(dest, directory)
+            _all_ok(synth.same_tensors(ref, dest), f"pipeload plan reuse (repeat {repeat + 1})")
+            got.append((st.timings.get("plan", 0.0) + st.timings.get("exchange", 0.0), st.plan_reused))
+        per_rank = _gather(got)
+        if not all(r[1][1] and not r[0][1] for r in per_rank):
+            raise _Failure("pipeload plan reuse: the second load did not reuse the first one's plan on every rank")
+        first.append(max(r[0][0] for r in per_rank))
+        again.append(max(r[1][0] for r in per_rank))
+    pipeload.clear_plan_cache()
+    return {"first": _median(first), "reused": _median(again)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -663,6 +694,11 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(th, tw))))
         for t in tt:
             lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(t, tw))))
+    pr = result.get("plan_reuse")
+    if pr and pr.get("first"):
+        lines.append("")
+        lines.append(f"plan + exchange (warm, max over ranks, median): first load {pr['first']:.4f} s, a second load "
+                     f"reusing its plan {pr['reused']:.4f} s ({pr['reused'] / pr['first'] * 100:.1f} %)")
     if result.get("targets"):
         lines.append("")
         lines.append("targets:")
@@ -786,6 +822,7 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
         "checkpoint": {k: data[k] for k in ("unique_bytes", "file_bytes", "tensors", "leaves", "local_bytes",
                                             "save_seconds", "build_seconds")},
         "runs": data["runs"],
+        "plan_reuse": data.get("plan_reuse"),
         "total_seconds": time.perf_counter() - t0,
     }
     # The 1-minute load average before and after: other work on the machine makes timings noisy.

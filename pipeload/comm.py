@@ -220,20 +220,8 @@ class Comm:
         return resolved, created
 
     def destroy(self, groups: list[Any]) -> None:
-        """Destroy groups this load created, after draining the device (best effort: warn, never fail).
-
-        A queued transfer on a destroyed communicator can be cancelled, leaving receivers with stale data,
-        so the device is synchronized first.
-        """
-        if not groups:
-            return
-        if self.broadcast_device.type == "cuda":
-            torch.cuda.synchronize()
-        for g in groups:
-            try:
-                dist.destroy_process_group(g)
-            except Exception as e:  # noqa: BLE001
-                warnings.warn(f"pipeload: destroying a broadcast group failed: {e}", RuntimeWarning, stacklevel=2)
+        """Destroy groups this load created (see :func:`destroy_groups`)."""
+        destroy_groups(groups)
 
     # -- asynchronous broadcast ----------------------------------------------------------------------
 
@@ -268,6 +256,23 @@ class Comm:
 
         work.get_future().add_done_callback(_done)
         return fut
+
+
+def destroy_groups(groups: list[Any]) -> None:
+    """Destroy process groups a load created, after draining the device (best effort: warn, never fail).
+
+    A queued transfer on a destroyed communicator can be cancelled, leaving receivers with stale data,
+    so the device is synchronized first.
+    """
+    if not groups:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    for g in groups:
+        try:
+            dist.destroy_process_group(g)
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"pipeload: destroying a broadcast group failed: {e}", RuntimeWarning, stacklevel=2)
 
 
 def _contains(members: Sequence[int], r: int) -> bool:

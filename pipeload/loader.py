@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
+from . import plancache
 from ._gcpause import paused_gc
-import numpy as np
-
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
 from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, encode_record, host_id, make_row,
@@ -61,6 +61,7 @@ class LoadStats:
     unexpected_keys: list[str] = field(default_factory=list)  # checkpoint keys no rank asked for
     timings: dict[str, float] = field(default_factory=dict)  # plan, exchange, groups, shared, private, teardown
     wall: float = 0.0
+    plan_reused: bool = False  # the plan of an earlier load of the same checkpoint and tensors was reused
 
 
 class _Clock:
@@ -107,6 +108,22 @@ async def load_async(state_dict: dict, checkpoint_dir: str | os.PathLike, **opti
         return await _load(state_dict, checkpoint_dir, **options)
 
 
+@dataclass
+class _Prepared:
+    """Everything steps 1-4 decide for one rank; what a reused plan runs again."""
+
+    plan: Any  # LocalPlan
+    gp: GlobalPlan
+    shared: dict  # piece key -> DestShard
+    private: list
+    groups: dict
+    created: list
+    missing: list[str]
+    unexpected: list[str]
+    rows: np.ndarray | None = None  # the exchange rows: the plan-cache token hashes them
+    stat: tuple = ()  # of .metadata when it was read
+
+
 async def _load(
     state_dict: dict,
     checkpoint_dir: str | os.PathLike,
@@ -121,6 +138,7 @@ async def _load(
     verify_checksums: bool = False,
     timeout: timedelta | float | None = None,
     progress: bool = False,
+    reuse_plan: bool = True,
 ) -> LoadStats:
     if max_inflight < 1:
         raise ValueError("max_inflight must be at least 1")
@@ -130,71 +148,64 @@ async def _load(
     t0 = time.perf_counter()
     clock = _Clock(stats.timings)
     directory = os.fspath(checkpoint_dir)
+    what = f"pipeload.load from {directory}"
     comm = Comm(process_group, timeout)
     collective = use_collectives and comm.size > 1
+    options = (bool(broadcast_replicated_tensors), broadcast_batch_bytes, bool(strict),
+               tuple(id(g) for g in broadcast_groups or ()))
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
     device = comm.broadcast_device
     init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
     with ChunkReader(directory, verify_checksums=verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool:
-        # 1. local plan: problems are carried to the exchange, never raised on this rank alone
-        md, leaves, plan, problems = _local_plan(state_dict, directory, comm, collective, strict)
-        reusable = comm.reusable_groups([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
-        if not problems and md.world_size == comm.size:
-            # in the worker: under a throttled device, queueing the requests blocks for a while
-            pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
-        clock.lap("plan")
-
-        # 2-3. exchange and global plan
-        names = list(fqn_index(md)) if md else []  # checkpoint keys in index order (sorted)
-        width = key_width(md) if md else 0
-        record = plan_record(plan, width) if plan else encode_record([], [], [], [], [], width)
-        ex = comm if collective else None
-        gp = exchange_and_plan(ex, comm.rank, comm.size, md, names, record, problems, list(reusable),
-                               directory=directory, broadcast=collective and broadcast_replicated_tensors,
-                               batch_bytes=broadcast_batch_bytes, can_create=comm.is_world,
-                               global_ranks=comm.global_ranks, clock=clock)
-        stats.missing_keys = list(plan.missing)
-        if collective:
-            unexpected = np.setdiff1d(np.arange(len(names)), gp.requested)
-            stats.unexpected_keys = [names[i] for i in unexpected.tolist()]
-        if strict and stats.unexpected_keys:
-            raise StateDictError(
-                f"pipeload.load from {directory}: keys in the checkpoint that no rank loads (strict=True)",
-                stats.unexpected_keys,
-            )
-        shared = {}
-        private = []
-        for s in plan.shards:
-            pieces = gp.pieces.get(s.key)
-            if pieces is None:
-                private.append(s)
-            else:
-                shared.update((pk, piece_shard(s, pk)) for pk in pieces)
-        stats.shared_shards = len(plan.shards) - len(private)
-        stats.private_shards, stats.objects = len(private), len(plan.objects)
-        clock.lap("plan")
-
-        # 4. groups
-        groups, created = comm.make_groups(gp.sets, reusable) if collective else ({}, [])
-        stats.groups_created = len(created)
-        clock.lap("groups")
+        # 0. a plan this rank and every other rank still hold? (one word per rank decides it)
+        prep, cache_key = None, None
+        if collective and reuse_plan:
+            cache_key = plancache.key(comm.global_ranks, directory, options)
+            entry, leaves = _cached(cache_key, comm, directory, state_dict)
+            clock.lap("plan")
+            offer = entry.token if entry is not None else 0
+            tokens = comm.gather_rows(np.array([offer], dtype=np.int64), what)[:, 0]
+            if offer and bool(np.all(tokens == offer)):
+                prep = entry.state
+                for obj in prep.plan.objects:  # the same keys; their containers may be new
+                    obj.leaf = leaves[obj.fqn]
+                stats.plan_reused = True
+            clock.lap("exchange")
+        if prep is None:
+            prep = _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors,
+                            broadcast_batch_bytes, broadcast_groups, reader, pool, clock)
+        stats.missing_keys, stats.unexpected_keys = list(prep.missing), list(prep.unexpected)
+        stats.shared_shards = len(prep.plan.shards) - len(prep.private)
+        stats.private_shards, stats.objects = len(prep.private), len(prep.plan.objects)
+        stats.groups_created = 0 if stats.plan_reused else len(prep.created)
 
         # 5-6. shared, then private phase; 7. teardown, also on failure: never leave a group behind
         counters = Counters()
+        keep = False
         try:
-            decoded = await _execute(comm, reader, pool, shared, private, plan.objects, groups, gp,
-                                     counters, max_inflight, progress, clock)
+            decoded = await _execute(comm, reader, pool, prep.shared, prep.private, prep.plan.objects,
+                                     prep.groups, prep.gp, counters, max_inflight, progress, clock)
+            error = counters.error_report()
+            if collective:
+                comm.agree(what, error)
+            elif error:
+                raise DistributedError(what, {comm.rank: error})
+            keep = cache_key is not None
         finally:
-            comm.destroy(created)
-    error = counters.error_report()
-    if collective:
-        comm.agree(f"pipeload.load from {directory}", error)
-    elif error:
-        raise DistributedError(f"pipeload.load from {directory}", {comm.rank: error})
+            if not keep:
+                if cache_key is not None:
+                    plancache.drop(cache_key, comm.destroy)
+                if not stats.plan_reused:
+                    comm.destroy(prep.created)
     for obj, value in decoded:
         obj.leaf.container[obj.leaf.key] = value
+    if keep and not stats.plan_reused:
+        sig = plancache.signature(flatten(state_dict))
+        token = plancache.token_of(prep.rows, options)
+        plancache.store(cache_key, plancache.Entry(comm.pg, prep.stat, sig, token, prep, prep.created),
+                        comm.destroy)
     stats.bytes_read = reader.bytes_read
     stats.bytes_received = counters.bytes_received
     stats.broadcasts = counters.broadcasts
@@ -202,6 +213,62 @@ async def _load(
     clock.lap("teardown")
     stats.wall = time.perf_counter() - t0
     return stats
+
+
+def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
+    """(the cached plan this rank may offer or None, the state dict's leaves)."""
+    try:
+        leaves = flatten(state_dict)
+        sig = plancache.signature(leaves)
+    except Exception:  # noqa: BLE001 - the full path reports what is wrong with the state dict
+        return None, {}
+    return plancache.lookup(cache_key, comm.pg, plancache.metadata_stat(metadata_path(directory)), sig), leaves
+
+
+def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
+             broadcast_groups, reader, pool, clock) -> _Prepared:
+    """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order)."""
+    stat = plancache.metadata_stat(metadata_path(directory))
+    # 1. local plan: problems are carried to the exchange, never raised on this rank alone
+    md, leaves, plan, problems = _local_plan(state_dict, directory, comm, collective, strict)
+    reusable = comm.reusable_groups([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
+    if not problems and md.world_size == comm.size:
+        # in the worker: under a throttled device, queueing the requests blocks for a while
+        pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
+    clock.lap("plan")
+
+    # 2-3. exchange and global plan
+    names = list(fqn_index(md)) if md else []  # checkpoint keys in index order (sorted)
+    width = key_width(md) if md else 0
+    record = plan_record(plan, width) if plan else encode_record([], [], [], [], [], width)
+    rows_seen: list[np.ndarray] = []
+    gp = exchange_and_plan(comm if collective else None, comm.rank, comm.size, md, names, record, problems,
+                           list(reusable), directory=directory,
+                           broadcast=collective and broadcast_replicated_tensors, batch_bytes=batch_bytes,
+                           can_create=comm.is_world, global_ranks=comm.global_ranks, clock=clock,
+                           rows_out=rows_seen)
+    unexpected = []
+    if collective:
+        unexpected = [names[i] for i in np.setdiff1d(np.arange(len(names)), gp.requested).tolist()]
+    if strict and unexpected:
+        raise StateDictError(
+            f"pipeload.load from {directory}: keys in the checkpoint that no rank loads (strict=True)", unexpected
+        )
+    shared = {}
+    private = []
+    for s in plan.shards:
+        pieces = gp.pieces.get(s.key)
+        if pieces is None:
+            private.append(s)
+        else:
+            shared.update((pk, piece_shard(s, pk)) for pk in pieces)
+    clock.lap("plan")
+
+    # 4. groups
+    groups, created = comm.make_groups(gp.sets, reusable) if collective else ({}, [])
+    clock.lap("groups")
+    return _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
+                     rows_seen[0] if rows_seen else None, stat)
 
 
 def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool):
@@ -237,7 +304,7 @@ def _shared_metadata(directory: str, comm: Comm) -> Metadata:
 def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: list[str], record: bytes,
                       problems: list[str], groups: list[int], *, directory: str, broadcast: bool,
                       batch_bytes: int, can_create: bool, global_ranks=None, clock=None,
-                      on_phase=None) -> GlobalPlan:
+                      on_phase=None, rows_out: list | None = None) -> GlobalPlan:
     """Steps 2-3 of a load on one rank: the exchange through ``ex`` and this rank's global plan.
 
     ``ex`` is the load's :class:`~pipeload.comm.Comm` (or the simulated exchange of
@@ -259,6 +326,8 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
         raise PipeloadError(
             f"pipeload.load: ranks read different checkpoints from {directory} (it was overwritten during the load)"
         )
+    if rows_out is not None:
+        rows_out.append(rows)
     cls = classes(rows)
     raw = ex.transfer_records(record_transfer(cls, len(rows)), cls, record, what) if ex is not None else [record]
     records = [decode_record(b) for b in raw]
@@ -326,6 +395,9 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
         verify_checksums: check each stored chunk's xxh3 checksum before using it.
         timeout: for groups the load creates (default: the process group's own timeout).
         progress: a progress bar of loaded bytes on rank 0 (needs tqdm).
+        reuse_plan: reuse the plan (and the groups it created) of an earlier load of the same checkpoint
+            into the same tensors on the same group, when every rank still holds it (default ``True``;
+            see :mod:`pipeload.plancache`; :func:`pipeload.clear_plan_cache` forgets them).
 
     Runs the load on uvloop when it is installed. Inside a running event loop use
     ``await pipeload.load_async(...)`` instead.

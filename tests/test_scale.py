@@ -84,6 +84,18 @@ def world8(rank: int, world: int, root: str) -> dict:
     sd = _state(mesh, False)
     out["stats"] = pipeload.load(sd, ckpt)
     _check(sd)
+    # Plan reuse: the same tensors again -> reused by every rank; one rank with new tensors -> by none.
+    for v in sd.values():
+        (v.to_local() if hasattr(v, "to_local") else v).zero_()
+    out["again"] = pipeload.load(sd, ckpt)
+    _check(sd)
+    other = _state(mesh, False) if rank == 3 else sd
+    out["mixed"] = pipeload.load(other, ckpt)
+    _check(other)
+    pipeload.save(_state(mesh, True), ckpt)  # a new save: the cached plan's .metadata is gone
+    out["resaved"] = pipeload.load(sd, ckpt)
+    _check(sd)
+    pipeload.clear_plan_cache()
     # The loader's exchange on the real group, captured for the comparison with the simulated one.
     comm = Comm()
     md = read_metadata(ckpt)
@@ -109,6 +121,13 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     reads = [r["stats"].bytes_read for r in res]
     assert max(reads) <= 1.10 * (sum(reads) / 8), reads
     assert len({r["digest"] for r in res}) == 1
+    assert [r["stats"].plan_reused for r in res] == [False] * 8
+    assert [r["again"].plan_reused for r in res] == [True] * 8
+    assert [r["mixed"].plan_reused for r in res] == [False] * 8
+    assert [r["resaved"].plan_reused for r in res] == [False] * 8
+    first = max(r["stats"].timings["plan"] + r["stats"].timings["exchange"] for r in res)
+    again = max(r["again"].timings["plan"] + r["again"].timings["exchange"] for r in res)
+    print(f"plan + exchange: first load {first:.4f} s, reused {again:.4f} s")
 
     # The simulated exchange, fed the same rows and records, gives every rank the same plan.
     md = read_metadata(str(tmp_path / "ckpt"))

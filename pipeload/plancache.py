@@ -1,0 +1,109 @@
+"""Plan reuse: a second load of the same checkpoint into the same tensors on the same group skips planning.
+
+Evaluation loops, weight refreshes in RL and retries load one checkpoint into one state dict again and
+again. The first load keeps what it planned — the metadata, this rank's local plan, the global plan and
+the process groups it created — under a *token*, a hash of every rank's exchange row. A later load offers
+that token only if nothing it planned from has changed on this rank: the same ``.metadata`` file (inode,
+size, mtime), the same tensors at the same addresses with the same shapes, dtypes and layouts, the same keys of
+Python objects (their containers are looked up again), the same options. Whether to reuse is then decided by one all-gather of
+one word per rank (:func:`pipeload.loader`): every rank reuses exactly when every rank offered the same
+non-zero token, so every rank takes the same decision and the collectives that follow stay in one order.
+
+Groups a load created stay alive while their plan is cached (at most :data:`CAPACITY` plans per
+process); an evicted plan's groups are destroyed (best effort). :func:`clear` drops them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .statedict import Leaf, is_tensor
+
+CAPACITY = 2
+
+
+@dataclass
+class Entry:
+    pg: Any  # the load's process group object (held: its id cannot be reused while cached)
+    stat: tuple  # of .metadata
+    signature: tuple  # of the state dict's leaves, after the load
+    token: int
+    state: Any  # what the loader needs to run the load again (its own dataclass)
+    created: list  # groups the load created, destroyed on eviction
+
+
+_cache: "OrderedDict[tuple, Entry]" = OrderedDict()
+
+
+def metadata_stat(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def signature(leaves: dict[str, Leaf]) -> tuple:
+    """What the local plan was computed from: tensor identities, addresses, shapes, dtypes, layouts."""
+    out = []
+    for fqn in sorted(leaves):
+        leaf = leaves[fqn]
+        v = leaf.value
+        if is_tensor(v):
+            local = getattr(v, "_local_tensor", v)
+            out.append((fqn, id(v), id(local), local.data_ptr(), local.shape, local.dtype, local.device,
+                        v.shape, getattr(v, "placements", None)))
+        else:
+            out.append((fqn,))  # objects are replaced in whatever container holds them at load time
+    return tuple(out)
+
+
+def token_of(rows: np.ndarray, options: tuple) -> int:
+    h = hashlib.blake2b(np.ascontiguousarray(rows).tobytes() + repr(options).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little", signed=True) or 1
+
+
+def key(global_ranks, directory: str, options: tuple) -> tuple:
+    return (tuple(global_ranks), os.path.realpath(directory), options)
+
+
+def lookup(k: tuple, pg: Any, stat: tuple, sig: tuple) -> Entry | None:
+    """The cached entry for ``k`` if this rank's inputs are unchanged (then its token may be offered)."""
+    e = _cache.get(k)
+    if e is None or e.pg is not pg or not stat or e.stat != stat or e.signature != sig:
+        return None
+    _cache.move_to_end(k)
+    return e
+
+
+def store(k: tuple, entry: Entry, destroy: Callable[[list], None]) -> None:
+    old = _cache.pop(k, None)
+    if old is not None and old.created and old.created is not entry.created:
+        destroy(old.created)
+    _cache[k] = entry
+    while len(_cache) > CAPACITY:
+        _, ev = _cache.popitem(last=False)
+        if ev.created:
+            destroy(ev.created)
+
+
+def drop(k: tuple, destroy: Callable[[list], None]) -> None:
+    e = _cache.pop(k, None)
+    if e is not None and e.created:
+        destroy(e.created)
+
+
+def clear() -> None:
+    """Forget every cached plan and destroy the process groups those loads created (best effort)."""
+    from .comm import destroy_groups
+
+    while _cache:
+        _, e = _cache.popitem()
+        if e.created:
+            destroy_groups(e.created)
