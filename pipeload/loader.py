@@ -298,7 +298,7 @@ def _shared_metadata(directory: str, comm: Comm) -> Metadata:
     payload = comm.broadcast_object(payload, f"pipeload.load from {directory}")
     if isinstance(payload, Exception):
         raise payload
-    return Metadata.from_json(payload, source=metadata_path(directory))
+    return Metadata.from_json(payload, source=metadata_path(directory), directory=directory)
 
 
 def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: list[str], record: bytes,
@@ -343,15 +343,9 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
 
 def _key_shapes(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Per checkpoint key index: tensor rank and item size (0 for objects)."""
-    ndim = np.zeros(len(names), dtype=np.int64)
-    itemsize = np.zeros(len(names), dtype=np.int64)
-    if md is not None:
-        for i, n in enumerate(names):
-            t = md.tensors.get(n)
-            if t is not None:
-                ndim[i] = len(t.shape)
-                itemsize[i] = t.itemsize
-    return ndim, itemsize
+    if md is None:
+        return np.zeros(len(names), dtype=np.int64), np.zeros(len(names), dtype=np.int64)
+    return md.key_arrays(names)
 
 
 async def _execute(comm, reader, pool, shared, private, objects, groups, gp, counters, max_inflight,

@@ -19,7 +19,7 @@ import torch
 from .errors import CheckpointFormatError
 
 FORMAT_NAME = "pipeload"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what save() writes; 1 and 2 are read
 METADATA_FILE = ".metadata"
 OBJECT_ENCODING = "torch.save/weights_only"
 
@@ -113,24 +113,108 @@ class ObjectMeta:
 
 @dataclass
 class Metadata:
-    """The whole ``.metadata``: every fqn of the checkpoint and where its bytes live."""
+    """The whole ``.metadata``: every fqn of the checkpoint and where its bytes live.
+
+    ``tensors`` is a dict for format 1 (every chunk parsed from JSON) and a lazy mapping over the mapped
+    chunk index for format 2 (:mod:`pipeload.chunkindex`); planning goes through :meth:`tensor_info`,
+    :meth:`chunks_for` and :meth:`key_arrays`, which never decode more than the chunks a box needs.
+    """
 
     save_id: str
     world_size: int
     tensors: dict[str, TensorMeta] = field(default_factory=dict)
     objects: dict[str, ObjectMeta] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    version: int = 1
+    index_file: str | None = None  # format 2: the chunk index's file name
+    data_files: list[str] | None = None  # format 2: the data files, as listed in .metadata
+
+    @property
+    def indexed(self) -> bool:
+        return self.index_file is not None
 
     @property
     def files(self) -> list[str]:
-        names = {c.file for t in self.tensors.values() for c in t.chunks}
+        if self.indexed:
+            names = set(self.data_files or ())
+        else:
+            names = {c.file for t in self.tensors.values() for c in t.chunks}
         names.update(o.file for o in self.objects.values())
         return sorted(names)
 
-    def to_json(self) -> str:
+    def tensor_info(self, fqn: str) -> tuple[str, tuple[int, ...]] | None:
+        """(dtype, global shape) of a tensor key, or None."""
+        if self.indexed:
+            t = self.tensors
+            i = t.pos.get(fqn)
+            return None if i is None else (t.dtypes[i], t.index.shape(i, int(t.ndim[i])))
+        m = self.tensors.get(fqn)
+        return None if m is None else (m.dtype, m.shape)
+
+    def chunks_for(self, fqn: str, offsets: tuple[int, ...], lengths: tuple[int, ...]):
+        """The stored chunks a box of tensor ``fqn`` may need (format 2: exactly those that overlap it)."""
+        if self.indexed:
+            t = self.tensors
+            i = t.pos[fqn]
+            return t.index.overlapping(i, fqn, int(t.ndim[i]), t.files, offsets, lengths)
+        return self.tensors[fqn].chunks
+
+    def key_arrays(self, names: list[str]):
+        """(tensor rank, item size) per key of ``names`` as int64 arrays (0 for objects)."""
+        import numpy as np
+
+        ndim = np.zeros(len(names), dtype=np.int64)
+        itemsize = np.zeros(len(names), dtype=np.int64)
+        if self.indexed:
+            t = self.tensors
+            sizes = {d: dtype_itemsize(d) for d in set(t.dtypes)}
+            pos = np.fromiter((t.pos.get(n, -1) for n in names), dtype=np.int64, count=len(names))
+            have = pos >= 0
+            ndim[have] = t.ndim[pos[have]]
+            itemsize[have] = [sizes[t.dtypes[i]] for i in pos[have].tolist()]
+            return ndim, itemsize
+        for i, n in enumerate(names):
+            m = self.tensors.get(n)
+            if m is not None:
+                ndim[i] = len(m.shape)
+                itemsize[i] = m.itemsize
+        return ndim, itemsize
+
+    def width(self) -> int:
+        """The largest tensor rank in the checkpoint."""
+        if self.indexed:
+            return int(self.tensors.ndim.max()) if len(self.tensors) else 0
+        return max((len(t.shape) for t in self.tensors.values()), default=0)
+
+    def to_json_v2(self, index_file: str) -> str:
+        """Format 2 ``.metadata``: tensor-level facts only; the chunks go to ``index_file``."""
+        names = sorted(self.tensors)
         doc = {
             "format": FORMAT_NAME,
-            "version": self.version,
+            "version": 2,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "index": index_file,
+            "files": sorted({c.file for t in self.tensors.values() for c in t.chunks}),
+            "tensors": {
+                "names": names,
+                "dtypes": [self.tensors[n].dtype for n in names],
+                "ndims": [len(self.tensors[n].shape) for n in names],
+            },
+            "objects": self._objects_json(),
+        }
+        return json.dumps(doc, indent=None, separators=(",", ":"))
+
+    def _objects_json(self) -> dict:
+        return {
+            fqn: {"file": o.file, "key": o.key, "nbytes": o.nbytes, "checksum": o.checksum, "encoding": o.encoding}
+            for fqn, o in sorted(self.objects.items())
+        }
+
+    def to_json(self) -> str:
+        """Format 1 ``.metadata`` (every chunk in JSON)."""
+        doc = {
+            "format": FORMAT_NAME,
+            "version": 1,
             "save_id": self.save_id,
             "world_size": self.world_size,
             "tensors": {
@@ -150,26 +234,22 @@ class Metadata:
                 }
                 for fqn, t in sorted(self.tensors.items())
             },
-            "objects": {
-                fqn: {
-                    "file": o.file,
-                    "key": o.key,
-                    "nbytes": o.nbytes,
-                    "checksum": o.checksum,
-                    "encoding": o.encoding,
-                }
-                for fqn, o in sorted(self.objects.items())
-            },
+            "objects": self._objects_json(),
         }
         return json.dumps(doc, indent=None, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes, source: str = "<metadata>") -> "Metadata":
-        """Parse and validate; every failure is a CheckpointFormatError naming ``source`` and the key."""
+    def from_json(cls, text: str | bytes, source: str = "<metadata>", directory: str | None = None) -> "Metadata":
+        """Parse and validate; every failure is a CheckpointFormatError naming ``source`` and the key.
+
+        Format 2 maps its chunk index from ``directory`` (default: the directory of ``source``).
+        """
         try:
             doc = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointFormatError(f"{source}: metadata is not valid JSON ({e})") from None
+        if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME and doc.get("version") == 2:
+            return _parse_v2(doc, source, directory if directory is not None else os.path.dirname(source))
         return _parse(doc, source)
 
     def validate_geometry(self, source: str = "<metadata>") -> None:
@@ -291,9 +371,9 @@ def _parse(doc: Any, source: str) -> Metadata:
     if doc.get("format") != FORMAT_NAME:
         raise CheckpointFormatError(f"{source}: not a pipeload checkpoint (format={doc.get('format')!r})")
     version = _req(doc, "version", int, source)
-    if version != FORMAT_VERSION:
+    if version not in (1, 2):
         raise CheckpointFormatError(
-            f"{source}: format version {version} is not supported (this pipeload reads {FORMAT_VERSION})"
+            f"{source}: format version {version} is not supported (this pipeload reads 1 and 2)"
         )
     md = Metadata(
         save_id=_req(doc, "save_id", str, source),
@@ -326,6 +406,15 @@ def _parse(doc: Any, source: str) -> Metadata:
                 )
             )
         md.tensors[fqn] = TensorMeta(dtype=dtype, shape=shape, chunks=tuple(chunks))
+    _parse_objects(doc, md, source)
+    clash = md.tensors.keys() & md.objects.keys()
+    if clash:
+        raise CheckpointFormatError(f"{source}: keys are both tensor and object: {sorted(clash)[:5]}")
+    md.validate_geometry(source)
+    return md
+
+
+def _parse_objects(doc: Any, md: Metadata, source: str) -> None:
     for fqn, o in _req(doc, "objects", dict, source).items():
         where = f"{source}: object {fqn!r}"
         enc = _req(o, "encoding", str, where)
@@ -341,10 +430,34 @@ def _parse(doc: Any, source: str) -> Metadata:
             checksum=_checksum(_req(o, "checksum", str, where), where),
             encoding=enc,
         )
-    clash = md.tensors.keys() & md.objects.keys()
+
+
+def _parse_v2(doc: dict, source: str, directory: str) -> Metadata:
+    """Format 2: tensor-level facts from JSON, chunks from the mapped index (read where looked at)."""
+    from .chunkindex import open_index
+
+    md = Metadata(save_id=_req(doc, "save_id", str, source), world_size=_req(doc, "world_size", int, source),
+                  version=2)
+    md.index_file = _file_name(_req(doc, "index", str, source), f"{source}: index")
+    files = _req(doc, "files", list, source)
+    md.data_files = [_file_name(f, f"{source}: files") for f in files]
+    t = _req(doc, "tensors", dict, source)
+    names = _req(t, "names", list, f"{source}: tensors")
+    dtypes = _req(t, "dtypes", list, f"{source}: tensors")
+    ndims = _req(t, "ndims", list, f"{source}: tensors")
+    if not (len(names) == len(dtypes) == len(ndims)) or not all(type(n) is str for n in names) \
+            or not all(type(n) is int and n >= 0 for n in ndims):
+        raise CheckpointFormatError(f"{source}: tensors: names, dtypes and ndims must be lists of equal length")
+    for n, d in zip(names, dtypes):
+        if d not in _DTYPE_NAMES:
+            raise CheckpointFormatError(f"{source}: tensor {n!r}: unsupported dtype {d!r}")
+    if names != sorted(set(names)):
+        raise CheckpointFormatError(f"{source}: tensors: names must be sorted and unique")
+    _parse_objects(doc, md, source)
+    clash = set(names) & md.objects.keys()
     if clash:
         raise CheckpointFormatError(f"{source}: keys are both tensor and object: {sorted(clash)[:5]}")
-    md.validate_geometry(source)
+    md.tensors = open_index(directory, md.index_file, names, dtypes, ndims, md.data_files)
     return md
 
 
@@ -367,5 +480,5 @@ def read_metadata_bytes(directory: str) -> bytes:
 def read_metadata(directory: str | os.PathLike) -> Metadata:
     """Read, parse and validate ``<directory>/.metadata``."""
     directory = os.fspath(directory)
-    return Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory))
+    return Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory), directory=directory)
 

@@ -119,7 +119,7 @@ def local_plan(
             else:
                 plan.missing.append(fqn)
             continue
-        tmeta = md.tensors.get(fqn)
+        tmeta = md.tensor_info(fqn)
         if tmeta is None:
             if fqn in md.objects:
                 plan.problems.append(f"{fqn!r}: the checkpoint holds a Python object, the state dict a tensor")
@@ -135,17 +135,17 @@ def local_plan(
             have = dtype_name(value.dtype)
         except KeyError:
             have = str(value.dtype)
-        if have != tmeta.dtype or box.global_shape != tmeta.shape:
+        if have != tmeta[0] or box.global_shape != tmeta[1]:
             plan.problems.append(
                 f"{fqn!r}: the state dict has dtype {have} shape {list(box.global_shape)}, "
-                f"the checkpoint {tmeta.dtype} {list(tmeta.shape)}"
+                f"the checkpoint {tmeta[0]} {list(tmeta[1])}"
             )
             continue
         if box.local is None or box.numel == 0:
             continue
         itemsize = value.element_size()
         reads = []
-        for chunk in tmeta.chunks:
+        for chunk in md.chunks_for(fqn, box.offsets, box.lengths):
             hit = _intersect(chunk, box.offsets, box.lengths)
             if hit is not None:
                 src, dst, ln = hit
@@ -174,7 +174,7 @@ def local_plan(
 
 def key_width(md: Metadata) -> int:
     """Columns per shard in the exchange record: the largest tensor rank in the checkpoint."""
-    return max((len(t.shape) for t in md.tensors.values()), default=0)
+    return md.width()
 
 
 def plan_record(plan: LocalPlan, width: int) -> bytes:

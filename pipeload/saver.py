@@ -36,6 +36,7 @@ import torch
 from . import balance
 from ._gcpause import paused_gc
 from .checksum import checksum, hasher
+from .chunkindex import ARRAYS, build_arrays, index_file_name
 from .comm import Comm
 from .errors import DistributedError, StateDictError
 from .metadata import (
@@ -51,7 +52,7 @@ from .metadata import (
 )
 from .statedict import flatten, is_tensor, tensor_box
 
-DATA_FILE_RE = re.compile(r"^data-[0-9a-f]{16}-\d{5,}\.safetensors$")
+DATA_FILE_RE = re.compile(r"^(data-[0-9a-f]{16}-\d{5,}|index-[0-9a-f]{16})\.safetensors$")
 _WRITE_BUFFER = 8 << 20
 
 
@@ -280,8 +281,13 @@ def _commit(directory: str, md: Metadata) -> None:
     """
     final = os.path.join(directory, METADATA_FILE)
     tmp = os.path.join(directory, f"{METADATA_FILE}.tmp-{md.save_id}")
+    index = index_file_name(md.save_id)
+    arrays = build_arrays(sorted(md.tensors), md.tensors, md.files)
+    _write_file(os.path.join(directory, index), md.save_id,
+                [(k, ARRAYS[k][0], a.shape, a.tobytes()) for k, a in arrays.items()])
+    _fsync_dir(directory)  # the index is durable before the rename that commits it
     with open(tmp, "w") as f:
-        f.write(md.to_json())
+        f.write(md.to_json_v2(index))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
@@ -290,7 +296,7 @@ def _commit(directory: str, md: Metadata) -> None:
     except OSError as e:
         warnings.warn(f"pipeload.save: fsync of {directory} failed after the commit: {e}", RuntimeWarning,
                       stacklevel=3)
-    keep = set(md.files)
+    keep = {*md.files, index}
     for name in os.listdir(directory):
         stale = (DATA_FILE_RE.match(name) and name not in keep) or name.startswith(f"{METADATA_FILE}.tmp-")
         if stale:

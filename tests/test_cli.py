@@ -16,7 +16,7 @@ from pipeload import bench, synth
 from pipeload._fastio import SafetensorsFile
 from pipeload.cli import main
 from pipeload.inspect import inspect_checkpoint, verify_checkpoint
-from pipeload.metadata import METADATA_FILE, Metadata
+from pipeload.metadata import METADATA_FILE, Metadata, read_metadata
 
 SMALL = dict(layers=1, experts=2)
 
@@ -40,8 +40,7 @@ def ckpt(saved, tmp_path):
 
 
 def _md(path: str) -> Metadata:
-    with open(os.path.join(path, METADATA_FILE), "rb") as f:
-        return Metadata.from_json(f.read())
+    return read_metadata(path)
 
 
 def test_inspect_summary(saved, capsys):

@@ -162,7 +162,7 @@ def _failures(rank, meshes, root, good) -> dict:
         path = os.path.join(root, name)
         if rank == 0:
             shutil.copytree(good, path)
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            files = sorted(f for f in os.listdir(path) if f.startswith("data-"))
             damage(os.path.join(path, files[1]))
         _barrier()
         return path

@@ -149,7 +149,7 @@ def test_overwrite_replaces_files(tmp_path):
     first = set(os.listdir(tmp_path))
     pipeload.save({"a": torch.full((2,), 2.0)}, tmp_path)
     second = set(os.listdir(tmp_path))
-    assert len(second) == 2 and not (first - {".metadata"}) & second
+    assert len(second) == 3 and not (first - {".metadata"}) & second  # .metadata, index, one data file
     dst = {"a": torch.zeros(2)}
     pipeload.load(dst, tmp_path)
     assert torch.equal(dst["a"], torch.full((2,), 2.0))
@@ -157,7 +157,7 @@ def test_overwrite_replaces_files(tmp_path):
 
 def test_read_failure_names_file(tmp_path):
     pipeload.save({"a": torch.ones(2)}, tmp_path)
-    data = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")][0]
+    data = [f for f in os.listdir(tmp_path) if f.startswith("data-")][0]
     os.unlink(tmp_path / data)
     with pytest.raises(DistributedError, match=f"{data}.*FileNotFoundError"):
         pipeload.load({"a": torch.zeros(2)}, tmp_path)
@@ -165,7 +165,7 @@ def test_read_failure_names_file(tmp_path):
 
 def test_checksum_verification(tmp_path):
     pipeload.save({"a": torch.ones(64)}, tmp_path)
-    data = tmp_path / [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")][0]
+    data = tmp_path / [f for f in os.listdir(tmp_path) if f.startswith("data-")][0]
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0x01
     data.write_bytes(bytes(raw))
@@ -218,6 +218,47 @@ def test_gc_pause_nests_and_restores():
 def test_empty_state_dict_into_a_new_nested_directory(tmp_path):
     target = tmp_path / "runs" / "step-0"
     pipeload.save({"model": {}}, target)
-    assert os.listdir(target) == [".metadata"]
+    assert sorted(os.listdir(target))[0] == ".metadata" and len(os.listdir(target)) == 2  # + the chunk index
     stats = pipeload.load({"model": {}}, target)
     assert stats.bytes_read == 0 and stats.private_shards == 0
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def test_format_1_checkpoints_still_load():
+    """A checkpoint written by the release that wrote format 1 (kept as a fixture) loads exactly."""
+    import layouts as L
+    from pipeload.inspect import inspect_checkpoint, verify_checkpoint
+    from pipeload.metadata import read_metadata
+
+    fixture = os.path.join(FIXTURES, "v1")
+    assert read_metadata(fixture).version == 1
+    flat = {fqn: torch.zeros(shape, dtype=dtype) for fqn, (shape, dtype) in L.TENSORS.items()}
+    flat.update({fqn: None for fqn in L.OBJECTS})
+    sd = L.nest(flat)
+    pipeload.load(sd, fixture)
+    L.check_values(sd)
+    assert inspect_checkpoint(fixture)["version"] == 1 and verify_checkpoint(fixture) == []
+
+
+def test_format_2_index_is_read_only_where_needed_and_validated(tmp_path):
+    """Format 2 keeps chunks in a safetensors index; a damaged index is a named CheckpointFormatError."""
+    from safetensors import safe_open
+
+    from pipeload.metadata import read_metadata
+
+    full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+    pipeload.save({"w": full, "s": 3}, tmp_path)
+    md = read_metadata(tmp_path)
+    assert md.version == 2 and md.indexed and "w" in md.tensors
+    index = tmp_path / md.index_file
+    with safe_open(str(index), "np") as f:  # any safetensors tool reads the index
+        assert f.get_tensor("chunk_start").tolist() == [0, 1]
+    assert [c.key for c in md.chunks_for("w", (8, 0), (8, 8))] == ["w"]
+    dst = {"w": torch.zeros(64, 8), "s": None}
+    pipeload.load(dst, tmp_path)
+    assert torch.equal(dst["w"], full) and dst["s"] == 3
+    os.unlink(index)
+    with pytest.raises(PipeloadError, match="chunk index of this checkpoint is missing"):
+        pipeload.load({"w": torch.zeros(64, 8), "s": None}, tmp_path)
