@@ -105,6 +105,8 @@ class ChunkIndex:
         self.a = a
         self.width = width
         self.n_files = n_files
+        self._starts: list[int] | None = None  # chunk_start / max_rows as lists, once a box is looked up
+        self._max_rows: list[int] = []
 
     def close(self) -> None:
         self._file.close()
@@ -114,6 +116,8 @@ class ChunkIndex:
 
     def _check(self, i: int, fqn: str, lo: int, hi: int, ndim: int) -> None:
         """Candidates ``[lo, hi)`` of tensor ``i`` lie inside its shape and name listed files."""
+        if hi <= lo:
+            return
         off = self.a["chunk_offsets"][lo:hi, :ndim]
         ln = self.a["chunk_lengths"][lo:hi, :ndim]
         shape = self.a["shape"][i, :ndim]
@@ -135,6 +139,7 @@ class ChunkIndex:
             rows = np.arange(a if lo is None else lo, b if hi is None else hi)
         shape = self.shape(i, ndim)
         out = []
+        rows = np.asarray(rows, dtype=np.int64)
         offs = self.a["chunk_offsets"][rows, :ndim].tolist()
         lens = self.a["chunk_lengths"][rows, :ndim].tolist()
         fls = self.a["chunk_file"][rows].tolist()
@@ -147,29 +152,57 @@ class ChunkIndex:
 
     def overlapping(self, i: int, fqn: str, ndim: int, files: list[str], offsets, lengths) -> list:
         """The chunks of tensor ``i`` that overlap the box; they must cover it exactly."""
-        a, b = self._rows(i)
+        if self._starts is None:
+            self._starts = self.a["chunk_start"].tolist()
+            self._max_rows = self.a["max_rows"].tolist()
+        a, b = self._starts[i], self._starts[i + 1]
         if ndim == 0 or a == b:
             self._check(i, fqn, a, b, ndim)
             return self.chunks(i, fqn, ndim, files, a, b)
         o0 = self.a["chunk_offsets"][a:b, 0]
-        first = offsets[0] - int(self.a["max_rows"][i])
-        lo = a + int(np.searchsorted(o0, first, side="right"))
-        hi = a + int(np.searchsorted(o0, offsets[0] + lengths[0], side="left"))
-        self._check(i, fqn, lo, hi, ndim)
-        off = self.a["chunk_offsets"][lo:hi, :ndim]
-        ln = self.a["chunk_lengths"][lo:hi, :ndim]
-        box_lo = np.asarray(offsets, dtype=np.int64)
-        box_hi = box_lo + np.asarray(lengths, dtype=np.int64)
-        top = np.minimum(off + ln, box_hi)
-        bot = np.maximum(off, box_lo)
-        hit = np.all(top > bot, axis=1)
-        vol = int(np.prod(top[hit] - bot[hit], axis=1).sum()) if np.any(hit) else 0
-        if vol != int(np.prod(lengths)) or np.any(ln[hit, 0] > self.a["max_rows"][i]):
+        if b - a > 1:
+            lo = a + int(np.searchsorted(o0, offsets[0] - self._max_rows[i], side="right"))
+            hi = a + int(np.searchsorted(o0, offsets[0] + lengths[0], side="left"))
+        else:
+            lo, hi = a, b
+        if hi - lo > 64:
+            self._check(i, fqn, lo, hi, ndim)
+        off = self.a["chunk_offsets"][lo:hi].tolist()
+        ln = self.a["chunk_lengths"][lo:hi].tolist()
+        fl = self.a["chunk_file"][lo:hi].tolist()
+        shape = self.shape(i, ndim)
+        nfiles = self.n_files
+        hits, vol = [], 0
+        for k, (o, n) in enumerate(zip(off, ln)):
+            if hi - lo <= 64 and (any(o[ndim:]) or any(n[ndim:]) or not 0 <= fl[k] < nfiles
+                                  or any(x < 0 or y < 0 or x + y > s for x, y, s in zip(o, n, shape))):
+                raise CheckpointFormatError(f"{self.path}: tensor {fqn!r}: a chunk lies outside the shape or "
+                                            f"names no listed file")
+            v = 1
+            for oo, nn, bo, bn in zip(o, n, offsets, lengths):
+                top = min(oo + nn, bo + bn)
+                bot = max(oo, bo)
+                if top <= bot:
+                    v = 0
+                    break
+                v *= top - bot
+            if v:
+                hits.append(k)
+                vol += v
+        want = 1
+        for x in lengths:
+            want *= x
+        if vol != want or any(ln[h][0] > self._max_rows[i] for h in hits):
             raise CheckpointFormatError(
                 f"{self.path}: tensor {fqn!r}: the chunks do not cover the box at {list(offsets)} of size "
                 f"{list(lengths)} exactly (gap or overlap)"
             )
-        found = self.chunks(i, fqn, ndim, files, rows=lo + np.flatnonzero(hit))
+        sums = self.a["chunk_checksum"][lo:hi]
+        found = []
+        for h in hits:
+            o, n = tuple(off[h][:ndim]), tuple(ln[h][:ndim])
+            key = fqn if n == shape else f"{fqn}@{','.join(map(str, o))}"
+            found.append(ChunkMeta(o, n, files[fl[h]], key, f"{int(sums[h]):016x}"))
         if len(found) > 1 and _any_overlap([(c.offsets, c.lengths) for c in found]):
             raise CheckpointFormatError(f"{self.path}: tensor {fqn!r}: chunks overlap")
         return found

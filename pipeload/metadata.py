@@ -186,7 +186,8 @@ class Metadata:
         return max((len(t.shape) for t in self.tensors.values()), default=0)
 
     def to_json_v2(self, index_file: str) -> str:
-        """Format 2 ``.metadata``: tensor-level facts only; the chunks go to ``index_file``."""
+        """Format 2 ``.metadata``: tensor-level facts only; the chunks go to ``index_file``, written by
+        :func:`pipeload.chunkindex.build_arrays` with the same file list (:attr:`files`)."""
         names = sorted(self.tensors)
         doc = {
             "format": FORMAT_NAME,
@@ -194,7 +195,7 @@ class Metadata:
             "save_id": self.save_id,
             "world_size": self.world_size,
             "index": index_file,
-            "files": sorted({c.file for t in self.tensors.values() for c in t.chunks}),
+            "files": self.files,  # chunk_file in the index counts in this list
             "tensors": {
                 "names": names,
                 "dtypes": [self.tensors[n].dtype for n in names],

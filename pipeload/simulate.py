@@ -28,16 +28,17 @@ like it, and a host-side fp32 ``step`` scalar per parameter held by every rank):
   dimension and TP-sharded as in ``dense``; norms ``Shard(0)`` over FSDP, replicated over TP
   (``R = 1`` for weights, 8 for norms).
 
-The checkpoint is the one the same layout would save (each distinct box one chunk). Ranks offer their
+The checkpoint metadata (format 2: ``.metadata`` and the chunk index, written to a temporary directory
+by the saver's own writers) is the one the same layout would save (each distinct box one chunk). Ranks offer their
 mesh-dimension groups for reuse, as DTensor state dicts do.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
+import tempfile
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -49,7 +50,10 @@ import torch
 from .exchange import (Classes, Transfer, classes, encode_record, group_digest, hash64, make_row, received_bytes,
                        record_digest)
 from .loader import exchange_and_plan
-from .metadata import Metadata
+from .chunkindex import ARRAYS, build_arrays, index_file_name
+from .metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, TensorMeta, metadata_path, read_metadata,
+                       read_metadata_bytes)
+from .saver import _write_file
 from .planner import fqn_index, key_width, local_plan, plan_record
 from .statedict import Box, flatten
 
@@ -206,10 +210,13 @@ class Layout:
             out.append(d)
         return out
 
-    def metadata_json(self) -> str:
-        """The ``.metadata`` this layout saves: every distinct box of every tensor, one chunk each."""
+    def write_checkpoint_metadata(self, directory: str) -> int:
+        """Write the ``.metadata`` and chunk index this layout saves (format 2, the saver's own writers:
+        each distinct box of each tensor one chunk, written by the lowest rank holding it); no data.
+        Returns the bytes written."""
         reps = sorted({self.class_of(r): r for r in range(self.world)}.values())
         tensors = {}
+        files = set()
         for t in self.tensors:
             seen: dict[tuple, int] = {}
             for r in reps:
@@ -218,17 +225,23 @@ class Layout:
                     seen[b] = r
             if not seen:  # zero-size everywhere: one empty chunk
                 seen[((0,) * len(t.shape), t.shape)] = 0
-            whole = len(seen) == 1
-            tensors[t.fqn] = {
-                "dtype": t.dtype, "shape": list(t.shape),
-                "chunks": [{"offsets": list(o), "lengths": list(n), "file": f"data-{SAVE_ID}-{r:05d}.safetensors",
-                            "key": t.fqn if whole else f"{t.fqn}@{','.join(map(str, o))}",
-                            "checksum": "0" * 16} for (o, n), r in sorted(seen.items())],
-            }
-        objects = {o: {"file": f"data-{SAVE_ID}-00000.safetensors", "key": f"{o}#object", "nbytes": 1024,
-                       "checksum": "0" * 16, "encoding": "torch.save/weights_only"} for o in self.objects}
-        return json.dumps({"format": "pipeload", "version": 1, "save_id": SAVE_ID, "world_size": self.world,
-                           "tensors": tensors, "objects": objects}, separators=(",", ":"))
+            chunks = []
+            for (o, n), r in sorted(seen.items()):
+                f = f"data-{SAVE_ID}-{r:05d}.safetensors"
+                files.add(f)
+                key = t.fqn if n == t.shape else f"{t.fqn}@{','.join(map(str, o))}"
+                chunks.append(ChunkMeta(o, n, f, key, "0" * 16))
+            tensors[t.fqn] = TensorMeta(t.dtype, t.shape, tuple(chunks))
+        md = Metadata(save_id=SAVE_ID, world_size=self.world, tensors=tensors)
+        for o in self.objects:
+            md.objects[o] = ObjectMeta(f"data-{SAVE_ID}-00000.safetensors", f"{o}#object", 1024, "0" * 16)
+        index = index_file_name(SAVE_ID)
+        arrays = build_arrays(sorted(tensors), tensors, md.files)
+        _write_file(os.path.join(directory, index), SAVE_ID,
+                    [(k, ARRAYS[k][0], a.shape, a.tobytes()) for k, a in arrays.items()])
+        with open(os.path.join(directory, METADATA_FILE), "w") as f:
+            f.write(md.to_json_v2(index))
+        return sum(os.path.getsize(os.path.join(directory, n)) for n in (index, METADATA_FILE))
 
     def record(self, rank: int, width: int) -> bytes:
         """The record ``rank`` would send, encoded from its boxes by the loader's own encoder."""
@@ -297,9 +310,9 @@ class _Phases:
         self.last = now
 
 
-def _plan_rank(layout: Layout, md_json: str, rows, cls, records, rank: int, phases: _Phases):
+def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, phases: _Phases):
     """One rank's path from the start of load() to its first data read; returns (plan, exchange)."""
-    md = Metadata.from_json(md_json, source="<simulated>/.metadata")
+    md = Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory), directory=directory)
     phases.lap("metadata")
     sd, boxes = layout.state_dict(rank)
     leaves = flatten(sd)
@@ -324,10 +337,12 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     log = log or (lambda m: None)
     t0 = time.perf_counter()
     lay = Layout(layout, world, optim)
-    md_json = lay.metadata_json()
-    md = Metadata.from_json(md_json)
+    tmp = tempfile.TemporaryDirectory(prefix="pipeload-simulate-")
+    directory = tmp.name
+    md_bytes = lay.write_checkpoint_metadata(directory)
+    md = read_metadata(directory)
     width = key_width(md)
-    log(f"metadata: {len(lay.tensors)} tensors, {len(md_json) / 1e6:.1f} MB of JSON")
+    log(f"metadata: {len(lay.tensors)} tensors, {md_bytes / 1e6:.1f} MB (.metadata and chunk index)")
     keys = [lay.class_of(r) for r in range(world)]
     rep: dict[tuple, int] = {}
     for r, k in enumerate(keys):
@@ -350,14 +365,14 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
         phases = _Phases()
         start = time.process_time()
         os.environ["PIPELOAD_HOST_ID"] = f"host-{rank // GPUS_PER_HOST}"
-        gp, ex, n_shards = _plan_rank(lay, md_json, rows, cls, records, rank, phases)
+        gp, ex, n_shards = _plan_rank(lay, directory, rows, cls, records, rank, phases)
         cpu = time.process_time() - start
         peak = None
         if memory:
             del gp
             gc.collect()
             tracemalloc.start()
-            gp2, _, _ = _plan_rank(lay, md_json, rows, cls, records, rank, _Phases())
+            gp2, _, _ = _plan_rank(lay, directory, rows, cls, records, rank, _Phases())
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
             gp = gp2
@@ -366,6 +381,8 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
                             ops=[(op.group, op.reader, op.shards) for op in gp.ops], gp=gp))
         log(f"rank {rank}: {cpu:.2f} s CPU, {len(gp.ops)} broadcasts")
     os.environ.pop("PIPELOAD_HOST_ID", None)
+    md.tensors.index.close()
+    tmp.cleanup()
     gp = results[0].pop("gp")
     for r in results[1:]:
         r.pop("gp")
@@ -376,7 +393,7 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     return {
         "layout": layout, "world": world, "optim": optim,
         "tensors": len(lay.tensors), "shards_per_rank": max(r["shards"] for r in results),
-        "distinct_records": len(records), "metadata_bytes": len(md_json),
+        "distinct_records": len(records), "metadata_bytes": md_bytes,
         "sampled_ranks": sampled,
         "per_rank_cpu_s": max(r["cpu"] for r in results),
         "per_rank_peak_mb": max(r["peak"] for r in results) / 2**20 if memory else None,
@@ -407,7 +424,7 @@ def format_result(res: dict[str, Any]) -> str:
     lines = [
         f"layout {res['layout']}{' + optimizer' if res['optim'] else ''}, W = {res['world']}: "
         f"{res['tensors']} tensors, {res['shards_per_rank']} shards per rank, "
-        f"{res['distinct_records']} distinct records, .metadata {res['metadata_bytes'] / 1e6:.1f} MB",
+        f"{res['distinct_records']} distinct records, metadata {res['metadata_bytes'] / 1e6:.1f} MB",
         f"  per-rank CPU        {res['per_rank_cpu_s']:.3f} s (max over ranks {res['sampled_ranks']})",
     ]
     if res["per_rank_peak_mb"] is not None:

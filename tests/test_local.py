@@ -262,3 +262,20 @@ def test_format_2_index_is_read_only_where_needed_and_validated(tmp_path):
     os.unlink(index)
     with pytest.raises(PipeloadError, match="chunk index of this checkpoint is missing"):
         pipeload.load({"w": torch.zeros(64, 8), "s": None}, tmp_path)
+
+
+def test_format_2_chunk_files_survive_an_objects_only_file(tmp_path):
+    """The index numbers chunk files in the .metadata file list, which also lists objects-only files."""
+    from pipeload.chunkindex import ARRAYS, build_arrays, index_file_name
+    from pipeload.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta, read_metadata
+    from pipeload.saver import _write_file
+
+    md = Metadata("0" * 16, 2, {"w": TensorMeta("F32", (4,), (ChunkMeta((0,), (4,), "b.safetensors", "w", "1" * 16),))},
+                  {"o": ObjectMeta("a.safetensors", "o#object", 3, "2" * 16)})
+    name = index_file_name(md.save_id)
+    arrays = build_arrays(sorted(md.tensors), md.tensors, md.files)
+    _write_file(str(tmp_path / name), md.save_id, [(k, ARRAYS[k][0], a.shape, a.tobytes()) for k, a in arrays.items()])
+    (tmp_path / ".metadata").write_text(md.to_json_v2(name))
+    back = read_metadata(tmp_path)
+    assert back.chunks_for("w", (0,), (4,)) == [ChunkMeta((0,), (4,), "b.safetensors", "w", "1" * 16)]
+    assert back.tensors["w"] == md.tensors["w"] and back.files == ["a.safetensors", "b.safetensors"]
