@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ._busy import Guard
 from ._gcpause import paused_gc
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
@@ -98,13 +99,14 @@ def _progress_bar(enabled: bool, rank: int, total: int):
 
 async def load_async(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
     """Fill ``state_dict`` in place from ``checkpoint_dir``; see :func:`load` for the options."""
-    with paused_gc():
-        return await _load(state_dict, checkpoint_dir, **options)
+    with paused_gc(), Guard() as guard:
+        return await _load(state_dict, checkpoint_dir, guard, **options)
 
 
 async def _load(
     state_dict: dict,
     checkpoint_dir: str | os.PathLike,
+    guard: Guard,
     *,
     process_group: Any = None,
     use_collectives: bool = True,
@@ -127,6 +129,7 @@ async def _load(
     directory = os.fspath(checkpoint_dir)
     comm = Comm(process_group, timeout)
     collective = use_collectives and comm.size > 1
+    contended = await guard.enter(comm, collective, f"pipeload.load from {directory}")  # see _busy.py
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
     device = comm.broadcast_device
     init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
@@ -134,7 +137,9 @@ async def _load(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool:
         # 1. local plan: problems are carried to the exchange, never raised on this rank alone
-        md, leaves, plan, problems = _local_plan(state_dict, directory, comm, collective, strict)
+        md, leaves, plan, problems = (
+            (None, {}, None, [contended]) if contended else _local_plan(state_dict, directory, comm, collective, strict)
+        )
         reusable = comm.reusable_sets([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
         if not problems and md.world_size == comm.size:
             # in the worker: under a throttled device, queueing the requests blocks for a while
@@ -176,7 +181,7 @@ async def _load(
                                      counters, max_inflight, progress, clock)
         finally:
             comm.destroy(created)
-    error = counters.error_report()
+    error = counters.error_report() or guard.late(comm)
     if collective:
         comm.agree(f"pipeload.load from {directory}", error)
     elif error:
