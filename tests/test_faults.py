@@ -430,10 +430,7 @@ def world2_concurrency(rank: int, world: int, root: str) -> dict:
     # A 200 MiB replicated tensor truncated under its reader: a DistributedError on both ranks that
     # names the reader and the cause; the receiver is released at once.
     big = os.path.join(root, "big")
-    data_file = _big_checkpoint(big) if rank == 0 else None
-    data_file = [data_file]
-    dist.broadcast_object_list(data_file, src=0)
-    data_file = data_file[0]
+    data_file = _big_checkpoint(big)  # replicated: written once
     size = os.path.getsize(data_file)
     dist.barrier()
     outcomes = []
@@ -517,16 +514,16 @@ def _die_when(t: torch.Tensor) -> None:
 
 
 def world3_rank_death(rank: int, world: int, root: str, phase: str) -> dict:
-    n = 300
+    n = 60
     shared = os.path.join(root, "shared")
     private = os.path.join(root, "private")
     if phase == "shared":
-        pipeload.save({f"t{i:03d}": torch.full((64 << 10,), 1.0 + i) for i in range(n)}, shared)
-        sd = {f"t{i:03d}": torch.zeros(64 << 10) for i in range(n)}
+        pipeload.save({f"t{i:03d}": torch.full((16 << 10,), 1.0 + i) for i in range(n)}, shared)
+        sd = {f"t{i:03d}": torch.zeros(16 << 10) for i in range(n)}
         ckpt, opts = shared, {"broadcast_batch_bytes": 0, "max_inflight": 1}
     else:
         # each rank holds its own tensors: all private
-        full = {f"r{r}.t{i:03d}": torch.full((64 << 10,), 1.0 + i) for r in range(world) for i in range(n)}
+        full = {f"r{r}.t{i:03d}": torch.full((16 << 10,), 1.0 + i) for r in range(world) for i in range(n)}
         pipeload.save({k: v for k, v in full.items() if k.startswith(f"r{rank}.")}, private)
         sd = {k: torch.zeros_like(v) for k, v in full.items() if k.startswith(f"r{rank}.")}
         ckpt, opts = private, {}
@@ -553,4 +550,4 @@ def test_rank_killed_mid_load(tmp_path, phase):
         assert ok, value
         assert value["error"] is not None, f"rank {r} reported the load as done"
         assert value["took"] < 30, value
-        assert "rank 1" in value["error"], value["error"]
+        assert "rank(s) 1 stopped answering" in value["error"], value["error"]
