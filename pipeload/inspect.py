@@ -12,7 +12,6 @@ import os
 from collections import Counter, defaultdict
 from typing import Any
 
-from .checksum import hasher
 from .errors import CheckpointFormatError
 from .metadata import dtype_itemsize, read_metadata, resolve_inside
 
@@ -111,7 +110,7 @@ def _open(path: str):
     return f
 
 
-def _decodes(data: bytes) -> str | None:
+def _decodes(data: bytearray) -> str | None:
     from .reader import decode_object
 
     try:
@@ -119,31 +118,6 @@ def _decodes(data: bytes) -> str | None:
     except CheckpointFormatError as e:
         return str(e).split(": ", 1)[-1]
     return None
-
-
-_PIECE = 64 << 20
-
-
-def _read_checksum(f, key: str, keep: bool) -> tuple[str, bytes | None]:
-    """(checksum of ``key``'s bytes, the bytes when ``keep``): read through the SIGBUS-guarded copy, in
-    64 MiB pieces, so a file cut or failing under verify is a reported problem, not a dead process."""
-    import torch
-
-    from .reader import copy_box
-
-    buf = f.buffer(key)
-    h = hasher()
-    kept = bytearray(buf.nbytes) if keep else None
-    piece = bytearray(min(_PIECE, buf.nbytes))
-    src = torch.frombuffer(buf, dtype=torch.uint8) if buf.nbytes else None
-    for lo in range(0, buf.nbytes, _PIECE):
-        n = min(_PIECE, buf.nbytes - lo)
-        dst = torch.frombuffer(piece, dtype=torch.uint8)[:n]
-        copy_box(dst, src[lo : lo + n], f.path)
-        h.update(memoryview(piece)[:n])
-        if kept is not None:
-            kept[lo : lo + n] = memoryview(piece)[:n]
-    return h.hexdigest(), (bytes(kept) if kept is not None else None)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> list[str]:
@@ -190,6 +164,8 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
 
 
 def _verify_file(f, name: str, wanted) -> list[str]:
+    from .reader import guarded_read  # torch is imported only when a file is actually read
+
     problems: list[str] = []
     present = set(f.keys())
     entries = []
@@ -208,7 +184,7 @@ def _verify_file(f, name: str, wanted) -> list[str]:
     entries.sort()  # file-offset order: one sequential pass over the file
     for _, key, expect, what in entries:
         try:
-            got, data = _read_checksum(f, key, keep=what.startswith("object"))
+            got, data = guarded_read(f, f.buffer(key), keep=what.startswith("object"))
         except Exception as e:  # noqa: BLE001 - an unreadable range is a problem to report
             problems.append(f"{name}: {key}: cannot read ({_one_line(e)})")
             continue
