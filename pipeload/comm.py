@@ -33,7 +33,7 @@ def _backends_by_device(pg) -> dict[str, str]:
     return dict(part.split(":", 1) for part in config.split(",") if ":" in part)
 
 
-PROBE_SECONDS = 3.0  # how long a rank whose collective failed waits for its peers to check in
+PROBE_SECONDS = 2.0  # how long a rank whose collective failed waits for its peers to check in
 _PROBE_NAMING_LIMIT = 256  # groups larger than this are probed by count only (one store key per rank)
 _probes: dict[str, int] = {}  # group key -> failure probes this process ran on it
 
