@@ -64,11 +64,12 @@ def _silent_peers(comm: "Comm") -> str:
         if arrived >= comm.size:
             return ""
         if comm.size > _PROBE_NAMING_LIMIT:
-            return f"; {comm.size - arrived} of the group's {comm.size} ranks stopped answering (dead or stuck)"
+            return (f"; {comm.size - arrived} of the group's {comm.size} ranks stopped answering (dead, or "
+                    f"stuck outside this call)")
         silent = [r for r, g in enumerate(comm.global_ranks) if g != me and not store.check([prefix + str(g)])]
         if not silent:
             return ""
-        return f"; rank(s) {', '.join(map(str, silent))} stopped answering (dead or stuck)"
+        return f"; rank(s) {', '.join(map(str, silent))} stopped answering (dead, or stuck outside this call)"
     except Exception:  # noqa: BLE001 - the probe only adds detail to an error already being raised
         return ""
 
