@@ -361,9 +361,8 @@ def test_commit_refuses_when_a_data_file_vanished(tmp_path):
     pipeload.save({"a": torch.ones(2)}, tmp_path)
     md = read_metadata(tmp_path)
     before = open(os.path.join(tmp_path, METADATA_FILE)).read()
-    md2 = Metadata(save_id="f" * 16, world_size=1, tensors={
-        "a": md.tensors["a"]._replace(chunks=(md.tensors["a"].chunks[0]._replace(file="data-ffffffffffffffff-00000.safetensors"),))
-    })
+    gone = md.tensors["a"].chunks[0]._replace(file="data-ffffffffffffffff-00000.safetensors")
+    md2 = Metadata(save_id="f" * 16, world_size=1, tensors={"a": md.tensors["a"]._replace(chunks=(gone,))})
     with pytest.raises(FileNotFoundError, match="vanished before the commit"):
         _commit(str(tmp_path), md2)
     assert open(os.path.join(tmp_path, METADATA_FILE)).read() == before
