@@ -6,6 +6,7 @@ extensions = [
     Extension(
         "pipeload._fastio",
         ["pipeload/_fastio.pyx"],
+        depends=["pipeload/_guard.h"],
         extra_compile_args=["-O3"],
     )
 ]

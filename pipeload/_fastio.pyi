@@ -121,3 +121,17 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, object]:
 
 def _set_force_readonly(value: bool) -> None:
     """Testing only: make later opens take the read-only mapping fallback."""
+
+def guarded_copy(
+    dst: int,
+    dst_strides: tuple[int, ...],
+    src: int,
+    src_strides: tuple[int, ...],
+    shape: tuple[int, ...],
+    itemsize: int,
+    source: str,
+) -> None:
+    """Copy a strided box (strides in bytes) from address ``src`` to ``dst`` without the GIL, with a
+    per-thread SIGBUS guard: a fault on a mapped page raises ReadError("<source>: bus error ...")
+    instead of killing the process. Internal primitive of pipeload.reader; addresses are not checked.
+    """

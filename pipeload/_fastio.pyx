@@ -1384,12 +1384,14 @@ cdef class SafetensorsFile:
         for k in range(8):
             hlen |= (<uint64_t>base[k]) << (8 * k)
         if hlen > MAX_HEADER:
+            # The length is the file's first 8 bytes: never echoed (the file may not be ours).
             raise HeaderError(
-                f"{self.path}: header length {hlen} is over the 100,000,000-byte limit")
+                f"{self.path}: header length is over the 100,000,000-byte limit "
+                f"(not a safetensors file?)")
         if hlen > <uint64_t>(self.size - 8):
             raise HeaderError(
-                f"{self.path}: header length {hlen} runs past the end of the file "
-                f"({self.size} bytes)")
+                f"{self.path}: header length runs past the end of the file "
+                f"({self.size} bytes; not a safetensors file?)")
         self.data_offset = 8 + <Py_ssize_t>hlen
         madvise(addr, <size_t>(8 + hlen), MADV_WILLNEED)
         self._parse(base + 8, <size_t>hlen)
@@ -1806,3 +1808,43 @@ def read_header(path):
         out = {name: f.entry(name) for name in f.keys()}
         out["__metadata__"] = f.metadata
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Guarded copies: a fault on a mapped page (the file truncated underneath, a storage error) becomes a
+# ReadError for that copy instead of killing the process with SIGBUS. The C side is in _guard.h.
+
+cdef extern from "_guard.h" nogil:
+    int pl_copy_nd(char* dst, const int64_t* dstr, const char* src, const int64_t* sstr,
+                   const int64_t* shape, int ndim, size_t itemsize, void** fault)
+
+
+def guarded_copy(size_t dst, dst_strides, size_t src, src_strides, shape, size_t itemsize, source):
+    """Copy a strided box of ``shape`` from address ``src`` to address ``dst`` (strides in bytes).
+
+    The copy runs without the GIL, with this thread's SIGBUS guard armed: a page fault that the
+    kernel cannot serve (``source``'s file truncated or its storage failing mid-copy) raises
+    ``ReadError`` naming ``source``; the destination then holds partial bytes. Addresses come from
+    buffers the caller keeps alive (torch tensors over a mapping and a destination); nothing here
+    checks them — this is the reader's internal primitive, not a public API.
+    """
+    cdef int64_t ds[64]
+    cdef int64_t ss[64]
+    cdef int64_t sh[64]
+    cdef int n = len(shape)
+    cdef int k, rc
+    cdef void* fault = NULL
+    if n > 64 or len(dst_strides) != n or len(src_strides) != n:
+        raise ValueError("guarded_copy: strides and shape must have the same length (at most 64)")
+    for k in range(n):
+        ds[k] = dst_strides[k]
+        ss[k] = src_strides[k]
+        sh[k] = shape[k]
+    with nogil:
+        rc = pl_copy_nd(<char*>dst, ds, <const char*>src, ss, sh, n, itemsize, &fault)
+    if rc == -1:
+        raise ReadError(
+            f"{source}: bus error while copying from the mapped file (it was truncated or its "
+            f"storage failed during the read)")
+    if rc != 0:
+        raise ReadError(f"{source}: cannot install the SIGBUS guard for a mapped copy")

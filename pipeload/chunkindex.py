@@ -19,7 +19,6 @@ whole table's tiling is checked by ``pipeload verify`` and, for each tensor, by 
 
 from __future__ import annotations
 
-import os
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -244,5 +243,7 @@ class IndexedTensors(Mapping):
 def open_index(directory: str, name: str, names: list[str], dtypes: list[str], ndims: list[int],
                files: list[str]) -> IndexedTensors:
     """The tensors of a format-2 checkpoint whose index file is ``directory/name``."""
-    idx = ChunkIndex(os.path.join(directory, name), len(names), len(files))
+    from .metadata import resolve_inside
+
+    idx = ChunkIndex(resolve_inside(directory, name), len(names), len(files))
     return IndexedTensors(idx, names, dtypes, ndims, files)

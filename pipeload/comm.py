@@ -40,6 +40,47 @@ def _backends_by_device(pg) -> dict[str, str]:
     return dict(part.split(":", 1) for part in config.split(",") if ":" in part)
 
 
+PROBE_SECONDS = 2.0  # how long a rank whose collective failed waits for its peers to check in
+_PROBE_NAMING_LIMIT = 256  # groups larger than this are probed by count only (one store key per rank)
+_probes: dict[str, int] = {}  # group key -> failure probes this process ran on it
+
+
+def _silent_peers(comm: "Comm") -> str:
+    """After a failed collective: which ranks of the group stopped answering, as a sentence ('' if unknown).
+
+    Every rank that sees a collective of the group fail checks in on the job's store (the one
+    ``init_process_group`` made; nothing of pipeload's own) and waits up to PROBE_SECONDS for the
+    others. A rank that never checks in is dead or stuck outside pipeload. Best effort: a store that
+    died with its host rank, or a survivor that noticed the failure much later, makes this say less.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        import hashlib
+        import time
+
+        group = hashlib.sha1(",".join(map(str, comm.global_ranks)).encode()).hexdigest()[:16]
+        gen = _probes[group] = _probes.get(group, 0) + 1
+        prefix = f"pipeload/alive/{group}/{gen}/"
+        me = dist.get_rank()
+        store.set(prefix + str(me), b"1")
+        arrived = store.add(prefix + "n", 1)
+        deadline = time.monotonic() + min(PROBE_SECONDS, comm.timeout.total_seconds())
+        while arrived < comm.size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            arrived = store.add(prefix + "n", 0)
+        if arrived >= comm.size:
+            return ""
+        if comm.size > _PROBE_NAMING_LIMIT:
+            return (f"; {comm.size - arrived} of the group's {comm.size} ranks stopped answering (dead, or "
+                    f"stuck outside this call)")
+        silent = [r for r, g in enumerate(comm.global_ranks) if g != me and not store.check([prefix + str(g)])]
+        if not silent:
+            return ""
+        return f"; rank(s) {', '.join(map(str, silent))} stopped answering (dead, or stuck outside this call)"
+    except Exception:  # noqa: BLE001 - the probe only adds detail to an error already being raised
+        return ""
+
+
 class Comm:
     """A group's rank, size and collectives, plus the broadcast groups one load uses."""
 
@@ -54,6 +95,7 @@ class Comm:
             self.broadcast_device = torch.device("cpu")
             self.timeout = timedelta(seconds=float(timeout or 1800))
             return
+        self._silent: str | None = None
         self.pg = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.pg)
         if self.rank < 0:
@@ -77,6 +119,12 @@ class Comm:
                 timeout = timedelta(minutes=30)
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
 
+    def silent_peers(self) -> str:
+        """``_silent_peers`` once per operation: the sentence naming the ranks that stopped answering."""
+        if self._silent is None:
+            self._silent = _silent_peers(self) if self.active and self.size > 1 else ""
+        return self._silent
+
     # -- collectives over the whole group ------------------------------------------------------------
 
     def all_gather_object(self, obj: Any, what: str = "pipeload") -> list[Any]:
@@ -88,8 +136,8 @@ class Comm:
         except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
             raise PipeloadError(
                 f"{what}: the all-gather over {self.size} ranks failed on rank {self.rank} "
-                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
-                f"every rank of the group must make the same call"
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+                f"{self.silent_peers()}; every rank of the group must make the same call"
             ) from e
         return out
 
@@ -103,8 +151,8 @@ class Comm:
         except Exception as e:  # noqa: BLE001
             raise PipeloadError(
                 f"{what}: the broadcast from rank 0 failed on rank {self.rank} ({type(e).__name__}: "
-                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); every rank of the group "
-                f"must make the same call"
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}){self.silent_peers()}; every "
+                f"rank of the group must make the same call"
             ) from e
         return box[0]
 

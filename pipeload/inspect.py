@@ -7,15 +7,13 @@ what) instead of stopping at the first. ``pipeload inspect`` / ``pipeload verify
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from collections import Counter, defaultdict
 from typing import Any
 
-from .checksum import checksum
 from .errors import CheckpointFormatError
-from .metadata import dtype_itemsize, read_metadata
+from .metadata import dtype_itemsize, read_metadata, resolve_inside
 
 
 def _split_dims(shape: tuple[int, ...], chunks) -> tuple[int, ...]:
@@ -112,20 +110,21 @@ def _open(path: str):
     return f
 
 
-def _decodes(data: memoryview) -> str | None:
-    import torch
+def _decodes(data: bytearray) -> str | None:
+    from .reader import decode_object
 
     try:
-        torch.load(io.BytesIO(bytes(data)), weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure to decode is the problem being reported
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        decode_object(data, "object")
+    except CheckpointFormatError as e:
+        return str(e).split(": ", 1)[-1]
     return None
 
 
 def verify_checkpoint(path: str | os.PathLike) -> list[str]:
     """Every problem of the checkpoint at ``path``; an empty list when it is intact.
 
-    Checks that ``.metadata`` parses and its chunks tile each tensor; that every data file it names
+    Checks that ``.metadata`` (and a format-2 chunk index) parses and its chunks tile each tensor;
+    that every data file it names
     exists and is valid safetensors; that every chunk and object is there with the dtype and shape the
     metadata records; that the stored bytes match the recorded xxh3-64 checksums; and that every object
     decodes with ``torch.load(weights_only=True)``. Each problem reads ``<file>: <key>: <what>``.
@@ -137,14 +136,24 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
         return [str(e)]
     # (key, expected dtype, expected shape, checksum, what) per file
     wanted: dict[str, list[tuple[str, str, tuple[int, ...], str, str]]] = defaultdict(list)
-    for fqn, t in md.tensors.items():
+    problems: list[str] = []
+    for fqn in md.tensors:
+        try:
+            t = md.tensors[fqn]  # format 2: decoded and checked here, tensor by tensor
+        except CheckpointFormatError as e:
+            problems.append(str(e))
+            continue
         for c in t.chunks:
             wanted[c.file].append((c.key, t.dtype, tuple(c.lengths), c.checksum, f"chunk of {fqn!r}"))
     for fqn, o in md.objects.items():
         wanted[o.file].append((o.key, "U8", (o.nbytes,), o.checksum, f"object {fqn!r}"))
-    problems: list[str] = []
     for name in sorted(wanted):
         fpath = os.path.join(directory, name)
+        try:
+            resolve_inside(directory, name)
+        except CheckpointFormatError as e:
+            problems.append(f"{name}: {str(e).split(': ', 1)[-1]}")
+            continue
         try:
             f = _open(fpath)
         except FileNotFoundError:
@@ -161,6 +170,8 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
 
 
 def _verify_file(f, name: str, wanted) -> list[str]:
+    from .reader import guarded_read  # torch is imported only when a file is actually read
+
     problems: list[str] = []
     present = set(f.keys())
     entries = []
@@ -179,15 +190,14 @@ def _verify_file(f, name: str, wanted) -> list[str]:
     entries.sort()  # file-offset order: one sequential pass over the file
     for _, key, expect, what in entries:
         try:
-            buf = f.buffer(key)
-            got = checksum(buf)
+            got, data = guarded_read(f, f.buffer(key), keep=what.startswith("object"))
         except Exception as e:  # noqa: BLE001 - an unreadable range is a problem to report
             problems.append(f"{name}: {key}: cannot read ({_one_line(e)})")
             continue
         if got != expect:
             problems.append(f"{name}: {key}: checksum {got}, the metadata recorded {expect} ({what})")
-        elif what.startswith("object"):
-            err = _decodes(buf)
+        elif data is not None:
+            err = _decodes(data)
             if err:
                 problems.append(f"{name}: {key}: does not load with torch.load(weights_only=True): {err}")
     return problems

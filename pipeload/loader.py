@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import plancache
+from ._busy import Guard
 from ._gcpause import paused_gc
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
@@ -104,8 +105,8 @@ def _progress_bar(enabled: bool, rank: int, total: int):
 
 async def load_async(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
     """Fill ``state_dict`` in place from ``checkpoint_dir``; see :func:`load` for the options."""
-    with paused_gc():
-        return await _load(state_dict, checkpoint_dir, **options)
+    with paused_gc(), Guard() as guard:
+        return await _load(state_dict, checkpoint_dir, guard, **options)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class _Prepared:
 async def _load(
     state_dict: dict,
     checkpoint_dir: str | os.PathLike,
+    guard: Guard,
     *,
     process_group: Any = None,
     use_collectives: bool = True,
@@ -153,20 +155,30 @@ async def _load(
     collective = use_collectives and comm.size > 1
     options = (bool(broadcast_replicated_tensors), broadcast_batch_bytes, bool(strict),
                tuple(id(g) for g in broadcast_groups or ()))
+    contended = await guard.enter(comm, collective, what)  # see _busy.py
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
     device = comm.broadcast_device
     init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
     with ChunkReader(directory, verify_checksums=verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool:
-        # 0. a plan this rank and every other rank still hold? (one word per rank decides it)
+        # 0. The first collective of every load: one word per rank. It says whether a plan every rank
+        # still holds can be reused, and refuses on every rank alike a load that ran concurrently with
+        # another on an overlapping group (in any rank's process: see _busy.py).
         prep, cache_key = None, None
-        if collective and reuse_plan:
-            cache_key = plancache.key(comm.global_ranks, directory, options)
-            entry, leaves = _cached(cache_key, comm, directory, state_dict)
+        if collective:
+            entry, leaves = None, {}
+            if reuse_plan and not contended:
+                cache_key = plancache.key(comm.global_ranks, directory, options)
+                entry, leaves = _cached(cache_key, comm, directory, state_dict)
             clock.lap("plan")
-            offer = entry.token if entry is not None else 0
+            offer = _CONTENDED if contended else entry.token if entry is not None else 0
             tokens = comm.gather_rows(np.array([offer], dtype=np.int64), what)[:, 0]
+            if np.any(tokens == _CONTENDED):
+                ranks = np.flatnonzero(tokens == _CONTENDED).tolist()
+                raise PipeloadError(contended or f"{what}: another pipeload operation ran at the same time on an "
+                                    f"overlapping process group on rank(s) {ranks}; run loads and saves on one "
+                                    f"group one after the other")
             if offer and bool(np.all(tokens == offer)):
                 prep = entry.state
                 for obj in prep.plan.objects:  # the same keys; their containers may be new
@@ -187,7 +199,7 @@ async def _load(
         try:
             decoded = await _execute(comm, reader, pool, prep.shared, prep.private, prep.plan.objects,
                                      prep.groups, prep.gp, counters, max_inflight, progress, clock)
-            error = counters.error_report()
+            error = counters.error_report() or guard.late(comm)
             if collective:
                 comm.agree(what, error)
             elif error:
@@ -213,6 +225,9 @@ async def _load(
     clock.lap("teardown")
     stats.wall = time.perf_counter() - t0
     return stats
+
+
+_CONTENDED = -1  # the first word of a rank whose load overlaps another on its process (tokens are never -1)
 
 
 def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -243,15 +244,26 @@ class Metadata:
     def from_json(cls, text: str | bytes, source: str = "<metadata>", directory: str | None = None) -> "Metadata":
         """Parse and validate; every failure is a CheckpointFormatError naming ``source`` and the key.
 
+        Refused besides the schema: a key given twice in one JSON object (JSON leaves it undefined;
+        a last-one-wins parser would hide a conflict), nesting deeper than Python's recursion allows,
+        and strings holding a lone UTF-16 surrogate (no UTF-8 encoding: nothing could print them).
         Format 2 maps its chunk index from ``directory`` (default: the directory of ``source``).
         """
         try:
-            doc = json.loads(text)
+            doc = json.loads(text, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:
+            raise CheckpointFormatError(f"{source}: metadata has the key {e.key!r} twice in one object") from None
+        except RecursionError:
+            raise CheckpointFormatError(f"{source}: metadata is nested too deeply") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointFormatError(f"{source}: metadata is not valid JSON ({e})") from None
         if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME and doc.get("version") == 2:
-            return _parse_v2(doc, source, directory if directory is not None else os.path.dirname(source))
-        return _parse(doc, source)
+            md = _parse_v2(doc, source, directory if directory is not None else os.path.dirname(source))
+        else:
+            md = _parse(doc, source)
+        if (_SURROGATE_ESCAPE if isinstance(text, str) else _SURROGATE_ESCAPE_B).search(text):
+            _refuse_lone_surrogates(md, source)
+        return md
 
     def validate_geometry(self, source: str = "<metadata>") -> None:
         """Check that each tensor's chunks lie inside its shape and exactly tile it (no gap, no overlap)."""
@@ -261,12 +273,55 @@ class Metadata:
                 raise CheckpointFormatError(f"{source}: tensor {fqn!r}: {problem}")
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return d
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape somewhere in the text
+_SURROGATE_ESCAPE_B = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(md: "Metadata", source: str) -> None:
+    def check(s: str, what: str) -> None:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CheckpointFormatError(
+                f"{source}: {what} {s.encode('utf-8', 'backslashreplace').decode()!r} holds a lone "
+                f"UTF-16 surrogate (not valid Unicode)"
+            ) from None
+
+    check(md.save_id, "save_id")
+    for fqn, t in md.tensors.items():
+        check(fqn, "key")
+        for c in t.chunks:
+            check(c.key, f"tensor {fqn!r}: chunk key")
+            check(c.file, f"tensor {fqn!r}: file")
+    for fqn, o in md.objects.items():
+        check(fqn, "key")
+        check(o.key, f"object {fqn!r}: key")
+        check(o.file, f"object {fqn!r}: file")
+
+
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 
 
 def tiling_problem(shape: tuple[int, ...], boxes: Boxes) -> str | None:
     """Why the (offsets, lengths) ``boxes`` do not tile ``shape`` exactly, or None when they do."""
-    if len(boxes) == 1 and boxes[0][1] == shape and not any(boxes[0][0]):
+    if len(boxes) == 1 and boxes[0][1] == shape and len(boxes[0][0]) == len(shape) and not any(boxes[0][0]):
         return None  # one chunk holding the whole tensor: the common case
     total = 0
     for off, ln in boxes:
@@ -356,6 +411,8 @@ def _tensor_fast(t: Any, files: dict[str, str]) -> TensorMeta | None:
         )
         if not (_uints(offsets) and _uints(lengths) and type(key) is str and type(csum) is str
                 and _HEX16.fullmatch(csum)):
+            return None
+        if type(file) is not str:
             return None
         if file not in files:
             try:
@@ -447,10 +504,10 @@ def _parse_v2(doc: dict, source: str, directory: str) -> Metadata:
     dtypes = _req(t, "dtypes", list, f"{source}: tensors")
     ndims = _req(t, "ndims", list, f"{source}: tensors")
     if not (len(names) == len(dtypes) == len(ndims)) or not all(type(n) is str for n in names) \
-            or not all(type(n) is int and n >= 0 for n in ndims):
+            or not all(type(n) is int and 0 <= n <= 64 for n in ndims):
         raise CheckpointFormatError(f"{source}: tensors: names, dtypes and ndims must be lists of equal length")
     for n, d in zip(names, dtypes):
-        if d not in _DTYPE_NAMES:
+        if type(d) is not str or d not in _DTYPE_NAMES:
             raise CheckpointFormatError(f"{source}: tensor {n!r}: unsupported dtype {d!r}")
     if names != sorted(set(names)):
         raise CheckpointFormatError(f"{source}: tensors: names must be sorted and unique")
@@ -466,16 +523,63 @@ def metadata_path(directory: str) -> str:
     return os.path.join(directory, METADATA_FILE)
 
 
+MAX_METADATA_BYTES = 1 << 30  # a .metadata larger than this is refused before it is read
+
+
+def resolve_inside(directory: str, name: str) -> str:
+    """``directory/name``, refused (CheckpointFormatError) when it resolves outside ``directory``.
+
+    A checkpoint's files may be symlinks, but only to files inside the checkpoint directory itself
+    (after resolving every link): a link elsewhere would make the checkpoint silently read another
+    checkpoint's data or an unrelated file.
+    """
+    path = os.path.join(directory, name)
+    root = os.path.realpath(directory)
+    real = os.path.realpath(path)
+    if os.path.dirname(real) != root:
+        raise CheckpointFormatError(
+            f"{path}: is a link that resolves outside the checkpoint directory ({real}); "
+            f"pipeload reads only files inside it"
+        )
+    return path
+
+
 def read_metadata_bytes(directory: str) -> bytes:
-    """The raw ``.metadata`` of a checkpoint directory; CheckpointFormatError naming it otherwise."""
+    """The raw ``.metadata`` of a checkpoint directory; CheckpointFormatError naming it otherwise.
+
+    It must be a regular file (a FIFO or a device would block or never end), inside the directory
+    (:func:`resolve_inside`), and at most :data:`MAX_METADATA_BYTES` long.
+    """
     path = metadata_path(directory)
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CheckpointFormatError(f"{directory}: not a pipeload checkpoint (no {METADATA_FILE})") from None
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot read metadata ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"{path}: metadata is not a regular file")
+        resolve_inside(directory, METADATA_FILE)
+        if st.st_size > MAX_METADATA_BYTES:
+            raise CheckpointFormatError(
+                f"{path}: metadata is {st.st_size} bytes, over the {MAX_METADATA_BYTES}-byte limit"
+            )
+        parts, left = [], MAX_METADATA_BYTES + 1
+        while left > 0:
+            b = os.read(fd, min(left, max(st.st_size, 1 << 16)))
+            if not b:
+                break
+            parts.append(b)
+            left -= len(b)
+        if left <= 0:
+            raise CheckpointFormatError(f"{path}: metadata grew past the {MAX_METADATA_BYTES}-byte limit")
+        return b"".join(parts)
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read metadata ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
 
 
 def read_metadata(directory: str | os.PathLike) -> Metadata:

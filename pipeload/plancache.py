@@ -66,7 +66,8 @@ def signature(leaves: dict[str, Leaf]) -> tuple:
 
 def token_of(rows: np.ndarray, options: tuple) -> int:
     h = hashlib.blake2b(np.ascontiguousarray(rows).tobytes() + repr(options).encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little", signed=True) or 1
+    t = int.from_bytes(h.digest(), "little", signed=True)
+    return t if t not in (0, -1) else 1  # 0: no plan offered; -1: the loader's "contended" word
 
 
 def key(global_ranks, directory: str, options: tuple) -> tuple:

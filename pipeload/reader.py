@@ -11,15 +11,15 @@ from __future__ import annotations
 import io
 import math
 import os
+import zipfile
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 
-from ._fastio import FileCache, SafetensorsFile
-from .checksum import checksum
+from ._fastio import FileCache, SafetensorsFile, guarded_copy
+from .checksum import hasher
 from .errors import ChecksumError, CheckpointFormatError, ReadError
-from .metadata import ObjectMeta, dtype_name, torch_dtype
+from .metadata import ObjectMeta, dtype_name, resolve_inside
 from .planner import ReadItem
 
 
@@ -42,26 +42,101 @@ def box_span(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[in
     return first * itemsize, (last + 1) * itemsize
 
 
-_MEMCPY_MIN = 1 << 16
 _MERGE_GAP = 1 << 20  # prefetch ranges closer than this are requested as one
 
 
-def copy_box(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, as a plain memcpy when both sides are contiguous host memory of one dtype.
+def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str) -> None:
+    """``dst.copy_(src)`` for a ``src`` that views a file mapping, safe against the file changing.
 
-    torch's ``copy_`` runs at ~0.7x of memcpy on a contiguous host copy (measured in
-    bench/bench_fastio.py); numpy's ``copyto`` on byte views is a memcpy and releases the GIL.
+    Host destinations get one guarded strided copy (memcpy per contiguous run, without the GIL): a
+    page fault the kernel cannot serve — ``source`` truncated mid-copy, a storage error surfacing as
+    SIGBUS — raises :class:`ReadError` for this copy instead of killing the process. Other devices
+    go through a host bounce buffer filled the same way (a device copy cannot be guarded).
     """
-    if (
-        dst.device.type == "cpu"
-        and dst.dtype == src.dtype
-        and dst.nbytes >= _MEMCPY_MIN
-        and dst.is_contiguous()
-        and src.is_contiguous()
-    ):
-        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
-    else:
-        dst.copy_(src)
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"copy_box: {dst.dtype} {list(dst.shape)} <- {src.dtype} {list(src.shape)}")
+    if dst.device.type != "cpu":
+        host = torch.empty(src.shape, dtype=src.dtype)
+        copy_box(host, src, source)
+        dst.copy_(host)
+        return
+    if dst.is_contiguous() and src.is_contiguous():
+        n = dst.nbytes
+        if n:
+            guarded_copy(dst.data_ptr(), _ONE, src.data_ptr(), _ONE, (n,), 1, source)
+        return
+    if dst.numel() == 0:
+        return
+    isz = dst.element_size()
+    guarded_copy(dst.data_ptr(), tuple(s * isz for s in dst.stride()),
+                 src.data_ptr(), tuple(s * isz for s in src.stride()), tuple(dst.shape), isz, source)
+
+
+_ONE = (1,)
+
+
+_PIECE = 64 << 20  # guarded hashing copies through a buffer of at most this many bytes
+
+
+def guarded_read(f: SafetensorsFile, buf: memoryview, keep: bool = False) -> tuple[str, bytearray | None]:
+    """(xxh3 checksum of ``buf``, a private copy of it when ``keep``), ``buf`` being a view of ``f``'s
+    mapping, read through :func:`copy_box`'s guard in pieces: a file cut or failing meanwhile raises
+    ReadError, never SIGBUS."""
+    n = buf.nbytes
+    h = hasher()
+    kept = bytearray(n) if keep else None
+    if n == 0:
+        return h.hexdigest(), kept
+    src = torch.frombuffer(buf, dtype=torch.uint8)
+    if kept is not None:
+        copy_box(torch.frombuffer(kept, dtype=torch.uint8), src, f.path)
+        h.update(kept)
+        return h.hexdigest(), kept
+    piece = bytearray(min(_PIECE, n))
+    dst = torch.frombuffer(piece, dtype=torch.uint8)
+    for lo in range(0, n, _PIECE):
+        k = min(_PIECE, n - lo)
+        copy_box(dst[:k], src[lo : lo + k], f.path)
+        h.update(memoryview(piece)[:k])
+    return h.hexdigest(), None
+
+
+def check_object_archive(data: bytes | bytearray, where: str) -> None:
+    """Refuse an object record that is not what ``torch.save`` writes: a zip of STORED members.
+
+    ``torch.save`` never compresses, but its reader inflates DEFLATE members: a small hostile record
+    could otherwise decode to a thousand times its size in memory. Both the central directory and
+    each member's local header must say "stored", with equal stored and decoded sizes.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise CheckpointFormatError(f"{where}: not a torch.save archive ({e})") from None
+    for info in infos:
+        local = data[info.header_offset : info.header_offset + 30]
+        if (
+            info.compress_type != zipfile.ZIP_STORED
+            or info.file_size != info.compress_size
+            or len(local) < 30
+            or local[:4] != b"PK\x03\x04"
+            or int.from_bytes(local[8:10], "little") != zipfile.ZIP_STORED
+        ):
+            raise CheckpointFormatError(
+                f"{where}: an archive member is compressed or its sizes disagree; "
+                f"torch.save writes stored members only"
+            )
+
+
+def decode_object(data: bytes | bytearray, where: str) -> Any:
+    """``torch.load(weights_only=True)`` of an object record after :func:`check_object_archive`."""
+    check_object_archive(data, where)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any refusal of the unpickler is a format problem
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointFormatError(f"{where}: does not load with torch.load(weights_only=True): "
+                                    f"{type(e).__name__}: {first}") from None
 
 
 class ChunkReader:
@@ -72,6 +147,7 @@ class ChunkReader:
         self.cache = FileCache(cache_size)
         self.verify = verify_checksums
         self._verified: set[tuple[str, str]] = set()
+        self._inside: set[str] = set()
         self.bytes_read = 0
 
     def _file(self, name: str) -> SafetensorsFile:
@@ -79,6 +155,9 @@ class ChunkReader:
         # (MADV_WILLNEED) before it is copied. Sequential reads run as fast as with readahead;
         # scattered ones (another rank's file, resharding) no longer pull in neighbours nobody on this
         # node needs.
+        if name not in self._inside:
+            resolve_inside(self.directory, name)  # a data file resolving outside the checkpoint is refused
+            self._inside.add(name)
         f = self.cache.get(os.path.join(self.directory, name))
         f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
         return f
@@ -86,7 +165,7 @@ class ChunkReader:
     def _bytes(self, f: SafetensorsFile, key: str, expect_checksum: str) -> memoryview:
         buf = f.buffer(key)
         if self.verify and (f.path, key) not in self._verified:
-            got = checksum(buf)
+            got, _ = guarded_read(f, buf)
             if got != expect_checksum:
                 raise ChecksumError(
                     f"{f.path}: tensor {key!r} has checksum {got}, the metadata recorded {expect_checksum}"
@@ -126,7 +205,7 @@ class ChunkReader:
         """A zero-copy tensor view of the whole stored chunk ``item`` reads from."""
         f = self._file(item.file)
         stored_dtype, shape, start, _ = f.entry(item.key)
-        if tuple(shape) != item.chunk_lengths or torch_dtype(stored_dtype) != dtype:
+        if tuple(shape) != item.chunk_lengths or stored_dtype != dtype_name(dtype):
             raise CheckpointFormatError(
                 f"{f.path}: tensor {item.key!r} is {stored_dtype} {list(shape)}, "
                 f"the metadata says {dtype_name(dtype)} {list(item.chunk_lengths)}"
@@ -145,7 +224,7 @@ class ChunkReader:
             return
         try:
             src = narrow(self.chunk(item, out.dtype, advise), item.src_offsets, item.lengths)
-            copy_box(narrow(out, item.dest_offsets, item.lengths), src)
+            copy_box(narrow(out, item.dest_offsets, item.lengths), src, os.path.join(self.directory, item.file))
         except (CheckpointFormatError, ReadError):
             raise
         except OSError as e:
@@ -155,15 +234,18 @@ class ChunkReader:
     def read_object(self, meta: ObjectMeta) -> Any:
         """A Python object, decoded with ``torch.load(weights_only=True)``: it cannot execute code."""
         f = self._file(meta.file)
-        _, _, start, end = f.entry(meta.key)
+        stored_dtype, _, start, end = f.entry(meta.key)
+        if stored_dtype != "U8":
+            raise CheckpointFormatError(f"{f.path}: object {meta.key!r} is stored as {stored_dtype}, not U8")
         f.advise("willneed", start, end)
         buf = self._bytes(f, meta.key, meta.checksum)
         if buf.nbytes != meta.nbytes:
             raise CheckpointFormatError(
                 f"{f.path}: object {meta.key!r} has {buf.nbytes} bytes, the metadata says {meta.nbytes}"
             )
+        _, data = guarded_read(f, buf, keep=True)
         self.bytes_read += buf.nbytes
-        return torch.load(io.BytesIO(bytes(buf)), weights_only=True)
+        return decode_object(data, f"{f.path}: object {meta.key!r}")
 
     def close(self) -> None:
         self.cache.close()

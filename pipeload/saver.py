@@ -21,6 +21,8 @@ the new ``.metadata`` lands, the directory loads as the previous checkpoint (or 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import io
 import json
 import math
@@ -34,11 +36,12 @@ from typing import Any
 import torch
 
 from . import balance
+from ._busy import Guard
 from ._gcpause import paused_gc
 from .checksum import checksum, hasher
 from .chunkindex import ARRAYS, build_arrays, index_file_name
 from .comm import Comm
-from .errors import DistributedError, StateDictError
+from .errors import CheckpointFormatError, DistributedError, StateDictError
 from .metadata import (
     METADATA_FILE,
     ChunkMeta,
@@ -47,6 +50,7 @@ from .metadata import (
     TensorMeta,
     dtype_itemsize,
     dtype_name,
+    read_metadata_bytes,
     storable_dtype,
     tiling_problem,
 )
@@ -272,13 +276,77 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _commit(directory: str, md: Metadata) -> None:
-    """Rank 0: write ``.metadata`` atomically, then remove data files no longer referenced.
+LOCK_FILE = ".pipeload-save.lock"
 
-    Raises only while the previous state is intact (before the rename); after it the checkpoint is
-    committed, and a failing fsync of the directory or clean-up is a warning, never a reason for the
-    ranks to delete the files the new ``.metadata`` points at.
+
+def _lock_directory(directory: str) -> tuple[int | None, str | None]:
+    """Rank 0: (fd holding an exclusive flock on the directory, None) or (None, problem).
+
+    One save at a time per directory, across processes and jobs: a second save is refused, not
+    queued. The lock is taken on the directory itself; where the file system cannot lock a directory
+    (NFS emulates flock with byte-range locks, which need a regular file) on a lock file inside it.
+    Either way it dies with the process, so a killed save never blocks the next one.
     """
+    busy = f"another save into {directory} is in progress; save again after it"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        return None, f"creating {directory}: {_error_text(e)}"
+    for attempt in range(2):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd, None
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None, busy
+            if attempt:
+                return None, f"locking {directory}: {_error_text(e)}"
+        try:
+            fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            return None, f"locking {directory}: {_error_text(e)}"
+    raise AssertionError("unreachable")
+
+
+def _previous_files(directory: str) -> set[str]:
+    """Data and index files of the checkpoint the commit replaces, as its own ``.metadata`` lists them.
+
+    Only names a pipeload save would write count (a hostile ``.metadata`` cannot get other files of
+    the directory deleted); an unreadable or invalid ``.metadata`` gives none. Format 2 lists its files
+    and index in the JSON itself, so a damaged index does not keep its data files alive.
+    """
+    try:
+        raw = read_metadata_bytes(directory)
+        doc = json.loads(raw)
+        if isinstance(doc, dict) and doc.get("version") == 2:
+            names = [*doc.get("files", []), doc.get("index")]
+            names += [o.get("file") for o in doc.get("objects", {}).values() if isinstance(o, dict)]
+        else:
+            names = Metadata.from_json(raw, source=os.path.join(directory, METADATA_FILE)).files
+    except (CheckpointFormatError, ValueError, TypeError, AttributeError):
+        return set()
+    return {name for name in names if isinstance(name, str) and DATA_FILE_RE.match(name)}
+
+
+def _commit(directory: str, md: Metadata) -> None:
+    """Rank 0: write ``.metadata`` atomically, then remove the data files of the checkpoint it replaced.
+
+    Raises only while the previous state is intact (before the rename): also when a data file of this
+    save has vanished, so a save never reports success for a checkpoint that does not load. After
+    the rename the checkpoint is committed, and a failing fsync of the directory or clean-up is a
+    warning, never a reason for the ranks to delete the files the new ``.metadata`` points at. Only
+    files the previous ``.metadata`` referenced are deleted: never another writer's files, and never
+    leftovers of unknown origin.
+    """
+    missing = [n for n in md.files if not os.path.isfile(os.path.join(directory, n))]
+    if missing:
+        raise FileNotFoundError(
+            f"data file(s) of this save vanished before the commit: {', '.join(missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''}"
+        )
+    previous = _previous_files(directory)
     final = os.path.join(directory, METADATA_FILE)
     tmp = os.path.join(directory, f"{METADATA_FILE}.tmp-{md.save_id}")
     index = index_file_name(md.save_id)
@@ -296,14 +364,11 @@ def _commit(directory: str, md: Metadata) -> None:
     except OSError as e:
         warnings.warn(f"pipeload.save: fsync of {directory} failed after the commit: {e}", RuntimeWarning,
                       stacklevel=3)
-    keep = {*md.files, index}
-    for name in os.listdir(directory):
-        stale = (DATA_FILE_RE.match(name) and name not in keep) or name.startswith(f"{METADATA_FILE}.tmp-")
-        if stale:
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+    for name in sorted(previous - {*md.files, index}):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
 
 
 def _error_text(e: BaseException) -> str:
@@ -320,20 +385,39 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     written; a failed write raises :class:`DistributedError` on every rank and leaves no new loadable
     checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads).
     """
-    with paused_gc():
-        _save(state_dict, os.fspath(checkpoint_dir), Comm(process_group))
+    directory = os.fspath(checkpoint_dir)
+    comm = Comm(process_group)
+    with paused_gc(), Guard() as guard:
+        contended = guard.enter_sync(comm, comm.size > 1, f"pipeload.save into {directory}",
+                                     comm.timeout.total_seconds())
+        lock: list[int] = []
+        try:
+            _save(state_dict, directory, comm, guard, contended, lock)
+        finally:
+            for fd in lock:
+                os.close(fd)
 
 
-def _save(state_dict: dict, directory: str, comm: Comm) -> None:
-    try:
-        entries, payload, problems = _local_plan(flatten(state_dict))
-    except Exception as e:  # noqa: BLE001 - raised below on every rank, never on this one alone
-        entries, payload, problems = [], {}, [f"{type(e).__name__}: {e}"]
+def _save(state_dict: dict, directory: str, comm: Comm, guard: Guard, contended: str | None,
+          lock: list[int]) -> None:
+    """``contended``: why this rank must not save (see _busy.py), carried into the first gather.
+
+    Rank 0 takes the directory's lock after validation, before anything is written; the lock's fd
+    is appended to ``lock`` for the caller to release.
+    """
+    entries: list[tuple] = []
+    payload: dict = {}
+    problems = [contended] if contended else []
+    if not contended:
+        try:
+            entries, payload, problems = _local_plan(flatten(state_dict))
+        except Exception as e:  # noqa: BLE001 - raised below on every rank, never on this one alone
+            entries, payload, problems = [], {}, [f"{type(e).__name__}: {e}"]
     save_id = uuid.uuid4().hex[:16] if comm.rank == 0 else None
     gathered = comm.all_gather_object((problems, entries, save_id), "pipeload.save")
-    all_problems = [f"rank {r}: {p}" for r, (ps, _, _) in enumerate(gathered) for p in ps]
+    all_problems = [f"rank {r}: {p}" for r, g in enumerate(gathered) for p in g[0]]
     if all_problems:
-        raise StateDictError("pipeload.save: the state dict cannot be saved", all_problems)
+        raise StateDictError(f"pipeload.save into {directory}: cannot save", all_problems)
     save_id = gathered[0][2]
     owners, tensors, plan_problems = plan_save([g[1] for g in gathered])
     if plan_problems:
@@ -344,10 +428,13 @@ def _save(state_dict: dict, directory: str, comm: Comm) -> None:
     name = data_file_name(save_id, comm.rank)
     path = os.path.join(directory, name)
     error, sums = None, {}
+    if comm.rank == 0:
+        fd, error = _lock_directory(directory)
+        lock += [fd] if fd is not None else []
     try:
         os.makedirs(directory, exist_ok=True)  # every rank: rank 0 commits even when it writes no data
     except OSError as e:
-        error = f"creating {directory}: {_error_text(e)}"
+        error = error or f"creating {directory}: {_error_text(e)}"
     if mine and error is None:
         items = []
         for k in mine:
@@ -362,6 +449,7 @@ def _save(state_dict: dict, directory: str, comm: Comm) -> None:
             _fsync_dir(directory)
         except Exception as e:  # noqa: BLE001
             error = f"writing {path}: {_error_text(e)}"
+    error = error or guard.late(comm)  # an operation overlapped this one: nothing may be committed
     results = comm.all_gather_object((error, sums), "pipeload.save")
     failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
     if failures:

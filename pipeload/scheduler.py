@@ -201,6 +201,7 @@ class SharedPhase:
                 f"rank {self.comm.rank}: broadcast of {first!r}"
                 f"{f' and {len(op.shards) - 1} more shards' if len(op.shards) > 1 else ''} from rank "
                 f"{op.reader} to ranks {_ranks(self.members.get(op.group, ()))} failed: {type(e).__name__}: {e}"
+                f"{self.comm.silent_peers()}"
             ) from e
         if prepared.unpack:
             dests = [d for d, _ in prepared.unpack]
