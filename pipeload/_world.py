@@ -23,8 +23,11 @@ class WorldError(RuntimeError):
     """A rank of a local world failed or did not finish in time."""
 
 
-def _rank_main(fn, rank: int, world: int, store_path: str, pg_timeout: float, args, results) -> None:
+def _rank_main(fn, rank: int, world: int, store_path: str, pg_timeout: float, args, results,
+               separate_hosts: bool = False) -> None:
     try:
+        if separate_hosts:  # each rank its own host, as pipeload's host-aware policy sees it
+            os.environ["PIPELOAD_HOST_ID"] = f"emulated-node-{rank}"
         import torch
         import torch.distributed as dist
 
@@ -52,12 +55,14 @@ def run_world(
     *args: Any,
     timeout: float = 120.0,
     pg_timeout: float | None = None,
+    separate_hosts: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return values by rank.
 
     ``fn`` must be importable by name (module level). ``pg_timeout`` is the process group's collective
     timeout (default: a little under ``timeout`` so a stuck collective surfaces as a rank traceback
-    before the parent gives up).
+    before the parent gives up). ``separate_hosts`` gives each rank its own host identity
+    (``PIPELOAD_HOST_ID``), so that replicas broadcast as they would across nodes.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -67,7 +72,7 @@ def run_world(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, r, world_size, store_path, pg_timeout, args, results),
+                args=(fn, r, world_size, store_path, pg_timeout, args, results, separate_hosts),
                 daemon=True,
             )
             for r in range(world_size)

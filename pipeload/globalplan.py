@@ -19,7 +19,8 @@ Rules (DESIGN.md, "Global plan"):
 
 - a shard is *shared* when two or more ranks hold it, every holder reported it broadcastable, and its
   holder set has a process group (the load's own, one every member can reuse, or one the load may
-  create);
+  create) — and, under the host-aware policy (``same_host_private``), its holders are not all on one
+  host;
 - readers: shared shards by bytes, largest first (ties by key), each to the holder with the fewest
   bytes so far, ties to the lower rank; starting loads are the bytes each rank reads alone anyway —
   exactly :func:`pipeload.balance.assign`, the rule the saver used to pick writers (so an unchanged
@@ -45,7 +46,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .exchange import F_GROUPS, F_NGROUPS, Classes, Record, group_digest
+from .exchange import F_GROUPS, F_HOST, F_NGROUPS, Classes, Record, group_digest
 
 ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
 STAGING_ALIGN = 64  # byte alignment of each shard inside a staging buffer (any dtype can view it)
@@ -78,8 +79,8 @@ class GlobalPlan:
     pieces: dict[ShardKey, list[ShardKey]]  # this rank's shared shards -> their pieces (one if not striped)
     sets: dict[int, HolderSet]  # every holder set some broadcast uses (FULL: the load's group)
     requested: np.ndarray  # checkpoint key indices some rank asked for
-    readers: dict[ShardKey, int]  # every piece of the load -> its reader
-    loads: list[int]  # bytes each rank reads (shared pieces + what it reads alone)
+    readers: dict[ShardKey, int]  # every piece of this rank's component (all with everything=True) -> reader
+    loads: list[int]  # bytes each rank reads (exact for the ranks of this rank's component)
     bound: int  # the largest unsplittable read: no plan's busiest reader reads less
 
     @property
@@ -88,7 +89,8 @@ class GlobalPlan:
         return sorted(s.members for s in self.sets.values() if s.create)
 
     def digest(self) -> str:
-        """A digest of every global decision (readers, created groups): equal on every rank."""
+        """A digest of the decisions this rank computed (readers of its component, created groups):
+        equal on every rank of one component."""
         h = hashlib.blake2b(digest_size=16)
         for key in sorted(self.readers):
             h.update(repr((key, self.readers[key])).encode())
@@ -111,16 +113,22 @@ def _row_groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         for c in range(u.shape[1]):
             h = (h ^ u[:, c]) * np.uint64(0xBF58476D1CE4E5B9)
             h ^= h >> np.uint64(31)
-    order = np.argsort(h, kind="stable")
-    hs = h[order]
-    same_hash = hs[1:] == hs[:-1]
-    ks = keys[order]
-    differ = np.any(ks[1:] != ks[:-1], axis=1)
-    if np.any(same_hash & differ):
-        order = np.lexsort(keys.T[::-1])
+    # Only rows whose hash bucket is shared can have a twin: sort just those (with R = 1 nearly none).
+    size = 1 << max(4, int(2 * n - 1).bit_length())
+    bucket = (h & np.uint64(size - 1)).astype(np.intp)
+    twin = np.bincount(bucket, minlength=size)[bucket] > 1
+    alone = np.flatnonzero(~twin)
+    maybe = np.flatnonzero(twin)
+    maybe = maybe[np.argsort(h[maybe], kind="stable")]
+    order = np.concatenate([alone, maybe])
+    hs = h[maybe]
+    same_hash = np.concatenate([np.zeros(len(alone), dtype=bool), [False] if len(maybe) else [],
+                                hs[1:] == hs[:-1]]).astype(bool)[1:]
+    pairs = np.flatnonzero(same_hash)
+    if pairs.size and np.any(keys[order[pairs]] != keys[order[pairs + 1]]):
+        order = np.lexsort(keys.T[::-1])  # a collision: exact, slower
         ks = keys[order]
-        differ = np.any(ks[1:] != ks[:-1], axis=1)
-        new = np.concatenate(([True], differ))
+        new = np.concatenate(([True], np.any(ks[1:] != ks[:-1], axis=1)))
     else:
         new = np.concatenate(([True], ~same_hash))
     return order, np.flatnonzero(new)
@@ -196,12 +204,16 @@ def global_plan(
     global_ranks: Sequence[int] | None = None,
     stripe: bool = True,
     min_stripe: int = MIN_STRIPE,
+    same_host_private: bool = False,
+    everything: bool = False,
     on_phase: Callable[[str], None] | None = None,
 ) -> GlobalPlan:
     """This rank's view of the one global plan (see the module docstring for the rules).
 
     ``records[c]`` is the record of class ``c``; ``ndim``/``itemsize`` are indexed by checkpoint key
     index; ``global_ranks`` maps load-group ranks to world ranks (for group digests; default identity).
+    ``same_host_private``: a shard whose holders all run on one host (the rows' host word) is read by
+    each of them, from the one page cache they share, instead of broadcast.
     """
     lap = on_phase or (lambda name: None)
     world = len(rows)
@@ -214,13 +226,15 @@ def global_plan(
         bc = np.concatenate([r.broadcastable for r in records])
         offsets = np.concatenate([r.offsets for r in records])
         lengths = np.concatenate([r.lengths for r in records])
-        requested = np.unique(np.concatenate([index, *[r.objects for r in records]]))
+        requested = np.flatnonzero(np.bincount(np.concatenate([index, *[r.objects for r in records]]),
+                                               minlength=len(ndim)))
     else:
         index = bc = np.zeros(0, dtype=np.int64)
         offsets = lengths = np.zeros((0, width), dtype=np.int64)
         requested = np.zeros(0, dtype=np.int64)
     weights = np.prod(lengths, axis=1, where=np.arange(width) < ndim[index][:, None]) * itemsize[index] \
         if len(index) else np.zeros(0, dtype=np.int64)
+    lap("records")
 
     # 1. identical shard keys across classes
     order, starts = _row_groups(np.column_stack([index, offsets, lengths]))
@@ -245,7 +259,9 @@ def global_plan(
     candidates = np.flatnonzero((holders >= 2) & all_bc) if broadcast else np.zeros(0, dtype=np.int64)
     shut = np.flatnonzero((holders >= 2) & ~all_bc) if broadcast else np.flatnonzero(holders >= 2)
 
-    # 2. holder sets: a tuple of classes; members expanded once per distinct set
+    # 2. holder sets: a tuple of classes; members expanded once per distinct set. Groups are mapped to
+    # their set by a signature of their classes (the class itself when there is one, else two
+    # independent 64-bit sums of per-class random words), so Python touches each distinct set once.
     ranks_of = global_ranks if global_ranks is not None else range(world)
     set_ids: dict[tuple[int, ...], int] = {}
     sets: dict[int, HolderSet] = {}
@@ -259,7 +275,7 @@ def global_plan(
         if classes == everyone:
             sid = FULL
             sets[sid] = HolderSet(tuple(range(world)), False)
-            usable[sid] = True
+            usable[sid] = not (same_host_private and len(np.unique(rows[:, F_HOST])) == 1)
         else:
             sid = 1 + sum(1 for x in sets if x != FULL)
             members = np.sort(np.concatenate([cls.members[c] for c in classes]))
@@ -269,28 +285,73 @@ def global_plan(
             n = rows[members, F_NGROUPS]
             have = np.any((g == dg) & (np.arange(g.shape[1]) < n[:, None]), axis=1).all()
             sets[sid] = HolderSet(mt, not bool(have))
-            usable[sid] = bool(have) or can_create
+            usable[sid] = (bool(have) or can_create) and not (
+                same_host_private and len(np.unique(rows[members, F_HOST])) == 1)
         set_ids[classes] = sid
         return sid
 
     class_of_row = cl[order]
-    piece_sets: list[tuple[ShardKey, int, int]] = []  # (key, weight, set id) of every shared shard
-    for g in candidates.tolist():
-        s, e = int(starts[g]), int(ends[g])
-        classes = tuple(sorted(class_of_row[s:e].tolist())) if n_classes[g] > 1 else (int(class_of_row[s]),)
-        sid = holder_set(classes)
-        r = int(order[s])
+    sid_of = np.zeros(len(candidates), dtype=np.int64)
+    if len(candidates):
+        words = np.random.default_rng(0x5EED).integers(0, 2**63, size=(2, len(records)), dtype=np.int64)
+        with np.errstate(over="ignore"):
+            sig = np.stack([np.add.reduceat(words[0][class_of_row], starts)[candidates],
+                            np.add.reduceat(words[1][class_of_row], starts)[candidates],
+                            n_classes[candidates]], axis=1)
+        single = n_classes[candidates] == 1
+        sig[single, 0] = class_of_row[starts[candidates[single]]]
+        sig[single, 1] = -1
+        _, first, inverse = np.unique(sig, axis=0, return_index=True, return_inverse=True)
+        sid_u = []
+        for g in candidates[first].tolist():
+            s_, e_ = int(starts[g]), int(ends[g])
+            sid_u.append(holder_set(tuple(sorted(class_of_row[s_:e_].tolist()))))
+        sid_of = np.asarray(sid_u, dtype=np.int64)[inverse.ravel()]
+    ok = np.asarray([usable.get(x, False) for x in range(max(sets, default=-1) + 1)], dtype=bool)
+    good = ok[sid_of] if len(candidates) else np.zeros(0, dtype=bool)
+
+    # Loads couple reader choices only within a connected component of holder sets (sets sharing a
+    # class); every decision this rank needs lies in its own component, which is all it computes
+    # (``everything``: all components, for reporting).
+    parent = list(range(len(records)))
+
+    def find(c: int) -> int:
+        while parent[c] != c:
+            parent[c] = parent[parent[c]]
+            c = parent[c]
+        return c
+
+    members_of = {sid: None for sid in sets}
+    for classes, sid in set_ids.items():
+        if usable[sid]:
+            root = find(classes[0])
+            for c in classes[1:]:
+                rc = find(c)
+                if rc != root:
+                    parent[rc] = root
+        members_of[sid] = classes
+    my_class = int(cls.of_rank[me])
+    if everything:
+        in_mine = good
+    else:
+        mine_root = find(my_class)
+        set_in_mine = np.asarray([members_of.get(x) is not None and find(members_of[x][0]) == mine_root
+                                  for x in range(len(ok))], dtype=bool)
+        in_mine = good & set_in_mine[sid_of] if len(candidates) else good
+
+    piece_sets: list[tuple[ShardKey, int, int]] = []  # (key, weight, set id) of shared shards it plans
+    first_rows = order[starts[candidates[in_mine]]]
+    for r, sid in zip(first_rows.tolist(), sid_of[in_mine].tolist()):
         nd = int(ndim[index[r]])
-        key = (int(index[r]), tuple(offsets[r, :nd].tolist()), tuple(lengths[r, :nd].tolist()))
-        if not usable[sid]:
-            for c in classes:
-                extra_private[c] += weights[r]
-            continue
-        piece_sets.append((key, int(weights[r]), sid))
-    for g in shut.tolist():
-        s, e = int(starts[g]), int(ends[g])
-        for c in class_of_row[s:e].tolist():
-            extra_private[c] += weights[order[s]]
+        piece_sets.append(((int(index[r]), tuple(offsets[r, :nd].tolist()), tuple(lengths[r, :nd].tolist())),
+                           int(weights[r]), sid))
+    # groups read by every holder: not broadcastable, or no usable group
+    private_groups = np.concatenate([candidates[~good], shut])
+    if len(private_groups):
+        rws = np.repeat(private_groups, n_classes[private_groups])
+        pos = _ranges(starts[private_groups], ends[private_groups])
+        extra_private += np.bincount(class_of_row[pos], weights=weights[order[starts[rws]]],
+                                     minlength=len(records)).astype(np.int64)
     lap("holder sets")
 
     # 3. readers: the greedy, then stream cutting of the sets the greedy cannot balance
@@ -361,10 +422,17 @@ def global_plan(
             pending[gk] = (keys, size)
     for (sid, reader), (keys, _) in sorted(pending.items(), key=lambda kv: kv[1][0][0]):
         ops.append(Op(sid, reader, tuple(keys)))
-    used = {sid for _, _, sid, _ in pieces}
+    # every set some broadcast of the load uses, in any component: creating one is world-wide
+    used = set(sid_of[good].tolist()) if len(candidates) else set()
     sets = {sid: s for sid, s in sets.items() if sid in used}
     lap("ops")
     return GlobalPlan(ops, by_shard, sets, requested, readers, loads, bound)
+
+
+def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The concatenation of ``arange(lo[i], hi[i])`` over ``i``, vectorised."""
+    n = hi - lo
+    return np.repeat(hi - np.cumsum(n), n) + np.arange(int(n.sum()))
 
 
 def _has(members: tuple[int, ...], r: int) -> bool:

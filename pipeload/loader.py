@@ -132,7 +132,7 @@ async def _load(
     *,
     process_group: Any = None,
     use_collectives: bool = True,
-    broadcast_replicated_tensors: bool = True,
+    broadcast_replicated_tensors: bool | str = "auto",
     broadcast_groups: Sequence[Any] | None = None,
     broadcast_batch_bytes: int = DEFAULT_BATCH_BYTES,
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
@@ -144,6 +144,8 @@ async def _load(
 ) -> LoadStats:
     if max_inflight < 1:
         raise ValueError("max_inflight must be at least 1")
+    if broadcast_replicated_tensors not in (True, False, "auto"):
+        raise ValueError(f"broadcast_replicated_tensors must be True, False or 'auto', not {broadcast_replicated_tensors!r}")
     if broadcast_batch_bytes < 0:
         raise ValueError("broadcast_batch_bytes must be non-negative")
     stats = LoadStats()
@@ -153,7 +155,7 @@ async def _load(
     what = f"pipeload.load from {directory}"
     comm = Comm(process_group, timeout)
     collective = use_collectives and comm.size > 1
-    options = (bool(broadcast_replicated_tensors), broadcast_batch_bytes, bool(strict),
+    options = (broadcast_replicated_tensors, broadcast_batch_bytes, bool(strict),
                tuple(id(g) for g in broadcast_groups or ()))
     contended = await guard.enter(comm, collective, what)  # see _busy.py
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
@@ -257,11 +259,14 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     width = key_width(md) if md else 0
     record = plan_record(plan, width) if plan else encode_record([], [], [], [], [], width)
     rows_seen: list[np.ndarray] = []
-    gp = exchange_and_plan(comm if collective else None, comm.rank, comm.size, md, names, record, problems,
+    # without collectives this rank plans alone, as rank 0 of a world of one
+    gp = exchange_and_plan(comm if collective else None, comm.rank if collective else 0,
+                           comm.size if collective else 1, md, names, record, problems,
                            list(reusable), directory=directory,
-                           broadcast=collective and broadcast_replicated_tensors, batch_bytes=batch_bytes,
-                           can_create=comm.is_world, global_ranks=comm.global_ranks, clock=clock,
-                           rows_out=rows_seen)
+                           broadcast=collective and broadcast_replicated_tensors is not False,
+                           batch_bytes=batch_bytes, can_create=comm.is_world, global_ranks=comm.global_ranks,
+                           clock=clock, rows_out=rows_seen,
+                           same_host_private=broadcast_replicated_tensors == "auto" and comm.broadcast_device.type == "cpu")
     unexpected = []
     if collective:
         unexpected = [names[i] for i in np.setdiff1d(np.arange(len(names)), gp.requested).tolist()]
@@ -319,7 +324,8 @@ def _shared_metadata(directory: str, comm: Comm) -> Metadata:
 def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: list[str], record: bytes,
                       problems: list[str], groups: list[int], *, directory: str, broadcast: bool,
                       batch_bytes: int, can_create: bool, global_ranks=None, clock=None,
-                      on_phase=None, rows_out: list | None = None) -> GlobalPlan:
+                      on_phase=None, rows_out: list | None = None, same_host_private: bool = False,
+                      everything: bool = False) -> GlobalPlan:
     """Steps 2-3 of a load on one rank: the exchange through ``ex`` and this rank's global plan.
 
     ``ex`` is the load's :class:`~pipeload.comm.Comm` (or the simulated exchange of
@@ -353,7 +359,7 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
         on_phase("key shapes")
     return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
                        batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
-                       on_phase=on_phase)
+                       on_phase=on_phase, same_host_private=same_host_private, everything=everything)
 
 
 def _key_shapes(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -394,7 +400,12 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
         process_group: the group whose ranks load together (default: the world).
         use_collectives: ``False`` skips the plan exchange and every collective: each rank reads what it
             needs on its own (the safe fallback; ``broadcast_replicated_tensors`` is then ignored).
-        broadcast_replicated_tensors: read shared shards once and broadcast them (default ``True``).
+        broadcast_replicated_tensors: read each shard several ranks hold once and broadcast it.
+            ``"auto"`` (default): so under an accelerator backend (NCCL); under gloo only when its holders
+            run on more than one host — ranks of one host share a page cache, where reading a replica
+            again costs a memory copy while a gloo broadcast costs a TCP round trip. ``True``: always
+            (also within a host); ``False``: never, every rank reads what it needs. The host is
+            ``socket.gethostname()``, or ``PIPELOAD_HOST_ID`` when set (to emulate separate nodes).
         broadcast_groups: process groups the load may reuse for broadcasting (DTensor mesh groups in the
             state dict are reused automatically).
         broadcast_batch_bytes: shards smaller than this are packed into one broadcast (6 MiB).

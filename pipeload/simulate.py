@@ -380,15 +380,21 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
                             received=ex.received, digest=gp.digest(), shards=n_shards,
                             ops=[(op.group, op.reader, op.shards) for op in gp.ops], gp=gp))
         log(f"rank {rank}: {cpu:.2f} s CPU, {len(gp.ops)} broadcasts")
+    # The whole plan, every component (each rank computes only its own), for balance and agreement.
+    ex = SimExchange(rows, cls, records, sampled[0])
+    os.environ["PIPELOAD_HOST_ID"] = f"host-{sampled[0] // GPUS_PER_HOST}"
+    gp = exchange_and_plan(ex, sampled[0], world, md, list(fqn_index(md)), records[int(cls.of_rank[sampled[0]])], [],
+                           lay.group_digests(sampled[0], {}), directory="<simulated>", broadcast=True,
+                           batch_bytes=6 << 20, can_create=True, everything=True)
+    loads = np.asarray(gp.loads, dtype=np.float64)
+    mean = loads.mean() if len(loads) else 0.0
+    views = [r.pop("gp") for r in results]
+    identical = (all(v.creates == gp.creates for v in views)
+                 and all(gp.readers.get(k) == rd for v in views for k, rd in v.readers.items())
+                 and _orders_agree([r["ops"] for r in results]))
     os.environ.pop("PIPELOAD_HOST_ID", None)
     md.tensors.index.close()
     tmp.cleanup()
-    gp = results[0].pop("gp")
-    for r in results[1:]:
-        r.pop("gp")
-    loads = np.asarray(gp.loads, dtype=np.float64)
-    mean = loads.mean() if len(loads) else 0.0
-    identical = len({r["digest"] for r in results}) == 1 and _orders_agree([r["ops"] for r in results])
     phases = {k: max(r["phases"].get(k, 0.0) for r in results) for k in results[0]["phases"]}
     return {
         "layout": layout, "world": world, "optim": optim,

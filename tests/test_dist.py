@@ -282,9 +282,9 @@ def world2_load(rank: int, world: int, from4: str) -> dict:
 def worlds(tmp_path_factory):
     root2 = str(tmp_path_factory.mktemp("w2"))
     root4 = str(tmp_path_factory.mktemp("w4"))
-    r2 = run_world(world2_save, 2, root2, timeout=WORLD_TIMEOUT)
-    r4 = run_world(world4, 4, root4, root2, timeout=WORLD_TIMEOUT)
-    r2b = run_world(world2_load, 2, root4, timeout=WORLD_TIMEOUT)
+    r2 = run_world(world2_save, 2, root2, timeout=WORLD_TIMEOUT, separate_hosts=True)
+    r4 = run_world(world4, 4, root4, root2, timeout=WORLD_TIMEOUT, separate_hosts=True)
+    r2b = run_world(world2_load, 2, root4, timeout=WORLD_TIMEOUT, separate_hosts=True)
     return r2, r4, r2b
 
 

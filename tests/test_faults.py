@@ -486,7 +486,7 @@ def world2_concurrency(rank: int, world: int, root: str) -> dict:
 
 @pytest.mark.timeout(180)
 def test_world2_concurrent_use_and_truncation(tmp_path):
-    res = run_world(world2_concurrency, 2, str(tmp_path), timeout=150, pg_timeout=60)
+    res = run_world(world2_concurrency, 2, str(tmp_path), timeout=150, pg_timeout=60, separate_hosts=True)
     for r in res:
         for name in ("same", "same-ckpt", "crossed"):
             assert r[name] < 10, f"{name} took {r[name]:.1f} s"
@@ -511,7 +511,7 @@ def _spawn_survivors(fn, world: int, args, timeout: float, pg_timeout: float) ->
     out: dict[int, tuple] = {}
     with tempfile.TemporaryDirectory(prefix="pipeload-faults-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, store, pg_timeout, args, results), daemon=True)
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, store, pg_timeout, args, results, True), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -24,7 +24,7 @@ ITEMSIZE = 4
 
 
 def plan_all(per_rank, *, broadcast=True, batch_bytes=0, can_create=True, reusable=None, stripe=True,
-             min_stripe=1 << 20, n_keys=None):
+             min_stripe=1 << 20, n_keys=None, hosts=None, same_host_private=False, everything=False):
     """The global plan of every rank, through the loader's own exchange formats (records, rows, classes).
 
     ``per_rank[r]`` = ([(key, broadcastable)], [object indices]); keys are (index, offsets, lengths)
@@ -38,7 +38,7 @@ def plan_all(per_rank, *, broadcast=True, batch_bytes=0, can_create=True, reusab
         ln = [list(k[2]) + [0] * (width - len(k[2])) for k, _ in shards]
         rec = encode_record([k[0] for k, _ in shards], [bc for _, bc in shards], off, ln, objects, width)
         groups = [group_digest(m) for m in (reusable[r] if reusable else [])]
-        rows.append(make_row(record=rec, save_id="s", problems=False, host=0, groups=groups))
+        rows.append(make_row(record=rec, save_id="s", problems=False, host=hosts[r] if hosts else 0, groups=groups))
         recs.append(rec)
     rows = np.stack(rows)
     cls = classes(rows)
@@ -48,7 +48,8 @@ def plan_all(per_rank, *, broadcast=True, batch_bytes=0, can_create=True, reusab
     ndim = np.array([ndims.get(i, 1) for i in range(n)], dtype=np.int64)
     itemsize = np.full(n, ITEMSIZE, dtype=np.int64)
     return [global_plan(rows, cls, records, me, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
-                        batch_bytes=batch_bytes, can_create=can_create, stripe=stripe, min_stripe=min_stripe)
+                        batch_bytes=batch_bytes, can_create=can_create, stripe=stripe, min_stripe=min_stripe,
+                        same_host_private=same_host_private, everything=everything)
             for me in range(world)]
 
 
@@ -119,7 +120,7 @@ def test_readers_are_the_greedy_of_balance_assign(seed):
     rng = random.Random(200 + seed)
     world = rng.choice([2, 4, 8])
     per_rank = _random_payloads(rng, world, 60)
-    plan = plan_all(per_rank, stripe=False)[0]
+    plan = plan_all(per_rank, stripe=False, everything=True)[0]
     holders, bcs = {}, {}
     for r, (shards, _) in enumerate(per_rank):
         for k, bc in shards:
@@ -326,3 +327,30 @@ def test_metadata_roundtrip_and_rejects_bad_json():
             Metadata.from_json(json.dumps(bad), source="ckpt/.metadata")
     with pytest.raises(CheckpointFormatError, match="ckpt/.metadata: metadata is not valid JSON"):
         Metadata.from_json(b"{", source="ckpt/.metadata")
+
+
+def test_each_rank_plans_its_own_component_and_it_agrees_with_the_whole():
+    """Ranks {0,1} share A, ranks {2,3} share B: a rank computes only its component, exactly as the whole."""
+    a = [((i, (0,), (100 + i,)), True) for i in range(5)]
+    b = [((10 + i, (0,), (50 + i,)), True) for i in range(5)]
+    per_rank = [(a, []), (a, []), (b, []), (b, []), ([((20, (0,), (7,)), True)], [])]
+    plans = plan_all(per_rank)
+    whole = plan_all(per_rank, everything=True)[0]
+    assert set(plans[0].readers) == {k for k, _ in a} and set(plans[2].readers) == {k for k, _ in b}
+    for p in plans:
+        for k, r in p.readers.items():
+            assert whole.readers.get(k, r) == r
+    assert plans[4].ops == [] and plans[4].readers == {}
+    # creating a group is world-wide: every rank plans every creation, in its component or not
+    assert whole.creates == [(0, 1), (2, 3)] and all(p.creates == whole.creates for p in plans)
+
+
+def test_same_host_replicas_read_from_the_page_cache_under_the_host_aware_policy():
+    k = (0, (0,), (1000,))
+    per_rank = [([(k, True)], []) for _ in range(4)]
+    both = plan_all(per_rank, hosts=[1, 1, 2, 2], same_host_private=True)
+    assert all(p.ops for p in both)  # two hosts: broadcast
+    one = plan_all(per_rank, hosts=[1, 1, 1, 1], same_host_private=True)
+    assert all(p.ops == [] and p.pieces == {} for p in one)  # one host: everyone reads, page cache shared
+    forced = plan_all(per_rank, hosts=[1, 1, 1, 1], same_host_private=False)
+    assert all(p.ops for p in forced)

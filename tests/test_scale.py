@@ -96,6 +96,15 @@ def world8(rank: int, world: int, root: str) -> dict:
     out["resaved"] = pipeload.load(sd, ckpt)
     _check(sd)
     pipeload.clear_plan_cache()
+    # One host (gloo, the default "auto" policy): replicas read from the shared page cache, no broadcast;
+    # True forces the broadcast anyway.
+    os.environ["PIPELOAD_HOST_ID"] = "one-host"
+    for v in sd.values():
+        (v.to_local() if hasattr(v, "to_local") else v).zero_()
+    out["one_host"] = pipeload.load(sd, ckpt)
+    _check(sd)
+    out["one_host_forced"] = pipeload.load(_state(mesh, False), ckpt, broadcast_replicated_tensors=True)
+    os.environ["PIPELOAD_HOST_ID"] = f"emulated-node-{rank}"  # as run_world(separate_hosts=True) set it
     # The loader's exchange on the real group, captured for the comparison with the simulated one.
     comm = Comm()
     md = read_metadata(ckpt)
@@ -114,7 +123,7 @@ def world8(rank: int, world: int, root: str) -> dict:
 
 
 def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tmp_path):
-    res = run_world(world8, 8, str(tmp_path), timeout=240)
+    res = run_world(world8, 8, str(tmp_path), timeout=240, separate_hosts=True)
     # every value was checked inside the ranks; the 16 MiB tensor was read in runs by every rank
     big_pieces = [p for r in res for k, p in r["pieces"].items() if k[2] == BIG[0]]
     assert big_pieces and all(len(p) == 8 for p in big_pieces)
@@ -125,6 +134,10 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     assert [r["again"].plan_reused for r in res] == [True] * 8
     assert [r["mixed"].plan_reused for r in res] == [False] * 8
     assert [r["resaved"].plan_reused for r in res] == [False] * 8
+    assert all(r["one_host"].broadcasts == 0 and r["one_host"].bytes_received == 0 for r in res)
+    local = [r["one_host"].bytes_read for r in res]
+    assert all(x > 16 << 20 for x in local)  # every replica read the whole replicated tensor itself
+    assert all(r["one_host_forced"].broadcasts > 0 for r in res)
     first = max(r["stats"].timings["plan"] + r["stats"].timings["exchange"] for r in res)
     again = max(r["again"].timings["plan"] + r["again"].timings["exchange"] for r in res)
     print(f"plan + exchange: first load {first:.4f} s, reused {again:.4f} s")
@@ -135,7 +148,9 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     cls = classes(rows)
     records = [res[int(o)]["record"] for o in cls.owners]
     for rank, r in enumerate(res):
+        os.environ["PIPELOAD_HOST_ID"] = f"emulated-node-{rank}"  # the host word of the rank's row
         ex = sim.SimExchange(rows, cls, records, rank)
         gp = exchange_and_plan(ex, rank, 8, md, list(fqn_index(md)), r["record"], [], r["groups"],
                                directory="sim", broadcast=True, batch_bytes=6 << 20, can_create=True)
         assert gp.digest() == r["digest"] and [(o.group, o.reader, o.shards) for o in gp.ops] == r["ops"]
+    os.environ.pop("PIPELOAD_HOST_ID")
