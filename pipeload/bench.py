@@ -437,8 +437,16 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
     def paths_for(mode: str) -> dict[str, str]:
         return shared if mode == "warm" else nodes
 
+    def emulate_hosts(mode: str) -> None:
+        """Separate nodes (cold, throttled): each rank tells pipeload it runs on a host of its own."""
+        if mode == "warm":
+            os.environ.pop("PIPELOAD_HOST_ID", None)
+        else:
+            os.environ["PIPELOAD_HOST_ID"] = f"emulated-node-{rank}"
+
     def run_one(mode: str, loader: str, repeat: int) -> dict[str, Any]:
         where = paths_for(mode)
+        emulate_hosts(mode)
         src_kind = "pipeload" if loader in (FLOOR, "pipeload", "pipeload-nobcast") else "dcp"
         directory = where[src_kind]
         my_files = data_files(directory)
@@ -554,7 +562,9 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
 
 
 def _plan_reuse(cfg: BenchConfig, dest, ref, directory: str) -> dict[str, Any]:
-    """Plan + exchange of a first load and of a second one that reuses its plan (warm, median of repeats).
+    """Plan + exchange of a first load and of a second one that reuses its plan (median of repeats).
+
+    Page cache warm, separate hosts emulated (so the plan has broadcasts to reuse).
 
     Each value is the per-load max over ranks, ranks aligned by a barrier before every load.
     """
@@ -563,6 +573,7 @@ def _plan_reuse(cfg: BenchConfig, dest, ref, directory: str) -> dict[str, Any]:
     import pipeload
     from pipeload import synth
 
+    os.environ["PIPELOAD_HOST_ID"] = f"emulated-node-{dist.get_rank()}"  # plan the broadcasts too
     first, again = [], []
     for repeat in range(cfg.repeats):
         pipeload.clear_plan_cache()
@@ -722,7 +733,8 @@ def describe(result: dict[str, Any]) -> str:
     ]
     if any(m in ("cold", "throttled") for m in cfg["modes"]):
         out.append("cold/throttled: separate nodes emulated - each rank reads its own copy of each checkpoint "
-                   "(same bytes, separate page cache), dropped from the page cache before every run")
+                   "(same bytes, separate page cache), dropped from the page cache before every run, and "
+                   "tells pipeload it runs on a host of its own (PIPELOAD_HOST_ID); warm: one host")
     if "throttled" in cfg["modes"]:
         if th.get("ok"):
             out.append(f"throttled: all ranks together limited to {cfg['read_mbps']:g} MiB/s ({th['mechanism']})")
