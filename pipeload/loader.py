@@ -28,7 +28,8 @@ import torch
 from ._gcpause import paused_gc
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
-from .metadata import Metadata, metadata_path, read_metadata, read_metadata_bytes
+from . import formats
+from .metadata import Metadata
 from .planner import decode_plan, encode_plan, fqn_index, global_plan, local_plan
 from .reader import ChunkReader
 from .saver import data_file_name
@@ -56,6 +57,7 @@ class LoadStats:
     unexpected_keys: list[str] = field(default_factory=list)  # checkpoint keys no rank asked for
     timings: dict[str, float] = field(default_factory=dict)  # plan, exchange, groups, shared, private, teardown
     wall: float = 0.0
+    format: str = ""  # layout of the checkpoint: "pipeload", "dcp" or "hf"
 
 
 class _Clock:
@@ -116,9 +118,14 @@ async def _load(
     verify_checksums: bool = False,
     timeout: timedelta | float | None = None,
     progress: bool = False,
+    format: str | None = None,
+    key_map: formats.KeyMap = None,
+    cast: bool = False,
 ) -> LoadStats:
     if max_inflight < 1:
         raise ValueError("max_inflight must be at least 1")
+    if format is not None and format not in formats.FORMATS:
+        raise ValueError(f"format must be one of {', '.join(formats.FORMATS)} or None, got {format!r}")
     if broadcast_batch_bytes < 0:
         raise ValueError("broadcast_batch_bytes must be non-negative")
     stats = LoadStats()
@@ -134,7 +141,9 @@ async def _load(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool:
         # 1. local plan: problems are carried to the exchange, never raised on this rank alone
-        md, leaves, plan, problems = _local_plan(state_dict, directory, comm, collective, strict)
+        request = (format, key_map, cast)
+        md, leaves, plan, problems = _local_plan(state_dict, directory, comm, collective, strict, reader, request)
+        stats.format = reader.format
         reusable = comm.reusable_sets([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
         if not problems and md.world_size == comm.size:
             # in the worker: under a throttled device, queueing the requests blocks for a while
@@ -192,34 +201,40 @@ async def _load(
     return stats
 
 
-def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool):
+def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool, reader, request):
     """(metadata, leaves, local plan, problems); any exception becomes a problem to gather."""
     md, leaves, plan = None, {}, None
+    format, key_map, cast = request
     try:
-        md = _shared_metadata(directory, comm) if collective else read_metadata(directory)
+        ckpt = _shared_checkpoint(directory, comm, format, key_map) if collective else (
+            formats.open_checkpoint(directory, format, key_map))
+        reader.attach(ckpt, cast=cast)
+        md = ckpt.metadata
         leaves = flatten(state_dict)
+        if cast:
+            md = formats.cast_metadata(md, leaves)
         plan = local_plan(leaves, md, comm.broadcastable, strict=strict)
         return md, leaves, plan, plan.problems
     except Exception as e:  # noqa: BLE001
         return md, leaves, plan, [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"]
 
 
-def _shared_metadata(directory: str, comm: Comm) -> Metadata:
-    """Rank 0 reads ``.metadata`` and broadcasts its bytes: one read per job, not one per rank.
+def _shared_checkpoint(directory: str, comm: Comm, format: str | None, key_map) -> formats.Checkpoint:
+    """Rank 0 reads the checkpoint's metadata (any layout) and broadcasts it: one read per job.
 
     The first collective of a load; a rank-0 read error reaches every rank and is raised as a
-    problem of each, after the exchange.
+    problem of each, after the exchange. Every rank decodes the payload itself.
     """
-    payload: bytes | Exception | None = None
+    payload = None
     if comm.rank == 0:
         try:
-            payload = read_metadata_bytes(directory)
-        except CheckpointFormatError as e:
-            payload = e
+            payload = formats.read_payload(directory, format)
+        except Exception as e:  # noqa: BLE001 - any failure must still reach the broadcast
+            payload = e if isinstance(e, PipeloadError) else CheckpointFormatError(f"{directory}: {type(e).__name__}: {e}")
     payload = comm.broadcast_object(payload, f"pipeload.load from {directory}")
     if isinstance(payload, Exception):
         raise payload
-    return Metadata.from_json(payload, source=metadata_path(directory))
+    return formats.from_payload(payload, key_map)
 
 
 def _raise_if_any_failed(gathered: list, directory: str) -> None:
@@ -267,7 +282,10 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, my_ops,
 
 
 def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
-    """Load a pipeload checkpoint into ``state_dict`` in place; every rank of the group must call it.
+    """Load a checkpoint into ``state_dict`` in place; every rank of the group must call it.
+
+    The checkpoint may be pipeload's own, torch.distributed.checkpoint's, or Hugging Face safetensors
+    (``format``); all load through the same plan, broadcasts and errors.
 
     Tensors and DTensor local shards are copied into; Python objects are replaced in their containers.
     Each shard held by several ranks is read from storage once and broadcast to the others while the
@@ -287,6 +305,13 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
         verify_checksums: check each stored chunk's xxh3 checksum before using it.
         timeout: for groups the load creates (default: the process group's own timeout).
         progress: a progress bar of loaded bytes on rank 0 (needs tqdm).
+        format: the checkpoint's layout: ``"pipeload"``, ``"dcp"`` (torch.distributed.checkpoint) or
+            ``"hf"`` (Hugging Face safetensors: one file, an index, or a directory of files); None
+            detects it (see :mod:`pipeload.formats`). ``LoadStats.format`` says which was read.
+        key_map: renames checkpoint keys before matching them with the state dict: a dict (unlisted
+            names kept) or a callable (returning None leaves the key out). ``strict`` sees the new names.
+        cast: convert tensors whose stored dtype differs from the destination's while copying
+            (default ``False``: a dtype mismatch is an error listing every such tensor).
 
     Runs the load on uvloop when it is installed. Inside a running event loop use
     ``await pipeload.load_async(...)`` instead.

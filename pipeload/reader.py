@@ -73,6 +73,21 @@ class ChunkReader:
         self.verify = verify_checksums
         self._verified: set[tuple[str, str]] = set()
         self.bytes_read = 0
+        self.cast = False  # view chunks in their stored dtype and convert while copying
+        self.format = "pipeload"
+
+    def attach(self, ckpt, *, cast: bool = False) -> None:
+        """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).
+
+        Its data files are opened by the layout's opener (safetensors files when it has none) and
+        its file names are relative to its root. Call before the first read.
+        """
+        self.directory = ckpt.root
+        self.format = ckpt.format
+        self.cast = cast
+        if ckpt.opener is not None:
+            self.cache.close()
+            self.cache = FileCache(self.cache.capacity, opener=ckpt.opener)
 
     def _file(self, name: str) -> SafetensorsFile:
         # Files open with readahead off (see _fastio); every range is requested exactly
@@ -85,7 +100,8 @@ class ChunkReader:
 
     def _bytes(self, f: SafetensorsFile, key: str, expect_checksum: str) -> memoryview:
         buf = f.buffer(key)
-        if self.verify and (f.path, key) not in self._verified:
+        # "" = the layout records no checksum (HF, DCP): nothing to check
+        if self.verify and expect_checksum and (f.path, key) not in self._verified:
             got = checksum(buf)
             if got != expect_checksum:
                 raise ChecksumError(
@@ -126,6 +142,8 @@ class ChunkReader:
         """A zero-copy tensor view of the whole stored chunk ``item`` reads from."""
         f = self._file(item.file)
         stored_dtype, shape, start, _ = f.entry(item.key)
+        if self.cast:
+            dtype = torch_dtype(stored_dtype)  # copy_box converts into the destination's dtype
         if tuple(shape) != item.chunk_lengths or torch_dtype(stored_dtype) != dtype:
             raise CheckpointFormatError(
                 f"{f.path}: tensor {item.key!r} is {stored_dtype} {list(shape)}, "
