@@ -102,7 +102,7 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed, repeats=args.repeats,
         modes=tuple(args.modes), loaders=tuple(args.loaders), read_mbps=args.read_mbps, dir=args.dir,
-        layers=args.layers, experts=args.experts, timeout=args.timeout, quiet=args.quiet,
+        layers=args.layers, experts=args.experts, timeout=args.timeout, quiet=args.quiet, format=args.format,
     )
     if args.plot:
         try:
