@@ -74,7 +74,7 @@ class ChunkReader:
         self._verified: set[tuple[str, str]] = set()
         self.bytes_read = 0
         self.cast = False  # view chunks in their stored dtype and convert while copying
-        self.format = "pipeload"
+        self.format = ""  # the attached checkpoint's layout
 
     def attach(self, ckpt, *, cast: bool = False) -> None:
         """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import pickle
-import warnings
 
 import pytest
 import torch

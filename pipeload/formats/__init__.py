@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import CheckpointFormatError
-from ..metadata import METADATA_FILE, ChunkMeta, Metadata, TensorMeta, dtype_name
+from ..metadata import METADATA_FILE, Metadata, TensorMeta, dtype_name
 from . import dcp, hf, pipeload_v1
 
 FORMATS = ("pipeload", "dcp", "hf")
@@ -165,7 +165,6 @@ __all__ = [
     "FORMATS",
     "NO_CHECKSUM",
     "Checkpoint",
-    "ChunkMeta",
     "cast_metadata",
     "detect",
     "from_payload",

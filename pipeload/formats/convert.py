@@ -15,7 +15,6 @@ import os
 import uuid
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 
 from ..checksum import hasher
