@@ -358,8 +358,14 @@ def locate_tensor(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]
 class DistcpFile:
     """One ``.distcp`` file seen as the reader sees a safetensors file: entry(), buffer(), advise().
 
-    Tensor items resolve lazily (zip + data.pkl parse, once per item) to a byte range read in place;
-    ``fallbacks`` counts items decoded with torch.load instead.
+    Tensor items resolve lazily, on the first ``buffer()`` (zip + data.pkl parse, once per item), to
+    a byte range read in place; ``fallbacks`` counts items decoded with torch.load instead.
+
+    ``entry()`` touches no page of the file: the reader calls it to plan prefetches well before it
+    copies, and a page fault there would be a synchronous read queued behind the prefetches already
+    issued. Until an item is resolved its start is the blob's (the tensor's bytes begin a header
+    later); ``advise("willneed")`` therefore extends every range by the largest blob overhead of the
+    file, so a hint computed from that start still covers the tensor's bytes and the zip trailer.
     """
 
     def __init__(self, path: str, items: dict[str, tuple]):
@@ -368,6 +374,13 @@ class DistcpFile:
         self._items = items
         self._resolved: dict[str, tuple] = {}
         self.fallbacks = 0
+        self._slack = 0  # bytes of a blob that are not its tensor's data (zip headers, pickle, trailer)
+        for kind, dtype, lengths, _, ln, _ in items.values():
+            if kind == "tensor":
+                n = 1
+                for x in lengths:
+                    n *= x
+                self._slack = max(self._slack, ln - n * _torch_dtype(dtype).itemsize)
 
     @property
     def closed(self) -> bool:
@@ -381,7 +394,7 @@ class DistcpFile:
 
     def advise(self, advice: str, start: int = 0, end: int | None = None) -> None:
         if advice == "willneed":
-            self.raw.willneed(start, self.raw.size if end is None else end)
+            self.raw.willneed(start, self.raw.size if end is None else end + self._slack)
 
     def _resolve(self, key: str) -> tuple:
         hit = self._resolved.get(key)
@@ -426,8 +439,15 @@ class DistcpFile:
         return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
     def entry(self, key: str) -> tuple[str, tuple[int, ...], int, int]:
-        dtype, lengths, start, end, _ = self._resolve(key)
-        return dtype, lengths, start, end
+        """(dtype, shape, start, end); exact once resolved, the blob's start until then (see class)."""
+        hit = self._resolved.get(key)
+        if hit is not None:
+            return hit[:4]
+        info = self._items.get(key)
+        if info is None:
+            raise TensorNotFoundError(f"{self.path}: no item {key!r} in the checkpoint metadata for this file")
+        kind, dtype, lengths, off, ln, _ = info
+        return dtype, lengths, off, off + ln
 
     def buffer(self, key: str) -> memoryview:
         _, _, start, end, decoded = self._resolve(key)
