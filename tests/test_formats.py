@@ -299,3 +299,26 @@ def test_inspect_verify_convert(tmp_path, dcp_dir, capsys):
     capsys.readouterr()
     assert main(["verify", str(broken)]) == 1
     assert "__0_0.distcp" in capsys.readouterr().err
+
+
+def test_rawfile_views(tmp_path):
+    from pipeload._fastio import FileCache, RawFile
+    from pipeload.errors import ReadError
+
+    p = tmp_path / "blob.bin"
+    p.write_bytes(bytes(range(256)) * 64)
+    f = RawFile(str(p))
+    v = f.view(250, 12)
+    assert bytes(v) == bytes(range(250, 256)) + bytes(range(6)) and f.size == 16384
+    with pytest.raises(ReadError, match=r"blob\.bin: byte range \[16380, 16390\) runs past the end"):
+        f.view(16380, 10)
+    with pytest.raises(ValueError):
+        f.view(-1, 2)
+    f.willneed(0, 10**9)  # clipped, never raises
+    f.close()
+    assert bytes(v[:2]) == bytes([250, 251])  # views outlive close()
+    with pytest.raises(ValueError, match="closed"):
+        f.view(0, 1)
+    cache = FileCache(1, opener=RawFile)
+    a = cache.get(str(p))
+    assert isinstance(a, RawFile) and cache.get(str(p)) is a and cache.opens == 1
