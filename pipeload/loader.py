@@ -234,7 +234,7 @@ def _shared_checkpoint(directory: str, comm: Comm, format: str | None, key_map) 
     payload = comm.broadcast_object(payload, f"pipeload.load from {directory}")
     if isinstance(payload, Exception):
         raise payload
-    return formats.from_payload(payload, key_map)
+    return formats.from_payload(payload, directory, key_map)  # this rank's path: copies per node differ
 
 
 def _raise_if_any_failed(gathered: list, directory: str) -> None:

@@ -322,3 +322,21 @@ def test_rawfile_views(tmp_path):
     cache = FileCache(1, opener=RawFile)
     a = cache.get(str(p))
     assert isinstance(a, RawFile) and cache.get(str(p)) is a and cache.opens == 1
+
+
+def test_payload_is_decoded_against_each_ranks_own_path(tmp_path, dcp_dir, hf_tensors):
+    """Rank 0 reads the metadata, but every rank reads data from the path it was given (a copy per node)."""
+    import shutil
+
+    from pipeload.formats import from_payload, read_payload
+
+    single = tmp_path / "a" / "model.safetensors"
+    single.parent.mkdir()
+    save_file(hf_tensors, str(single))
+    cases = [(dcp_dir, str(tmp_path / "dcp-copy")), (str(single.parent), str(tmp_path / "hf-copy"))]
+    for src, copy in cases:
+        shutil.copytree(src, copy)
+        ckpt = from_payload(read_payload(src), copy)
+        assert ckpt.root == copy
+    ckpt = from_payload(read_payload(str(single)), str(tmp_path / "hf-copy" / "model.safetensors"))
+    assert ckpt.root == str(tmp_path / "hf-copy")

@@ -8,8 +8,8 @@ loads: the planner, the scheduler and the error handling see only ``Metadata`` a
 Reading happens in two steps so that one rank reads and every rank decodes (as ``.metadata`` is read
 by rank 0 and broadcast)::
 
-    payload = read_payload(path, format)     # one rank: file reads only; a small picklable value
-    ckpt = from_payload(payload, key_map)    # every rank: parse, validate, rename
+    payload = read_payload(path, format)          # one rank: file reads only; a picklable value
+    ckpt = from_payload(payload, path, key_map)   # every rank, with its own path: parse, validate
 
 ``open_checkpoint(path)`` does both in one process (tools, tests). Layouts without checksums record
 ``""`` as a chunk's checksum: "none recorded", which ``verify_checksums`` skips.
@@ -76,20 +76,25 @@ def detect(path: str) -> str:
     )
 
 
-def read_payload(path: str | os.PathLike, format: str | None = None) -> tuple[str, str, Any]:
-    """What one rank reads for everyone: (format, path, layout-specific data), picklable."""
+def read_payload(path: str | os.PathLike, format: str | None = None) -> tuple[str, Any]:
+    """What one rank reads for everyone: (format, layout-specific data), picklable.
+
+    It holds no path: ranks may load the same checkpoint from different paths (a copy per node), and
+    each decodes the payload against its own (:func:`from_payload`).
+    """
     path = os.fspath(path)
     if format is None:
         format = detect(path)
     elif format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)} or None, got {format!r}")
     module = {"pipeload": pipeload_v1, "dcp": dcp, "hf": hf}[format]
-    return format, path, module.read_payload(path)
+    return format, module.read_payload(path)
 
 
-def from_payload(payload: tuple[str, str, Any], key_map: KeyMap = None) -> Checkpoint:
-    """Decode and validate a payload into a Checkpoint; ``key_map`` renames checkpoint keys."""
-    format, path, data = payload
+def from_payload(payload: tuple[str, Any], path: str | os.PathLike, key_map: KeyMap = None) -> Checkpoint:
+    """Decode and validate a payload into the Checkpoint at this rank's ``path``; ``key_map`` renames keys."""
+    format, data = payload
+    path = os.fspath(path)
     module = {"pipeload": pipeload_v1, "dcp": dcp, "hf": hf}[format]
     ckpt = Checkpoint(format, *module.from_payload(path, data))
     if key_map is not None:
@@ -99,7 +104,7 @@ def from_payload(payload: tuple[str, str, Any], key_map: KeyMap = None) -> Check
 
 def open_checkpoint(path: str | os.PathLike, format: str | None = None, key_map: KeyMap = None) -> Checkpoint:
     """Read and decode the checkpoint at ``path`` in this process."""
-    return from_payload(read_payload(path, format), key_map)
+    return from_payload(read_payload(path, format), path, key_map)
 
 
 def rename(md: Metadata, key_map: KeyMap, source: str) -> Metadata:

@@ -40,7 +40,7 @@ def read_payload(path: str) -> dict[str, Any]:
     """Root, index and every referenced file's header, as plain data (read once, sent to all)."""
     weight_map = None
     if os.path.isfile(path):
-        root, files = os.path.dirname(path) or ".", [os.path.basename(path)]
+        root, files = _root(path, True), [os.path.basename(path)]
     else:
         root = path
         index_path = os.path.join(path, INDEX_FILE)
@@ -73,7 +73,7 @@ def read_payload(path: str) -> dict[str, Any]:
             headers[name] = read_header(os.path.join(root, name))
         except OSError as e:
             raise CheckpointFormatError(f"{os.path.join(root, name)}: {e.strerror or e}") from None
-    return {"root": root, "weight_map": weight_map, "headers": headers}
+    return {"single": os.path.isfile(path), "weight_map": weight_map, "headers": headers}
 
 
 def _check_name(name: str, where: str) -> None:
@@ -91,8 +91,13 @@ def _saved_offsets(meta: dict | None, path: str) -> dict[str, list[int]] | None:
         raise CheckpointFormatError(f"{path}: __metadata__[{SHARDING_KEY!r}] is malformed") from None
 
 
+def _root(path: str, single: bool) -> str:
+    return (os.path.dirname(path) or ".") if single else path
+
+
 def from_payload(path: str, data: dict[str, Any]):
-    root, weight_map, headers = data["root"], data["weight_map"], data["headers"]
+    """(root, Metadata, opener, file metadata) of the checkpoint at ``path`` (this rank's copy)."""
+    root, weight_map, headers = _root(path, data["single"]), data["weight_map"], data["headers"]
     parts: dict[str, list[tuple[str, tuple[int, ...], ChunkMeta]]] = {}
     file_metadata: dict[str, dict[str, str]] = {}
     sharded: set[str] = set()
