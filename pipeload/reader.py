@@ -127,10 +127,11 @@ class ChunkReader:
                 spans.setdefault(item.file, []).append((start + lo, start + hi))
             for name, ranges in spans.items():
                 f = self._file(name)
+                gap = getattr(f, "merge_gap", _MERGE_GAP)  # a layout may hold other ranks' items closer
                 ranges.sort()
                 lo, hi = ranges[0]
                 for a, b in ranges[1:]:
-                    if a - hi > _MERGE_GAP:
+                    if a - hi > gap:
                         f.advise("willneed", lo, hi)
                         lo = a
                     hi = max(hi, b)

@@ -21,6 +21,7 @@ DCP records no checksums.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import io
 import os
@@ -364,8 +365,8 @@ class DistcpFile:
     ``entry()`` touches no page of the file: the reader calls it to plan prefetches well before it
     copies, and a page fault there would be a synchronous read queued behind the prefetches already
     issued. Until an item is resolved its start is the blob's (the tensor's bytes begin a header
-    later); ``advise("willneed")`` therefore extends every range by the largest blob overhead of the
-    file, so a hint computed from that start still covers the tensor's bytes and the zip trailer.
+    later); ``advise("willneed")`` therefore extends a range to the end of the blob its last byte lies
+    in, so a hint computed from that start still covers the tensor's bytes and the zip trailer.
     """
 
     def __init__(self, path: str, items: dict[str, tuple]):
@@ -374,13 +375,20 @@ class DistcpFile:
         self._items = items
         self._resolved: dict[str, tuple] = {}
         self.fallbacks = 0
-        self._slack = 0  # bytes of a blob that are not its tensor's data (zip headers, pickle, trailer)
+        # blob (start, end) of every item, sorted: a hint's end is extended to the end of its blob
+        self._blobs = sorted((off, off + ln) for _, _, _, off, ln, _ in items.values())
+        self._blob_starts = [a for a, _ in self._blobs]
+        slack = 0  # bytes of a blob that are not its tensor's data (zip headers, pickle, trailer)
         for kind, dtype, lengths, _, ln, _ in items.values():
             if kind == "tensor":
                 n = 1
                 for x in lengths:
                     n *= x
-                self._slack = max(self._slack, ln - n * _torch_dtype(dtype).itemsize)
+                slack = max(slack, ln - n * _torch_dtype(dtype).itemsize)
+        # ChunkReader.prefetch merges this rank's ranges closer than this into one request. DCP's
+        # writer and pipeload's reader assignment differ, so the blobs between two of this rank's are
+        # often another rank's: merge only across one blob's headers (plus a page), never over a blob.
+        self.merge_gap = slack + 4096
 
     @property
     def closed(self) -> bool:
@@ -393,8 +401,15 @@ class DistcpFile:
         self.raw.check_unchanged()
 
     def advise(self, advice: str, start: int = 0, end: int | None = None) -> None:
-        if advice == "willneed":
-            self.raw.willneed(start, self.raw.size if end is None else end + self._slack)
+        if advice != "willneed":
+            return
+        if end is None:
+            end = self.raw.size
+        else:  # to the end of the blob holding the last byte: the tensor's tail and the zip trailer
+            i = bisect.bisect_right(self._blob_starts, max(start, end - 1)) - 1
+            if i >= 0 and self._blobs[i][1] > end:
+                end = self._blobs[i][1]
+        self.raw.willneed(start, end)
 
     def _resolve(self, key: str) -> tuple:
         hit = self._resolved.get(key)
