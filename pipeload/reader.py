@@ -75,6 +75,7 @@ class ChunkReader:
         self.bytes_read = 0
         self.cast = False  # view chunks in their stored dtype and convert while copying
         self.format = ""  # the attached checkpoint's layout
+        self.merge_gap = _MERGE_GAP  # prefetch ranges of one file closer than this are requested as one
 
     def attach(self, ckpt, *, cast: bool = False) -> None:
         """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).
@@ -85,6 +86,7 @@ class ChunkReader:
         self.directory = ckpt.root
         self.format = ckpt.format
         self.cast = cast
+        self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
         if ckpt.opener is not None:
             self.cache.close()
             self.cache = FileCache(self.cache.capacity, opener=ckpt.opener)
@@ -127,7 +129,7 @@ class ChunkReader:
                 spans.setdefault(item.file, []).append((start + lo, start + hi))
             for name, ranges in spans.items():
                 f = self._file(name)
-                gap = getattr(f, "merge_gap", _MERGE_GAP)  # a layout may hold other ranks' items closer
+                gap = getattr(f, "merge_gap", self.merge_gap)  # a layout may hold other ranks' items closer
                 ranges.sort()
                 lo, hi = ranges[0]
                 for a, b in ranges[1:]:

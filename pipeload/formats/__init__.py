@@ -43,6 +43,9 @@ class Checkpoint:
     opener: Callable[[str], Any] | None = None
     # Per data file, the safetensors ``__metadata__`` map (HF layout; empty elsewhere).
     file_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Prefetch: a rank's ranges of one file closer than this are requested as one (None: the
+    # reader's default, right when each rank reads mostly contiguous ranges of its own file).
+    merge_gap: int | None = None
 
 
 def detect(path: str) -> str:
@@ -97,6 +100,10 @@ def from_payload(payload: tuple[str, Any], path: str | os.PathLike, key_map: Key
     path = os.fspath(path)
     module = {"pipeload": pipeload_v1, "dcp": dcp, "hf": hf}[format]
     ckpt = Checkpoint(format, *module.from_payload(path, data))
+    if format == "hf":
+        # Whole tensors, each read by several ranks in parts: the bytes between two of this rank's
+        # ranges are usually another rank's share. Merge only what is about one page apart.
+        ckpt.merge_gap = hf.MERGE_GAP
     if key_map is not None:
         ckpt.metadata = rename(ckpt.metadata, key_map, path)
     return ckpt

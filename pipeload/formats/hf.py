@@ -26,6 +26,7 @@ from ..metadata import ChunkMeta, Metadata, TensorMeta, tiling_problem, torch_dt
 INDEX_FILE = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
 SHARDING_KEY = "DCP_SHARDING_INFO"
+MERGE_GAP = 4096  # prefetch: merge a rank's ranges only across a page (see Checkpoint.merge_gap)
 
 
 def is_hf_dir(path: str) -> bool:
