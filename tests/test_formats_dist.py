@@ -211,6 +211,15 @@ def world(rank: int, ws: int, root: str) -> dict:
     stats = pipeload.load(sd, hfd_dir)
     _check_hf(sd, expect, "HuggingFaceStorageWriter(save_distributed) -> tp")
     out["hfd"] = sorted(os.listdir(hfd_dir))
+
+    # -- 6. every rank reads its own path (a copy per node), though rank 0 reads the metadata -------
+    own = os.path.join(root, f"own{rank}")
+    os.makedirs(own)
+    save_file({"x": torch.full((3,), float(rank))}, os.path.join(own, "model.safetensors"))
+    dist.barrier()
+    sd = {"x": torch.zeros(3)}
+    pipeload.load(sd, own, broadcast_replicated_tensors=False)  # private reads: no broadcast to hide it
+    assert torch.equal(sd["x"], torch.full((3,), float(rank))), (rank, sd["x"])
     return out
 
 
