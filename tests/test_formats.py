@@ -212,7 +212,7 @@ def test_hf_forms(tmp_path, hf_tensors):
     single = tmp_path / "model.safetensors"
     save_file(hf_tensors, str(single), metadata={"format": "pt", "origin": "test"})
     sd = {k: torch.zeros_like(v) for k, v in hf_tensors.items()}
-    assert pipeload.load(sd, str(single)).format == "hf"
+    assert pipeload.load(sd, str(single), verify_checksums=True).format == "hf"  # none recorded: skipped
     _assert_equal(sd, hf_tensors)
     info = inspect_checkpoint(str(single))
     assert info["format"] == "hf" and info["file_metadata"] == {"model.safetensors": {"format": "pt", "origin": "test"}}
