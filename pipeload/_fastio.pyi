@@ -6,7 +6,7 @@ zero-copy tensor that stays valid after ``f.close()`` and after the file is evic
 
 import os
 from types import TracebackType
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 #: safetensors dtype name -> bytes per element, for every dtype whose element is whole bytes.
 #: The sub-byte dtypes (F4, F6_E2M3, F6_E3M2) are absent: see DTYPE_BITS.
@@ -84,6 +84,40 @@ class SafetensorsFile:
         tb: TracebackType | None,
     ) -> Literal[False]: ...
 
+class RawFile:
+    """One open file of any layout (e.g. a torch.distributed.checkpoint ``.distcp``), mapped whole.
+
+    Mapped like SafetensorsFile (copy-on-write, MAP_NORESERVE, readahead off) with no header to
+    validate: ``view()`` hands out zero-copy byte ranges that outlive ``close()`` and LRU eviction.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError, PermissionError: from open, unchanged.
+        pipeload.errors.ReadError: not a regular file, or it cannot be mapped.
+    """
+
+    path: str
+    size: int
+    closed: bool
+
+    def __init__(self, path: str | os.PathLike[str]) -> None: ...
+    def view(self, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length): 1-D, format "B", writable (copy-on-write), zero-copy.
+
+        Raises ValueError for a negative offset/length or a closed file; ReadError past the end."""
+    def check_unchanged(self) -> None:
+        """As SafetensorsFile.check_unchanged()."""
+    def willneed(self, start: int, end: int) -> None:
+        """Hint: MADV_WILLNEED over [start, end) clipped to the file, in 1 MiB pieces; never raises."""
+    def close(self) -> None:
+        """Idempotent; views handed out stay valid."""
+    def __enter__(self) -> RawFile: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]: ...
+
 class FileCache:
     """LRU of open SafetensorsFile objects keyed by the path string as given (one cache per load).
 
@@ -98,8 +132,9 @@ class FileCache:
     """Cold opens performed."""
     hits: int
 
-    def __init__(self, capacity: int = 8) -> None:
-        """Raises ValueError if capacity < 1."""
+    def __init__(self, capacity: int = 8, opener: Callable[[str], object] | None = None) -> None:
+        """Raises ValueError if capacity < 1. ``opener(path)`` makes each cached object (default
+        SafetensorsFile); it must have ``closed`` and ``close()``."""
     def get(self, path: str | os.PathLike[str]) -> SafetensorsFile:
         """The open file for `path`; raises what SafetensorsFile() raises on a miss."""
     def __len__(self) -> int: ...

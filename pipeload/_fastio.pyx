@@ -1731,6 +1731,162 @@ cdef class SafetensorsFile:
 
 
 # --------------------------------------------------------------------------------------------------
+# Raw byte ranges of any file (torch.distributed.checkpoint's .distcp files): no header to parse.
+
+cdef class RawFile:
+    """One open file of any layout, mapped whole; hands out zero-copy views of byte ranges.
+
+    The mapping is made as SafetensorsFile makes it (MAP_PRIVATE|MAP_NORESERVE, copy-on-write,
+    read-only fallback under strict overcommit, readahead off) and owned by the same ``_Mapping``:
+    views outlive ``close()`` and eviction from a FileCache. Nothing is validated but the ranges
+    asked for: the caller knows what the bytes mean.
+    """
+    cdef readonly str path
+    cdef readonly Py_ssize_t size
+    cdef readonly bint closed
+    cdef int _fd
+    cdef _Mapping _map
+    cdef uint64_t _st_dev
+    cdef uint64_t _st_ino
+    cdef int64_t _mtime_s
+    cdef int64_t _mtime_ns
+
+    def __cinit__(self):
+        self._fd = -1
+        self.closed = True
+
+    def __dealloc__(self):
+        if self._fd >= 0:
+            c_close(self._fd)
+            self._fd = -1
+
+    def __init__(self, path):
+        cdef struct_stat st
+        cdef void* addr = MAP_FAILED
+        cdef int err = 0
+        cdef _Mapping m
+        if self.path is not None:
+            raise RuntimeError("RawFile is already initialised")
+        p = os.fspath(path)
+        self.path = os.fsdecode(p) if isinstance(p, bytes) else p
+        self._fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            if fstat(self._fd, &st) != 0:
+                err = errno
+                raise OSError(err, os.strerror(err), self.path)
+            if S_ISDIR(st.st_mode):
+                raise IsADirectoryError(21, os.strerror(21), self.path)
+            if not S_ISREG(st.st_mode):
+                raise ReadError(f"{self.path}: not a regular file")
+            self.size = st.st_size
+            self._st_dev = <uint64_t>st.st_dev
+            self._st_ino = <uint64_t>st.st_ino
+            self._mtime_s = <int64_t>st.st_mtim.tv_sec
+            self._mtime_ns = <int64_t>st.st_mtim.tv_nsec
+            m = _Mapping.__new__(_Mapping)
+            if self.size > 0:
+                if not _force_readonly:
+                    addr = mmap(NULL, <size_t>self.size, PROT_READ | PROT_WRITE,
+                                MAP_PRIVATE | MAP_NORESERVE, self._fd, 0)
+                    err = errno
+                if addr == MAP_FAILED and (_force_readonly or err == ENOMEM):
+                    addr = mmap(NULL, <size_t>self.size, PROT_READ, MAP_PRIVATE, self._fd, 0)
+                    err = errno
+                    m.readonly = True
+                if addr == MAP_FAILED:
+                    raise ReadError(f"{self.path}: cannot map the file: {os.strerror(err)}")
+                m.addr = <char*>addr
+                m.length = self.size
+                madvise(addr, <size_t>self.size, MADV_RANDOM)
+            self._map = m
+        except BaseException:
+            c_close(self._fd)
+            self._fd = -1
+            self._map = None
+            raise
+        self.closed = False
+
+    def view(self, Py_ssize_t offset, Py_ssize_t length):
+        """Bytes [offset, offset + length) as a 1-D uint8 memoryview over the mapping, zero-copy.
+
+        Raises ValueError for a negative offset or length or a closed file, ReadError when the
+        range runs past the end of the file (naming the path and the range)."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"{self.path}: invalid byte range at {offset} of length {length}")
+        if self.closed:
+            raise ValueError(f"{self.path}: file is closed")
+        if offset + length > self.size:
+            raise ReadError(
+                f"{self.path}: byte range [{offset}, {offset + length}) runs past the end of the "
+                f"file ({self.size} bytes)")
+        if length == 0:
+            return memoryview(b"")
+        mv = PyMemoryView_FromObject(self._map)
+        return mv[offset:offset + length]
+
+    def check_unchanged(self):
+        """Raise ReadError if the open file changed on disk since open (size, inode, mtime)."""
+        cdef struct_stat st
+        cdef int err
+        if self.closed:
+            raise ValueError(f"{self.path}: file is closed")
+        if fstat(self._fd, &st) != 0:
+            err = errno
+            raise ReadError(f"{self.path}: cannot stat the open file: {os.strerror(err)}")
+        if st.st_size < self.size:
+            raise ReadError(
+                f"{self.path}: file was truncated to {st.st_size} bytes after it was opened "
+                f"({self.size} bytes mapped)")
+        if (st.st_size != self.size or <uint64_t>st.st_ino != self._st_ino
+                or <uint64_t>st.st_dev != self._st_dev
+                or <int64_t>st.st_mtim.tv_sec != self._mtime_s
+                or <int64_t>st.st_mtim.tv_nsec != self._mtime_ns):
+            raise ReadError(f"{self.path}: file changed on disk after it was opened")
+
+    def willneed(self, Py_ssize_t start, Py_ssize_t end):
+        """Ask the kernel for bytes [start, end) now (MADV_WILLNEED in 1 MiB pieces, no GIL).
+
+        The range is clipped to the file; a hint only: errors are ignored."""
+        cdef size_t a0, stop, ln
+        cdef char* addr
+        if self.closed or self.size == 0:
+            return
+        if start < 0:
+            start = 0
+        if end > self.size:
+            end = self.size
+        if end <= start:
+            return
+        a0 = <size_t>start & ~(_PAGE - 1)
+        stop = <size_t>end
+        addr = self._map.addr
+        with nogil:
+            while a0 < stop:
+                ln = min(<size_t>_WILLNEED_PIECE, stop - a0)
+                if madvise(addr + a0, ln, MADV_WILLNEED) != 0:
+                    break
+                a0 += ln
+
+    def close(self):
+        """Close the descriptor. Views handed out stay valid: the mapping goes with the last one."""
+        if self._fd >= 0:
+            c_close(self._fd)
+            self._fd = -1
+        self._map = None
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        return f"<RawFile {self.path!r} {self.size} bytes, {'closed' if self.closed else 'open'}>"
+
+
+# --------------------------------------------------------------------------------------------------
 
 cdef class FileCache:
     """LRU of open SafetensorsFile objects, keyed by the path string as given (one per load).
@@ -1740,35 +1896,39 @@ cdef class FileCache:
     """
 
     cdef object _files
+    cdef object _opener
     cdef readonly int capacity
     cdef readonly Py_ssize_t opens
     cdef readonly Py_ssize_t hits
 
-    def __init__(self, int capacity=8):
+    def __init__(self, int capacity=8, opener=None):
         if capacity < 1:
             raise ValueError(f"FileCache capacity must be at least 1, got {capacity}")
         self.capacity = capacity
+        # opener(path) makes the cached object (SafetensorsFile by default; RawFile, or a wrapper of
+        # one, for other layouts): anything with ``closed`` and ``close()``.
+        self._opener = opener
         self._files = OrderedDict()
         self.opens = 0
         self.hits = 0
 
     def get(self, path):
-        cdef SafetensorsFile f
+        cdef object f
         key = path if type(path) is str else os.fspath(path)
         if type(key) is bytes:
             key = os.fsdecode(key)
         obj = self._files.get(key)
         if obj is not None:
-            f = <SafetensorsFile>obj
+            f = obj
             if not f.closed:
                 self._files.move_to_end(key)
                 self.hits += 1
                 return f
             del self._files[key]
-        f = SafetensorsFile(key)
+        f = SafetensorsFile(key) if self._opener is None else self._opener(key)
         self.opens += 1
         obj = self._files.get(key)
-        if obj is not None and not (<SafetensorsFile>obj).closed:
+        if obj is not None and not obj.closed:
             # another thread opened it meanwhile: keep one
             f.close()
             self._files.move_to_end(key)

@@ -42,6 +42,8 @@ from typing import Any
 
 MiB = 2**20
 LOADERS = ("pipeload", "pipeload-nobcast", "dcp")
+FORMATS = ("pipeload", "dcp", "hf")
+HF_LOADERS = ("pipeload", "pipeload-nobcast", "safetensors")
 FLOOR = "floor"
 MODES = ("warm", "cold", "throttled")
 TIMING_KEYS = ("plan", "exchange", "groups", "shared", "private", "teardown")
@@ -50,6 +52,7 @@ LOADER_LABELS = {
     "pipeload": "pipeload broadcast on",
     "pipeload-nobcast": "pipeload broadcast off",
     "dcp": "torch DCP",
+    "safetensors": "plain safetensors reader",
 }
 DEFAULT_SIZE_MB = 256
 
@@ -70,6 +73,9 @@ class BenchConfig:
     experts: int = 128
     timeout: float = 1800.0
     quiet: bool = False
+    # which checkpoint pipeload loads: its own ("pipeload"), the one dcp.save wrote ("dcp"), or an HF
+    # layout copy ("hf", compared with a plain per-rank safetensors reader instead of DCP)
+    format: str = "pipeload"
     # filled by the parent before the world starts
     throttle: dict[str, Any] = field(default_factory=dict)
 
@@ -377,6 +383,47 @@ def _stats_dict(stats: Any) -> dict[str, Any]:
     return d
 
 
+def _tensor_tree(sd: Any) -> Any:
+    """``sd`` without its Python objects (the HF layout holds tensors only); same tensor objects."""
+    import torch
+
+    if isinstance(sd, dict):
+        out = {k: _tensor_tree(v) for k, v in sd.items()}
+        return {k: v for k, v in out.items() if v is not None and not (isinstance(v, dict) and not v)}
+    return sd if isinstance(sd, torch.Tensor) else None
+
+
+def _plain_safetensors_load(dest: Any, directory: str) -> int:
+    """The baseline HF loader: each rank mmaps the files (``safe_open``) and copies the rows it needs.
+
+    No collective: every replica reads its rows itself. Returns the bytes copied."""
+    from safetensors import safe_open
+
+    from .statedict import flatten as flatten_leaves
+    from .statedict import tensor_box
+
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    handles: dict[str, Any] = {}
+    boxes: dict = {}
+    copied = 0
+    for fqn, leaf in flatten_leaves(dest).items():
+        box = tensor_box(fqn, leaf.value, boxes)
+        if box.local is None or box.numel == 0:
+            continue
+        name = weight_map[fqn]
+        f = handles.get(name)
+        if f is None:
+            f = handles[name] = safe_open(os.path.join(directory, name), framework="pt")
+        if not box.lengths:
+            src = f.get_tensor(fqn)
+        else:
+            src = f.get_slice(fqn)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))]
+        box.local.detach().copy_(src)
+        copied += src.numel() * src.element_size()
+    return copied
+
+
 def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None:
     global _T0
     _T0 = time.perf_counter()
@@ -400,6 +447,9 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
 
     root = cfg.dir
     shared = {"pipeload": os.path.join(root, "pipeload"), "dcp": os.path.join(root, "dcp")}
+    if cfg.format == "hf":
+        shared["hf"] = os.path.join(root, "hf")
+        ref, dest = _tensor_tree(ref), _tensor_tree(dest)
     if rank == 0:
         for p in shared.values():
             shutil.rmtree(p, ignore_errors=True)
@@ -410,11 +460,19 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
     pipeload.save(ref, shared["pipeload"])  # also what the floor reads
     dist.barrier()
     save_times["pipeload"] = time.perf_counter() - t0
-    if "dcp" in loaders:
+    if "dcp" in loaders or cfg.format == "dcp":
         t0 = time.perf_counter()
         dcp.save(ref, checkpoint_id=shared["dcp"])
         dist.barrier()
         save_times["dcp"] = time.perf_counter() - t0
+    if cfg.format == "hf":
+        t0 = time.perf_counter()
+        if rank == 0:  # whole tensors, sharded 5 GiB, with the index: what a model hub holds
+            from .formats.convert import convert
+
+            convert(shared["pipeload"], shared["hf"], to="hf", file_bytes=max(64 * MiB, unique // 4))
+        dist.barrier()
+        save_times["hf"] = time.perf_counter() - t0
     _log(cfg, rank, "saved: " + ", ".join(f"{k} {v:.1f} s" for k, v in save_times.items()))
 
     files = {k: data_files(v) for k, v in shared.items() if k in save_times}
@@ -447,11 +505,18 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
     def run_one(mode: str, loader: str, repeat: int) -> dict[str, Any]:
         where = paths_for(mode)
         emulate_hosts(mode)
-        src_kind = "pipeload" if loader in (FLOOR, "pipeload", "pipeload-nobcast") else "dcp"
+        if cfg.format == "pipeload":
+            src_kind = "pipeload" if loader in (FLOOR, "pipeload", "pipeload-nobcast") else "dcp"
+        else:
+            src_kind = cfg.format  # every loader (and the floor) reads the foreign checkpoint
         directory = where[src_kind]
         my_files = data_files(directory)
         if loader != FLOOR:
-            synth.zero_(dest)
+            if cfg.format == "hf":  # tensors only: synth.zero_ also resets the Python objects
+                for v in synth.flatten(dest).values():
+                    (v.to_local() if hasattr(v, "to_local") else v).detach().zero_()
+            else:
+                synth.zero_(dest)
         if mode == "warm":
             warm_files(my_files)
         else:
@@ -472,6 +537,8 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
             stats = pipeload.load(dest, directory, broadcast_replicated_tensors=False, reuse_plan=False)
         elif loader == "dcp":
             dcp.load(dest, checkpoint_id=directory)
+        elif loader == "safetensors":
+            requested = _plain_safetensors_load(dest, directory)
         wall = time.perf_counter() - t0
         io1 = proc_io()
         dist.barrier()  # nobody verifies (and takes a core) while another rank still loads
@@ -496,7 +563,7 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
         problems: list[str] = []
         if loader != FLOOR:
             problems = synth.same_tensors(ref, dest)
-            if not problems and not checked:
+            if not problems and not checked and cfg.format != "hf":
                 checked.add(loader)
                 # Once per benchmark, also regenerate every value from (seed, fqn, index): this checks the
                 # reference the other runs are compared with.
@@ -509,7 +576,7 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
             "repeat": repeat,
             "wall": max(r["wall"] for r in per_rank),
             "read_bytes": sum(r["read_bytes"] for r in per_rank),
-            "requested_bytes": None if loader == "dcp" else sum(r["requested_bytes"] for r in per_rank),
+            "requested_bytes": None if loader == "dcp" else sum(r["requested_bytes"] or 0 for r in per_rank),
             "resident_before": min(r["resident_before"] for r in per_rank),
             "peak_rss_mib": max(r["peak_rss_mib"] for r in per_rank),
             "peak_rss_delta_mib": max(r["peak_rss_mib"] - r["rss_mib"] for r in per_rank),
@@ -638,13 +705,32 @@ def summarize(runs: list[dict[str, Any]], unique: int) -> list[dict[str, Any]]:
     return rows
 
 
-def check_targets(rows: list[dict[str, Any]], dp: int) -> list[dict[str, Any]]:
+def check_targets(rows: list[dict[str, Any]], dp: int, format: str = "pipeload") -> list[dict[str, Any]]:
     """The ratios the project commits to, evaluated on this run (those whose rows exist)."""
     get = {(r["mode"], r["loader"]): r for r in rows}
     out = []
 
     def add(name: str, value: float | None, ok: bool | None, want: str) -> None:
         out.append({"target": name, "value": value, "want": want, "ok": ok})
+
+    t_pl = get.get(("throttled", "pipeload"))
+    if format == "dcp":  # pipeload reading the checkpoint dcp.save wrote, against dcp.load on it
+        t_dcp = get.get(("throttled", "dcp"))
+        if t_pl and t_dcp:
+            speed = t_dcp["wall"] / t_pl["wall"]
+            add("throttled, DCP checkpoint: dcp.load / pipeload (speed-up)", speed, speed >= 2.0, ">= 2.0")
+        if t_pl:
+            add("throttled, DCP checkpoint: pipeload read amplification", t_pl["read_amp"],
+                t_pl["read_amp"] <= 1.02, "<= 1.02")
+        return out
+    if format == "hf":  # pipeload reading the HF layout, against a plain per-rank safetensors reader
+        t_st = get.get(("throttled", "safetensors"))
+        if t_pl and t_st:
+            speed = t_st["wall"] / t_pl["wall"]
+            add("throttled, HF layout: plain safetensors / pipeload (speed-up)", speed, speed >= 1.8, ">= 1.8")
+        if t_pl:
+            add("throttled, HF layout: pipeload read amplification", t_pl["read_amp"], None, "report")
+        return out
 
     t_pl, t_dcp = get.get(("throttled", "pipeload")), get.get(("throttled", "dcp"))
     if t_pl and t_pl["vs_floor"] is not None:
@@ -728,7 +814,9 @@ def describe(result: dict[str, Any]) -> str:
         f"{ck['unique_bytes'] / MiB:.1f} MiB unique ({ck['local_bytes'] / MiB:.1f} MiB per rank), "
         f"seed {cfg['seed']}, {cfg['repeats']} repeats, median reported",
         f"checkpoint files: pipeload {ck['file_bytes'].get('pipeload', 0) / MiB:.1f} MiB, "
-        f"DCP {ck['file_bytes'].get('dcp', 0) / MiB:.1f} MiB; saves: "
+        f"DCP {ck['file_bytes'].get('dcp', 0) / MiB:.1f} MiB"
+        + (f", HF {ck['file_bytes']['hf'] / MiB:.1f} MiB" if "hf" in ck["file_bytes"] else "")
+        + f"; pipeload loads the {cfg.get('format', 'pipeload')} checkpoint; saves: "
         + ", ".join(f"{k} {v:.1f} s" for k, v in ck["save_seconds"].items()),
     ]
     if any(m in ("cold", "throttled") for m in cfg["modes"]):
@@ -765,7 +853,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         raise RuntimeError("--plot needs matplotlib: pip install 'pipeload[plot]' (or pip install matplotlib)")
     rows = result["summary"]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    loaders = [l for l in (*LOADERS,) if any(r["loader"] == l for r in rows)]
+    loaders = [l for l in (*LOADERS, "safetensors") if any(r["loader"] == l for r in rows)]
     get = {(r["mode"], r["loader"]): r for r in rows}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / max(1, len(loaders))
@@ -801,9 +889,14 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
     for m in cfg.modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}: choose from {', '.join(MODES)}")
+    if cfg.format not in FORMATS:
+        raise ValueError(f"unknown format {cfg.format!r}: choose from {', '.join(FORMATS)}")
+    allowed = HF_LOADERS if cfg.format == "hf" else LOADERS
+    if cfg.format == "hf" and tuple(cfg.loaders) == LOADERS:
+        cfg.loaders = HF_LOADERS
     for l in cfg.loaders:
-        if l not in LOADERS:
-            raise ValueError(f"unknown loader {l!r}: choose from {', '.join(LOADERS)}")
+        if l not in allowed:
+            raise ValueError(f"unknown loader {l!r} for --format {cfg.format}: choose from {', '.join(allowed)}")
     if cfg.tp * cfg.dp != cfg.world:
         raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} must equal --world {cfg.world}")
     if cfg.repeats < 1:
@@ -842,7 +935,7 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
     result["config"]["modes"] = list(cfg.modes)
     result["config"]["loaders"] = list(cfg.loaders)
     result["summary"] = summarize(data["runs"], data["unique_bytes"])
-    result["targets"] = check_targets(result["summary"], cfg.dp)
+    result["targets"] = check_targets(result["summary"], cfg.dp, cfg.format)
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

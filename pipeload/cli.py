@@ -1,4 +1,4 @@
-"""The ``pipeload`` command: ``bench``, ``inspect`` and ``verify``. Only argument parsing and formatting
+"""The ``pipeload`` command: ``bench``, ``inspect``, ``verify`` and ``convert``. Only argument parsing and formatting
 live here; the work is in :mod:`pipeload.bench` and :mod:`pipeload.inspect`."""
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ def _csv(text: str) -> tuple[str, ...]:
 def _parser() -> argparse.ArgumentParser:
     from .bench import DEFAULT_SIZE_MB, LOADERS, MODES
 
-    p = argparse.ArgumentParser(prog="pipeload", description="Inspect, verify and benchmark pipeload checkpoints.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,inspect,verify,simulate}")
+    p = argparse.ArgumentParser(prog="pipeload", description="Inspect, verify, convert and benchmark checkpoints "
+                                "(pipeload, torch.distributed.checkpoint, Hugging Face safetensors), and "
+                                "simulate the planning of large loads.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,inspect,verify,convert,simulate}")
+    formats = ("pipeload", "dcp", "hf")
 
     b = sub.add_parser(
         "bench",
@@ -56,9 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, metavar="PNG", help="write a chart (needs matplotlib)")
     b.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (1800)")
     b.add_argument("--quiet", action="store_true", help="no progress lines")
+    b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
+                   help="what pipeload loads: its own checkpoint (default), the one DCP wrote, or an HF-layout "
+                   "copy; dcp/hf compare with dcp.load and a plain per-rank safetensors reader")
 
-    i = sub.add_parser("inspect", help="summarise a checkpoint", description="Summarise a pipeload checkpoint.")
+    i = sub.add_parser("inspect", help="summarise a checkpoint",
+                       description="Summarise a checkpoint (pipeload, torch DCP or Hugging Face layout).")
     i.add_argument("checkpoint")
+    i.add_argument("--format", choices=formats, default=None, help="layout (default: detected)")
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
     i.add_argument("--objects", action="store_true", help="list every Python object")
 
@@ -69,6 +77,22 @@ def _parser() -> argparse.ArgumentParser:
         "safetensors and every chunk's dtype and shape match the metadata. Exit 0 when clean, 1 otherwise.",
     )
     v.add_argument("checkpoint")
+    v.add_argument("--format", choices=formats, default=None, help="layout (default: detected)")
+
+    c = sub.add_parser(
+        "convert",
+        help="rewrite a checkpoint as a pipeload or Hugging Face checkpoint",
+        description="Read a checkpoint of any layout (pipeload, torch DCP, Hugging Face) and write it to DST "
+        "as a pipeload checkpoint (default; chunks kept, checksums computed) or, with --to hf, as Hugging Face "
+        "safetensors shards with model.safetensors.index.json (whole tensors; Python objects left out). "
+        "Streams: memory stays bounded by one chunk (one tensor for --to hf).",
+    )
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--to", choices=("pipeload", "hf"), default="pipeload")
+    c.add_argument("--format", choices=formats, default=None, help="layout of SRC (default: detected)")
+    c.add_argument("--max-file-size", type=float, default=None, metavar="MB",
+                   help="start a new output file past this size (default 2048 for pipeload, 5120 for hf)")
 
     s = sub.add_parser(
         "simulate",
@@ -105,7 +129,7 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed, repeats=args.repeats,
         modes=tuple(args.modes), loaders=tuple(args.loaders), read_mbps=args.read_mbps, dir=args.dir,
-        layers=args.layers, experts=args.experts, timeout=args.timeout, quiet=args.quiet,
+        layers=args.layers, experts=args.experts, timeout=args.timeout, quiet=args.quiet, format=args.format,
     )
     if args.plot:
         try:
@@ -133,9 +157,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 def format_inspect(info: dict[str, Any], objects: bool = False) -> str:
     lay = info["layout"]
+    fmt = info.get("format", "pipeload")
     lines = [
         f"checkpoint  {info['path']}",
-        f"save id     {info['save_id']} (format v{info['version']}, saved by {info['world_size']} rank(s))",
+        f"save id     {info['save_id']} (format v{info['version']}, saved by {info['world_size']} rank(s))"
+        if fmt == "pipeload" else f"layout      {fmt}" + (f" (save id {info['save_id']})" if info["save_id"] else ""),
         f"tensors     {info['tensors']} in {info['chunks']} chunks, {_size(info['tensor_bytes'])}",
         f"objects     {info['objects']}, {_size(info['object_bytes'])}",
         f"files       {len(info['files'])}, {_size(info['file_bytes'])} on disk",
@@ -179,7 +205,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from .inspect import inspect_checkpoint
 
     try:
-        info = inspect_checkpoint(args.checkpoint)
+        info = inspect_checkpoint(args.checkpoint, args.format)
     except CheckpointFormatError as e:
         print(f"pipeload inspect: {e}", file=sys.stderr)
         return 1
@@ -190,7 +216,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .inspect import verify_checkpoint
 
-    problems = verify_checkpoint(args.checkpoint)
+    problems = verify_checkpoint(args.checkpoint, args.format)
     if problems:
         print(f"{args.checkpoint}: {len(problems)} problem(s):", file=sys.stderr)
         for p in problems:
@@ -200,9 +226,26 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from .errors import PipeloadError
+    from .formats.convert import convert
+
+    limit = int(args.max_file_size * MiB) if args.max_file_size else None
+    try:
+        r = convert(args.src, args.dst, to=args.to, format=args.format, file_bytes=limit)
+    except PipeloadError as e:
+        print(f"pipeload convert: {e}", file=sys.stderr)
+        return 1
+    skipped = f"; {r['skipped_objects']} Python object(s) left out (no place in the HF layout)" if r["skipped_objects"] else ""
+    print(f"{args.dst}: {r['format']} checkpoint, {r['tensors']} tensors, {r['objects']} objects "
+          f"in {r['files']} file(s){skipped}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"bench": _bench, "inspect": _inspect, "verify": _verify, "simulate": _simulate}[args.command]
+    handler = {"bench": _bench, "inspect": _inspect, "verify": _verify, "convert": _convert,
+               "simulate": _simulate}[args.command]
     return handler(args)
 
 

@@ -13,7 +13,9 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from .errors import CheckpointFormatError
-from .metadata import dtype_itemsize, read_metadata, resolve_inside
+from .errors import TensorNotFoundError
+from .formats import open_checkpoint
+from .metadata import dtype_itemsize, resolve_inside
 
 
 def _split_dims(shape: tuple[int, ...], chunks) -> tuple[int, ...]:
@@ -21,18 +23,19 @@ def _split_dims(shape: tuple[int, ...], chunks) -> tuple[int, ...]:
     return tuple(d for d in range(len(shape)) if any(c.lengths[d] != shape[d] for c in chunks))
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A summary of the checkpoint at ``path`` (JSON-serialisable).
+def inspect_checkpoint(path: str | os.PathLike, format: str | None = None) -> dict[str, Any]:
+    """A summary of the checkpoint at ``path``, of any layout pipeload reads (JSON-serialisable).
 
     Keys: ``path``, ``save_id``, ``world_size`` (of the save), ``version``, ``tensors`` / ``chunks`` /
     ``objects`` (counts), ``tensor_bytes`` / ``object_bytes`` (payload), ``file_bytes`` (on disk),
     ``files`` (per data file: name, size, chunks, objects, payload bytes; ``size`` is ``None`` when the
     file is missing), ``dtypes`` (per dtype: tensors, bytes), ``layout`` (tensors stored whole vs cut
     into chunks, by chunk count and by the dims they are cut along), ``largest`` (the 5 biggest
-    tensors) and ``object_list`` (every object: fqn, file, bytes).
+    tensors), ``object_list`` (every object: fqn, file, bytes), ``format`` (pipeload, dcp, hf) and
+    ``file_metadata`` (HF: each file's safetensors ``__metadata__``).
     """
-    directory = os.fspath(path)
-    md = read_metadata(directory)
+    ckpt = open_checkpoint(path, format)
+    directory, md = ckpt.root, ckpt.metadata
     per_file: dict[str, dict[str, Any]] = defaultdict(lambda: {"chunks": 0, "objects": 0, "payload_bytes": 0})
     dtypes: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
     chunk_counts: Counter[int] = Counter()
@@ -71,7 +74,9 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         files.append({"name": name, "size": size, **per_file[name]})
     sizes.sort(key=lambda x: (-x[0], x[1]))
     return {
-        "path": directory,
+        "path": os.fspath(path),
+        "format": ckpt.format,
+        "file_metadata": ckpt.file_metadata,
         "save_id": md.save_id,
         "world_size": md.world_size,
         "version": md.version,
@@ -120,20 +125,22 @@ def _decodes(data: bytearray) -> str | None:
     return None
 
 
-def verify_checkpoint(path: str | os.PathLike) -> list[str]:
-    """Every problem of the checkpoint at ``path``; an empty list when it is intact.
+def verify_checkpoint(path: str | os.PathLike, format: str | None = None) -> list[str]:
+    """Every problem of the checkpoint at ``path`` (any layout); an empty list when it is intact.
 
-    Checks that ``.metadata`` (and a format-2 chunk index) parses and its chunks tile each tensor;
+    Checks that the metadata (and a format-2 chunk index) parses and its chunks tile each tensor;
     that every data file it names
-    exists and is valid safetensors; that every chunk and object is there with the dtype and shape the
-    metadata records; that the stored bytes match the recorded xxh3-64 checksums; and that every object
-    decodes with ``torch.load(weights_only=True)``. Each problem reads ``<file>: <key>: <what>``.
+    exists and is valid (safetensors; for DCP, each item's torch.save blob); that every chunk and object
+    is there with the dtype and shape the metadata records; that the stored bytes match the recorded
+    xxh3-64 checksums where the layout records them (pipeload; HF and DCP record none, so their bytes
+    are read but not compared); and that every object decodes with ``torch.load(weights_only=True)``.
+    Each problem reads ``<file>: <key>: <what>``.
     """
-    directory = os.fspath(path)
     try:
-        md = read_metadata(directory)
+        ckpt = open_checkpoint(path, format)
     except CheckpointFormatError as e:
         return [str(e)]
+    directory, md = ckpt.root, ckpt.metadata
     # (key, expected dtype, expected shape, checksum, what) per file
     wanted: dict[str, list[tuple[str, str, tuple[int, ...], str, str]]] = defaultdict(list)
     problems: list[str] = []
@@ -155,12 +162,13 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
             problems.append(f"{name}: {str(e).split(': ', 1)[-1]}")
             continue
         try:
-            f = _open(fpath)
+            f = _open(fpath) if ckpt.opener is None else ckpt.opener(fpath)
         except FileNotFoundError:
             problems.append(f"{name}: file is missing ({len(wanted[name])} chunks/objects live there)")
             continue
         except Exception as e:  # noqa: BLE001 - a bad header is reported, not raised
-            problems.append(f"{name}: not a valid safetensors file: {_one_line(e)}")
+            kind = "safetensors" if ckpt.opener is None else ckpt.format
+            problems.append(f"{name}: not a valid {kind} file: {_one_line(e)}")
             continue
         try:
             problems += _verify_file(f, name, wanted[name])
@@ -173,13 +181,16 @@ def _verify_file(f, name: str, wanted) -> list[str]:
     from .reader import guarded_read  # torch is imported only when a file is actually read
 
     problems: list[str] = []
-    present = set(f.keys())
     entries = []
     for key, dtype, shape, expect, what in wanted:
-        if key not in present:
+        try:
+            stored_dtype, stored_shape, start, _ = f.entry(key)
+        except TensorNotFoundError:
             problems.append(f"{name}: {key}: missing ({what})")
             continue
-        stored_dtype, stored_shape, start, _ = f.entry(key)
+        except Exception as e:  # noqa: BLE001 - e.g. a DCP item whose blob cannot be decoded
+            problems.append(f"{name}: {key}: cannot read ({_one_line(e)})")
+            continue
         if stored_dtype != dtype or tuple(stored_shape) != shape:
             problems.append(
                 f"{name}: {key}: stored as {stored_dtype} {list(stored_shape)}, "
@@ -194,7 +205,7 @@ def _verify_file(f, name: str, wanted) -> list[str]:
         except Exception as e:  # noqa: BLE001 - an unreadable range is a problem to report
             problems.append(f"{name}: {key}: cannot read ({_one_line(e)})")
             continue
-        if got != expect:
+        if expect and got != expect:  # "" = the layout records no checksum
             problems.append(f"{name}: {key}: checksum {got}, the metadata recorded {expect} ({what})")
         elif data is not None:
             err = _decodes(data)

@@ -34,7 +34,8 @@ from .errors import CheckpointFormatError, DistributedError, PipeloadError, Stat
 from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, encode_record, host_id, make_row,
                        record_transfer)
 from .globalplan import GlobalPlan, global_plan
-from .metadata import Metadata, metadata_path, read_metadata, read_metadata_bytes
+from . import formats
+from .metadata import Metadata
 from .planner import fqn_index, key_width, local_plan, piece_shard, plan_record
 from .reader import ChunkReader
 from .saver import data_file_name
@@ -63,6 +64,7 @@ class LoadStats:
     timings: dict[str, float] = field(default_factory=dict)  # plan, exchange, groups, shared, private, teardown
     wall: float = 0.0
     plan_reused: bool = False  # the plan of an earlier load of the same checkpoint and tensors was reused
+    format: str = ""  # layout of the checkpoint: "pipeload", "dcp" or "hf"
 
 
 class _Clock:
@@ -122,7 +124,8 @@ class _Prepared:
     missing: list[str]
     unexpected: list[str]
     rows: np.ndarray | None = None  # the exchange rows: the plan-cache token hashes them
-    stat: tuple = ()  # of .metadata when it was read
+    stat: tuple = ()  # of the checkpoint's metadata file(s) when they were read
+    ckpt: Any = None  # the formats.Checkpoint the reader serves
 
 
 async def _load(
@@ -141,9 +144,14 @@ async def _load(
     timeout: timedelta | float | None = None,
     progress: bool = False,
     reuse_plan: bool = True,
+    format: str | None = None,
+    key_map: formats.KeyMap = None,
+    cast: bool = False,
 ) -> LoadStats:
     if max_inflight < 1:
         raise ValueError("max_inflight must be at least 1")
+    if format is not None and format not in formats.FORMATS:
+        raise ValueError(f"format must be one of {', '.join(formats.FORMATS)} or None, got {format!r}")
     if broadcast_replicated_tensors not in (True, False, "auto"):
         raise ValueError(f"broadcast_replicated_tensors must be True, False or 'auto', not {broadcast_replicated_tensors!r}")
     if broadcast_batch_bytes < 0:
@@ -156,7 +164,8 @@ async def _load(
     comm = Comm(process_group, timeout)
     collective = use_collectives and comm.size > 1
     options = (broadcast_replicated_tensors, broadcast_batch_bytes, bool(strict),
-               tuple(id(g) for g in broadcast_groups or ()))
+               tuple(id(g) for g in broadcast_groups or ()), format, id(key_map) if key_map is not None else None,
+               bool(cast))
     contended = await guard.enter(comm, collective, what)  # see _busy.py
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
     device = comm.broadcast_device
@@ -185,11 +194,13 @@ async def _load(
                 prep = entry.state
                 for obj in prep.plan.objects:  # the same keys; their containers may be new
                     obj.leaf = leaves[obj.fqn]
+                reader.attach(prep.ckpt, cast=cast)
                 stats.plan_reused = True
             clock.lap("exchange")
         if prep is None:
             prep = _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors,
-                            broadcast_batch_bytes, broadcast_groups, reader, pool, clock)
+                            broadcast_batch_bytes, broadcast_groups, reader, pool, clock, (format, key_map, cast))
+        stats.format = reader.format
         stats.missing_keys, stats.unexpected_keys = list(prep.missing), list(prep.unexpected)
         stats.shared_shards = len(prep.plan.shards) - len(prep.private)
         stats.private_shards, stats.objects = len(prep.private), len(prep.plan.objects)
@@ -239,15 +250,15 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
         sig = plancache.signature(leaves)
     except Exception:  # noqa: BLE001 - the full path reports what is wrong with the state dict
         return None, {}
-    return plancache.lookup(cache_key, comm.pg, plancache.metadata_stat(metadata_path(directory)), sig), leaves
+    return plancache.lookup(cache_key, comm.pg, plancache.checkpoint_stat(directory), sig), leaves
 
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
-             broadcast_groups, reader, pool, clock) -> _Prepared:
+             broadcast_groups, reader, pool, clock, request) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order)."""
-    stat = plancache.metadata_stat(metadata_path(directory))
+    stat = plancache.checkpoint_stat(directory)
     # 1. local plan: problems are carried to the exchange, never raised on this rank alone
-    md, leaves, plan, problems = _local_plan(state_dict, directory, comm, collective, strict)
+    md, leaves, plan, problems, ckpt = _local_plan(state_dict, directory, comm, collective, strict, reader, request)
     reusable = comm.reusable_groups([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
     if not problems and md.world_size == comm.size:
         # in the worker: under a throttled device, queueing the requests blocks for a while
@@ -288,37 +299,44 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     groups, created = comm.make_groups(gp.sets, reusable) if collective else ({}, [])
     clock.lap("groups")
     return _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
-                     rows_seen[0] if rows_seen else None, stat)
+                     rows_seen[0] if rows_seen else None, stat, ckpt)
 
 
-def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool):
-    """(metadata, leaves, local plan, problems); any exception becomes a problem to gather."""
-    md, leaves, plan = None, {}, None
+def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool, reader, request):
+    """(metadata, leaves, local plan, problems, checkpoint); any exception becomes a problem to gather."""
+    md, leaves, plan, ckpt = None, {}, None, None
+    format, key_map, cast = request
     try:
-        md = _shared_metadata(directory, comm) if collective else read_metadata(directory)
+        ckpt = _shared_checkpoint(directory, comm, format, key_map) if collective else (
+            formats.open_checkpoint(directory, format, key_map))
+        reader.attach(ckpt, cast=cast)
+        md = ckpt.metadata
         leaves = flatten(state_dict)
+        if cast:
+            md = formats.cast_metadata(md, leaves)
         plan = local_plan(leaves, md, comm.broadcastable, strict=strict)
-        return md, leaves, plan, plan.problems
+        return md, leaves, plan, plan.problems, ckpt
     except Exception as e:  # noqa: BLE001
-        return md, leaves, plan, [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"]
+        return md, leaves, plan, [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"], ckpt
 
 
-def _shared_metadata(directory: str, comm: Comm) -> Metadata:
-    """Rank 0 reads ``.metadata`` and broadcasts its bytes: one read per job, not one per rank.
+def _shared_checkpoint(directory: str, comm: Comm, format: str | None, key_map) -> formats.Checkpoint:
+    """Rank 0 reads the checkpoint's metadata (any layout) and broadcasts it: one read per job.
 
-    The first collective of a load; a rank-0 read error reaches every rank and is raised as a
-    problem of each, after the exchange.
+    A rank-0 read error reaches every rank and is raised as a problem of each, after the exchange.
+    Every rank decodes the payload itself, against its own path (copies per node differ); format 2's
+    chunk index is mapped by each rank, which reads only the chunks its boxes need.
     """
-    payload: bytes | Exception | None = None
+    payload = None
     if comm.rank == 0:
         try:
-            payload = read_metadata_bytes(directory)
-        except CheckpointFormatError as e:
-            payload = e
+            payload = formats.read_payload(directory, format)
+        except Exception as e:  # noqa: BLE001 - any failure must still reach the broadcast
+            payload = e if isinstance(e, PipeloadError) else CheckpointFormatError(f"{directory}: {type(e).__name__}: {e}")
     payload = comm.broadcast_object(payload, f"pipeload.load from {directory}")
     if isinstance(payload, Exception):
         raise payload
-    return Metadata.from_json(payload, source=metadata_path(directory), directory=directory)
+    return formats.from_payload(payload, directory, key_map)
 
 
 def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: list[str], record: bytes,
@@ -390,7 +408,10 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
 
 
 def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
-    """Load a pipeload checkpoint into ``state_dict`` in place; every rank of the group must call it.
+    """Load a checkpoint into ``state_dict`` in place; every rank of the group must call it.
+
+    The checkpoint may be pipeload's own, torch.distributed.checkpoint's, or Hugging Face safetensors
+    (``format``); all load through the same plan, broadcasts and errors.
 
     Tensors and DTensor local shards are copied into; Python objects are replaced in their containers.
     Each shard held by several ranks is read from storage once and broadcast to the others while the
@@ -418,6 +439,13 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
         reuse_plan: reuse the plan (and the groups it created) of an earlier load of the same checkpoint
             into the same tensors on the same group, when every rank still holds it (default ``True``;
             see :mod:`pipeload.plancache`; :func:`pipeload.clear_plan_cache` forgets them).
+        format: the checkpoint's layout: ``"pipeload"``, ``"dcp"`` (torch.distributed.checkpoint) or
+            ``"hf"`` (Hugging Face safetensors: one file, an index, or a directory of files); None
+            detects it (see :mod:`pipeload.formats`). ``LoadStats.format`` says which was read.
+        key_map: renames checkpoint keys before matching them with the state dict: a dict (unlisted
+            names kept) or a callable (returning None leaves the key out). ``strict`` sees the new names.
+        cast: convert tensors whose stored dtype differs from the destination's while copying
+            (default ``False``: a dtype mismatch is an error listing every such tensor).
 
     Runs the load on uvloop when it is installed. Inside a running event loop use
     ``await pipeload.load_async(...)`` instead.

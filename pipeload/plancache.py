@@ -4,7 +4,7 @@ Evaluation loops, weight refreshes in RL and retries load one checkpoint into on
 again. The first load keeps what it planned — the metadata, this rank's local plan, the global plan and
 the process groups it created — under a *token*, a hash of every rank's exchange row. A later load offers
 that token only if nothing it planned from has changed on this rank: the same ``.metadata`` file (inode,
-size, mtime), the same tensors at the same addresses with the same shapes, dtypes and layouts, the same keys of
+size, mtime; for a Hugging Face checkpoint, its files), the same tensors at the same addresses with the same shapes, dtypes and layouts, the same keys of
 Python objects (their containers are looked up again), the same options. Whether to reuse is then decided by one all-gather of
 one word per rank (:func:`pipeload.loader`): every rank reuses exactly when every rank offered the same
 non-zero token, so every rank takes the same decision and the collectives that follow stay in one order.
@@ -41,12 +41,30 @@ class Entry:
 _cache: "OrderedDict[tuple, Entry]" = OrderedDict()
 
 
-def metadata_stat(path: str) -> tuple:
+def _stat(path: str) -> tuple:
     try:
         st = os.stat(path)
     except OSError:
         return ()
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def checkpoint_stat(path: str) -> tuple:
+    """What identifies this version of the checkpoint at ``path`` (any layout); () when unknown.
+
+    pipeload and torch DCP rewrite ``.metadata`` on every save (a new inode by rename); a Hugging Face
+    checkpoint is its ``*.safetensors`` files and index, each of which is checked.
+    """
+    if os.path.isfile(path):
+        return _stat(path)
+    md = _stat(os.path.join(path, ".metadata"))
+    if md:
+        return md
+    try:
+        names = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".json")))
+    except OSError:
+        return ()
+    return tuple((n, *_stat(os.path.join(path, n))) for n in names) if names else ()
 
 
 def signature(leaves: dict[str, Leaf]) -> tuple:

@@ -19,6 +19,7 @@ import torch
 from ._fastio import FileCache, SafetensorsFile, guarded_copy
 from .checksum import hasher
 from .errors import ChecksumError, CheckpointFormatError, ReadError
+from .metadata import _DTYPE_NAMES as _STORED  # safetensors dtype name -> torch dtype
 from .metadata import ObjectMeta, dtype_name, resolve_inside
 from .planner import ReadItem
 
@@ -50,12 +51,13 @@ def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str) -> None:
 
     Host destinations get one guarded strided copy (memcpy per contiguous run, without the GIL): a
     page fault the kernel cannot serve — ``source`` truncated mid-copy, a storage error surfacing as
-    SIGBUS — raises :class:`ReadError` for this copy instead of killing the process. Other devices
-    go through a host bounce buffer filled the same way (a device copy cannot be guarded).
+    SIGBUS — raises :class:`ReadError` for this copy instead of killing the process. Other devices,
+    and a destination of another dtype (converted on the copy), go through a host buffer filled the
+    same way (a device copy or a conversion cannot be guarded).
     """
-    if dst.shape != src.shape or dst.dtype != src.dtype:
+    if dst.shape != src.shape:
         raise ValueError(f"copy_box: {dst.dtype} {list(dst.shape)} <- {src.dtype} {list(src.shape)}")
-    if dst.device.type != "cpu":
+    if dst.device.type != "cpu" or dst.dtype != src.dtype:  # (another dtype: load(cast=True) converts)
         host = torch.empty(src.shape, dtype=src.dtype)
         copy_box(host, src, source)
         dst.copy_(host)
@@ -149,6 +151,23 @@ class ChunkReader:
         self._verified: set[tuple[str, str]] = set()
         self._inside: set[str] = set()
         self.bytes_read = 0
+        self.cast = False  # view chunks in their stored dtype and convert while copying
+        self.format = ""  # the attached checkpoint's layout
+        self.merge_gap = _MERGE_GAP  # prefetch ranges of one file closer than this are requested as one
+
+    def attach(self, ckpt, *, cast: bool = False) -> None:
+        """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).
+
+        Its data files are opened by the layout's opener (safetensors files when it has none) and
+        its file names are relative to its root. Call before the first read.
+        """
+        self.directory = ckpt.root
+        self.format = ckpt.format
+        self.cast = cast
+        self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
+        if ckpt.opener is not None:
+            self.cache.close()
+            self.cache = FileCache(self.cache.capacity, opener=ckpt.opener)
 
     def _file(self, name: str) -> SafetensorsFile:
         # Files open with readahead off (see _fastio); every range is requested exactly
@@ -164,7 +183,8 @@ class ChunkReader:
 
     def _bytes(self, f: SafetensorsFile, key: str, expect_checksum: str) -> memoryview:
         buf = f.buffer(key)
-        if self.verify and (f.path, key) not in self._verified:
+        # "" = the layout records no checksum (HF, DCP): nothing to check
+        if self.verify and expect_checksum and (f.path, key) not in self._verified:
             got, _ = guarded_read(f, buf)
             if got != expect_checksum:
                 raise ChecksumError(
@@ -190,10 +210,11 @@ class ChunkReader:
                 spans.setdefault(item.file, []).append((start + lo, start + hi))
             for name, ranges in spans.items():
                 f = self._file(name)
+                gap = getattr(f, "merge_gap", self.merge_gap)  # a layout may hold other ranks' items closer
                 ranges.sort()
                 lo, hi = ranges[0]
                 for a, b in ranges[1:]:
-                    if a - hi > _MERGE_GAP:
+                    if a - hi > gap:
                         f.advise("willneed", lo, hi)
                         lo = a
                     hi = max(hi, b)
@@ -205,6 +226,8 @@ class ChunkReader:
         """A zero-copy tensor view of the whole stored chunk ``item`` reads from."""
         f = self._file(item.file)
         stored_dtype, shape, start, _ = f.entry(item.key)
+        if self.cast and stored_dtype in _STORED:
+            dtype = _STORED[stored_dtype]  # copy_box converts into the destination's dtype
         if tuple(shape) != item.chunk_lengths or stored_dtype != dtype_name(dtype):
             raise CheckpointFormatError(
                 f"{f.path}: tensor {item.key!r} is {stored_dtype} {list(shape)}, "

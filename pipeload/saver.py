@@ -268,6 +268,19 @@ def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, 
     return sums
 
 
+def write_chunk_index(directory: str, md: Metadata) -> str:
+    """Write format 2's chunk index of ``md`` into ``directory``, durably; its file name.
+
+    It must be durable before the ``.metadata`` that names it is renamed into place.
+    """
+    index = index_file_name(md.save_id)
+    arrays = build_arrays(sorted(md.tensors), md.tensors, md.files)
+    _write_file(os.path.join(directory, index), md.save_id,
+                [(k, ARRAYS[k][0], a.shape, a.tobytes()) for k, a in arrays.items()])
+    _fsync_dir(directory)
+    return index
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -349,11 +362,7 @@ def _commit(directory: str, md: Metadata) -> None:
     previous = _previous_files(directory)
     final = os.path.join(directory, METADATA_FILE)
     tmp = os.path.join(directory, f"{METADATA_FILE}.tmp-{md.save_id}")
-    index = index_file_name(md.save_id)
-    arrays = build_arrays(sorted(md.tensors), md.tensors, md.files)
-    _write_file(os.path.join(directory, index), md.save_id,
-                [(k, ARRAYS[k][0], a.shape, a.tobytes()) for k, a in arrays.items()])
-    _fsync_dir(directory)  # the index is durable before the rename that commits it
+    index = write_chunk_index(directory, md)
     with open(tmp, "w") as f:
         f.write(md.to_json_v2(index))
         f.flush()

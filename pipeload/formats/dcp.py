@@ -1,0 +1,477 @@
+"""torch.distributed.checkpoint's ``FileSystemWriter`` layout (torch 2.5 - 2.13).
+
+A checkpoint is a pickled ``.metadata`` (``torch.distributed.checkpoint.metadata.Metadata``) and
+``__<rank>_<i>.distcp`` files. ``storage_data`` maps each item (fqn, chunk offsets) to a byte range
+(``_StorageInfo``: relative_path, offset, length, optional transform descriptors) of one file:
+
+- a tensor chunk is a whole ``torch.save`` blob: a zip archive whose members are stored
+  uncompressed (``<archive>/data.pkl``, ``<archive>/data/<key>``, ...). Its bytes are read in place:
+  the central directory is parsed to find the storage record, ``data.pkl`` is read by a restricted
+  unpickler that only records (storage, offset, size, stride) and admits no other global, the sizes
+  are checked, and the record's bytes are viewed zero-copy through ``_fastio.RawFile``. Anything else
+  (a compressed member, a strided or non-little-endian tensor, a transform such as compression) is
+  decoded with ``torch.load(weights_only=True)`` instead;
+- a non-tensor item is the ``torch.save`` bytes of the object: loaded with ``weights_only=True``.
+
+``.metadata`` itself is untrusted input: it is unpickled with an allow-list of the DCP metadata
+classes and the few types they hold (torch.Size, dtypes, layouts, pathlib paths, containers). Any
+other global is refused with a CheckpointFormatError naming it; no code from the file runs.
+DCP records no checksums.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import io
+import os
+import pickle
+import struct
+import warnings
+from typing import Any
+
+import torch
+
+from .._fastio import RawFile
+from ..errors import CheckpointFormatError, TensorNotFoundError
+from ..metadata import (
+    METADATA_FILE,
+    OBJECT_ENCODING,
+    ChunkMeta,
+    Metadata,
+    ObjectMeta,
+    TensorMeta,
+    dtype_name,
+)
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_DCP_MD, n)
+    for n in (
+        "Metadata",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, source: str):
+        super().__init__(io.BytesIO(data))
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise CheckpointFormatError(
+            f"{self.source}: refusing to unpickle {module}.{name}: not a torch.distributed.checkpoint "
+            f"metadata type"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointFormatError(f"{self.source}: unexpected persistent id in the metadata pickle")
+
+
+def read_payload(path: str) -> bytes:
+    md_path = os.path.join(path, METADATA_FILE)
+    try:
+        with open(md_path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CheckpointFormatError(f"{md_path}: cannot read metadata ({e.strerror or e})") from None
+
+
+def load_dcp_metadata(data: bytes, source: str) -> Any:
+    """The DCP ``Metadata`` object of a ``.metadata`` file, unpickled with the allow-list."""
+    try:
+        md = _MetadataUnpickler(data, source).load()
+    except CheckpointFormatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any malformed pickle
+        raise CheckpointFormatError(f"{source}: not a valid torch.distributed.checkpoint metadata ({type(e).__name__}: {e})") from None
+    from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
+
+    if not isinstance(md, DcpMetadata):
+        raise CheckpointFormatError(f"{source}: holds a {type(md).__name__}, not a DCP Metadata")
+    return md
+
+
+def _file_name(v: Any, where: str) -> str:
+    if not isinstance(v, str) or not v or "/" in v or "\\" in v or v in (".", "..") or "\x00" in v:
+        raise CheckpointFormatError(f"{where}: {v!r} is not a plain file name inside the checkpoint")
+    return v
+
+
+def chunk_key(fqn: str, offsets: tuple[int, ...]) -> str:
+    """The key of a tensor chunk inside a ``.distcp`` file (names it in messages): ``fqn@o0,o1``."""
+    return f"{fqn}@{','.join(map(str, offsets))}"
+
+
+def from_payload(path: str, data: bytes):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    source = os.path.join(path, METADATA_FILE)
+    dmd = load_dcp_metadata(data, source)
+    storage: dict[tuple, Any] = {}
+    for idx, info in (dmd.storage_data or {}).items():
+        storage[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = info
+    sid = getattr(getattr(dmd, "storage_meta", None), "save_id", None)
+    md = Metadata(save_id=str(sid or ""), world_size=0)
+    items: dict[tuple[str, str], tuple] = {}  # (file, key) -> (kind, dtype, lengths, offset, length, transforms)
+
+    def where_of(fqn: str, offsets) -> tuple[str, int, int, tuple]:
+        info = storage.get((fqn, offsets))
+        if info is None:
+            raise CheckpointFormatError(f"{source}: no storage entry for {fqn!r} at {list(offsets or [])}")
+        f = _file_name(getattr(info, "relative_path", None), f"{source}: {fqn!r}")
+        off, ln = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(off) is not int or type(ln) is not int or off < 0 or ln < 0:
+            raise CheckpointFormatError(f"{source}: {fqn!r} has a bad byte range ({off!r}, {ln!r})")
+        return f, off, ln, tuple(getattr(info, "transform_descriptors", None) or ())
+
+    for fqn, m in dmd.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            f, off, ln, tr = where_of(fqn, None)
+            md.objects[fqn] = ObjectMeta(f, fqn, ln, "", OBJECT_ENCODING)
+            items[(f, fqn)] = ("object", "U8", (ln,), off, ln, tr)
+        elif isinstance(m, TensorStorageMetadata):
+            try:
+                dtype = dtype_name(m.properties.dtype)
+            except KeyError:
+                raise CheckpointFormatError(f"{source}: tensor {fqn!r} has dtype {m.properties.dtype}, which safetensors names do not cover") from None
+            chunks = []
+            for c in m.chunks:
+                offsets, lengths = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+                f, off, ln, tr = where_of(fqn, offsets)
+                key = chunk_key(fqn, offsets)
+                items[(f, key)] = ("tensor", dtype, lengths, off, ln, tr)
+                chunks.append(ChunkMeta(offsets, lengths, f, key, ""))
+            md.tensors[fqn] = TensorMeta(dtype, tuple(int(x) for x in m.size), tuple(chunks))
+        else:
+            raise CheckpointFormatError(f"{source}: {fqn!r} has unknown metadata {type(m).__name__}")
+    md.validate_geometry(source)
+    return path, md, _Opener(items), {}
+
+
+class _Opener:
+    """FileCache opener: a ``.distcp`` path -> a DistcpFile that knows the items stored in it."""
+
+    def __init__(self, items: dict[tuple[str, str], tuple]):
+        self.by_file: dict[str, dict[str, tuple]] = collections.defaultdict(dict)
+        for (f, key), v in items.items():
+            self.by_file[f][key] = v
+
+    def __call__(self, path: str) -> "DistcpFile":
+        return DistcpFile(path, self.by_file.get(os.path.basename(path), {}))
+
+
+# -- torch.save blobs ----------------------------------------------------------------------------------
+
+
+class _Unexpected(Exception):
+    """The blob is not the plain layout read in place: decode it with torch.load instead."""
+
+
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in dir(torch):
+            cls = getattr(torch, name, None)
+            if name.endswith("Storage") and isinstance(cls, type) and name != "UntypedStorage":
+                try:
+                    dt = cls.dtype
+                except Exception:  # noqa: BLE001
+                    continue
+                if isinstance(dt, torch.dtype):
+                    out[name] = dt
+    return out
+
+
+_STORAGE_DTYPES = _storage_dtypes()
+
+
+class _StorageRef(tuple):
+    pass
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    return ("tensor", storage, storage_offset, tuple(size), tuple(stride))
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads a torch.save ``data.pkl`` of one plain tensor into (storage, offset, size, stride).
+
+    Admits only the rebuild function (replaced by a recorder), typed storage names (never called)
+    and OrderedDict; anything else means "not the plain layout" (torch.load decides then).
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return ("storage_type", name)
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise _Unexpected(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise _Unexpected("persistent id")
+        _, stype, key, _location, numel = pid
+        if not (isinstance(stype, tuple) and stype[0] == "storage_type") or type(numel) is not int:
+            raise _Unexpected("storage type")
+        return _StorageRef((_STORAGE_DTYPES[stype[1]], str(key), numel))
+
+
+_EOCD = 0x06054B50
+_EOCD64 = 0x06064B50
+_LOC64 = 0x07064B50
+_CDIR = 0x02014B50
+_LOCAL = 0x04034B50
+
+
+def zip_members(blob: memoryview) -> dict[str, tuple[int, int]]:
+    """{member name: (data start, size)} of an uncompressed zip held in ``blob`` (offsets in blob).
+
+    Reads the end-of-central-directory record (zip64 too), the central directory, and each member's
+    local header (for its own name/extra lengths). Raises _Unexpected for anything but stored
+    (method 0) members inside the blob.
+    """
+    n = len(blob)
+    lo = max(0, n - 22 - 65535)
+    tail = bytes(blob[lo:])
+    at = tail.rfind(struct.pack("<I", _EOCD))
+    if at < 0 or at + 22 > len(tail):
+        raise _Unexpected("no end of central directory")
+    _, _, _, _, count, cd_size, cd_off, _ = struct.unpack_from("<IHHHHIIH", tail, at)
+    if count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_off == 0xFFFFFFFF:
+        loc = lo + at - 20
+        if loc < 0 or struct.unpack_from("<I", blob, loc)[0] != _LOC64:
+            raise _Unexpected("no zip64 locator")
+        e64 = struct.unpack_from("<Q", blob, loc + 8)[0]
+        if e64 + 56 > n or struct.unpack_from("<I", blob, e64)[0] != _EOCD64:
+            raise _Unexpected("bad zip64 end record")
+        count, cd_size, cd_off = struct.unpack_from("<QQQ", blob, e64 + 32)
+    if cd_off + cd_size > n:
+        raise _Unexpected("central directory outside the blob")
+    out = {}
+    p = cd_off
+    for _ in range(count):
+        if p + 46 > n or struct.unpack_from("<I", blob, p)[0] != _CDIR:
+            raise _Unexpected("bad central directory entry")
+        (method, csize, usize, nlen, elen, clen, lho) = (
+            struct.unpack_from("<H", blob, p + 10)[0],
+            *struct.unpack_from("<II", blob, p + 20),
+            *struct.unpack_from("<HHH", blob, p + 28),
+            struct.unpack_from("<I", blob, p + 42)[0],
+        )
+        name = bytes(blob[p + 46 : p + 46 + nlen]).decode("utf-8", "replace")
+        extra = bytes(blob[p + 46 + nlen : p + 46 + nlen + elen])
+        if 0xFFFFFFFF in (csize, usize, lho):
+            vals = _zip64_extra(extra)
+            if usize == 0xFFFFFFFF:
+                usize = vals.pop(0)
+            if csize == 0xFFFFFFFF:
+                csize = vals.pop(0)
+            if lho == 0xFFFFFFFF:
+                lho = vals.pop(0)
+        if method != 0 or csize != usize:
+            raise _Unexpected(f"member {name} is compressed")
+        if lho + 30 > n or struct.unpack_from("<I", blob, lho)[0] != _LOCAL:
+            raise _Unexpected("bad local header")
+        lnlen, lelen = struct.unpack_from("<HH", blob, lho + 26)
+        start = lho + 30 + lnlen + lelen
+        if start + usize > n:
+            raise _Unexpected(f"member {name} runs past the blob")
+        out[name] = (start, usize)
+        p += 46 + nlen + elen + clen
+    return out
+
+
+def _zip64_extra(extra: bytes) -> list[int]:
+    i = 0
+    while i + 4 <= len(extra):
+        hid, size = struct.unpack_from("<HH", extra, i)
+        if hid == 1:
+            return list(struct.unpack_from(f"<{size // 8}Q", extra, i + 4))
+        i += 4 + size
+    raise _Unexpected("no zip64 extra field")
+
+
+def locate_tensor(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]) -> tuple[int, int]:
+    """(start, end) inside ``blob`` of the C-contiguous bytes of the one tensor a torch.save wrote.
+
+    Raises _Unexpected unless the tensor is plain, of ``dtype`` and shape ``lengths``, contiguous,
+    little-endian, and its storage record is stored uncompressed with the size its numel implies.
+    """
+    members = zip_members(blob)
+    pkl = [k for k in members if k.endswith("/data.pkl") or k == "data.pkl"]
+    if len(pkl) != 1:
+        raise _Unexpected("no data.pkl")
+    prefix = pkl[0][: -len("data.pkl")]
+    order = members.get(prefix + "byteorder")
+    if order is not None and bytes(blob[order[0] : order[0] + order[1]]) != b"little":
+        raise _Unexpected("big-endian")
+    s, n = members[pkl[0]]
+    try:
+        got = _TensorPickle(io.BytesIO(bytes(blob[s : s + n]))).load()
+    except _Unexpected:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _Unexpected(f"data.pkl: {type(e).__name__}") from None
+    if not (isinstance(got, tuple) and len(got) == 5 and got[0] == "tensor" and isinstance(got[1], _StorageRef)):
+        raise _Unexpected("not one tensor")
+    _, (sdtype, skey, snumel), offset, size, stride = got
+    if sdtype != dtype or size != tuple(lengths) or type(offset) is not int or offset < 0:
+        raise _Unexpected("dtype, shape or offset differs")
+    expect, numel = 1, 1
+    for dim in reversed(range(len(size))):
+        if size[dim] != 1 and stride[dim] != expect:
+            raise _Unexpected("not contiguous")
+        expect *= size[dim]
+        numel *= size[dim]
+    rec = members.get(f"{prefix}data/{skey}")
+    if rec is None or rec[1] != snumel * dtype.itemsize or offset + numel > snumel:
+        raise _Unexpected("storage record size")
+    start = rec[0] + offset * dtype.itemsize
+    return start, start + numel * dtype.itemsize
+
+
+class DistcpFile:
+    """One ``.distcp`` file seen as the reader sees a safetensors file: entry(), buffer(), advise().
+
+    Tensor items resolve lazily, on the first ``buffer()`` (zip + data.pkl parse, once per item), to
+    a byte range read in place; ``fallbacks`` counts items decoded with torch.load instead.
+
+    ``entry()`` touches no page of the file: the reader calls it to plan prefetches well before it
+    copies, and a page fault there would be a synchronous read queued behind the prefetches already
+    issued. Until an item is resolved its start is the blob's (the tensor's bytes begin a header
+    later); ``advise("willneed")`` therefore extends a range to the end of the blob its last byte lies
+    in, so a hint computed from that start still covers the tensor's bytes and the zip trailer.
+    """
+
+    def __init__(self, path: str, items: dict[str, tuple]):
+        self.path = path
+        self.raw = RawFile(path)
+        self._items = items
+        self._resolved: dict[str, tuple] = {}
+        self.fallbacks = 0
+        # blob (start, end) of every item, sorted: a hint's end is extended to the end of its blob
+        self._blobs = sorted((off, off + ln) for _, _, _, off, ln, _ in items.values())
+        self._blob_starts = [a for a, _ in self._blobs]
+        slack = 0  # bytes of a blob that are not its tensor's data (zip headers, pickle, trailer)
+        for kind, dtype, lengths, _, ln, _ in items.values():
+            if kind == "tensor":
+                n = 1
+                for x in lengths:
+                    n *= x
+                slack = max(slack, ln - n * _torch_dtype(dtype).itemsize)
+        # ChunkReader.prefetch merges this rank's ranges closer than this into one request. DCP's
+        # writer and pipeload's reader assignment differ, so the blobs between two of this rank's are
+        # often another rank's: merge only across one blob's headers (plus a page), never over a blob.
+        self.merge_gap = slack + 4096
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def check_unchanged(self) -> None:
+        self.raw.check_unchanged()
+
+    def advise(self, advice: str, start: int = 0, end: int | None = None) -> None:
+        if advice != "willneed":
+            return
+        if end is None:
+            end = self.raw.size
+        else:  # to the end of the blob holding the last byte: the tensor's tail and the zip trailer
+            i = bisect.bisect_right(self._blob_starts, max(start, end - 1)) - 1
+            if i >= 0 and self._blobs[i][1] > end:
+                end = self._blobs[i][1]
+        self.raw.willneed(start, end)
+
+    def _resolve(self, key: str) -> tuple:
+        hit = self._resolved.get(key)
+        if hit is not None:
+            return hit
+        info = self._items.get(key)
+        if info is None:
+            raise TensorNotFoundError(f"{self.path}: no item {key!r} in the checkpoint metadata for this file")
+        kind, dtype, lengths, off, ln, transforms = info
+        if kind == "object":  # a Python object's torch.save bytes, decoded by the reader
+            if transforms:
+                raise CheckpointFormatError(f"{self.path}: item {key!r} uses transforms {list(transforms)}, not supported")
+            hit = (dtype, lengths, off, off + ln, None)
+        else:
+            blob = self.raw.view(off, ln)
+            tdt = _torch_dtype(dtype)
+            try:
+                if transforms:
+                    raise _Unexpected("transforms")
+                a, b = locate_tensor(blob, tdt, lengths)
+                hit = (dtype, lengths, off + a, off + b, None)
+            except _Unexpected:
+                hit = (dtype, lengths, off, off + ln, self._fallback(key, blob, tdt, lengths, transforms))
+        self._resolved[key] = hit
+        return hit
+
+    def _fallback(self, key, blob, dtype, lengths, transforms) -> memoryview:
+        if transforms:
+            raise CheckpointFormatError(
+                f"{self.path}: item {key!r} uses DCP transforms {list(transforms)}, which pipeload does not decode"
+            )
+        try:
+            t = torch.load(io.BytesIO(bytes(blob)), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointFormatError(f"{self.path}: item {key!r}: cannot decode the torch.save blob ({type(e).__name__}: {e})") from None
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != tuple(lengths):
+            raise CheckpointFormatError(
+                f"{self.path}: item {key!r} holds {type(t).__name__} "
+                f"{getattr(t, 'dtype', '')} {list(getattr(t, 'shape', []))}, the metadata says {dtype} {list(lengths)}"
+            )
+        self.fallbacks += 1
+        return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+    def entry(self, key: str) -> tuple[str, tuple[int, ...], int, int]:
+        """(dtype, shape, start, end); exact once resolved, the blob's start until then (see class)."""
+        hit = self._resolved.get(key)
+        if hit is not None:
+            return hit[:4]
+        info = self._items.get(key)
+        if info is None:
+            raise TensorNotFoundError(f"{self.path}: no item {key!r} in the checkpoint metadata for this file")
+        kind, dtype, lengths, off, ln, _ = info
+        return dtype, lengths, off, off + ln
+
+    def buffer(self, key: str) -> memoryview:
+        _, _, start, end, decoded = self._resolve(key)
+        if decoded is not None:
+            return decoded
+        return self.raw.view(start, end - start)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from ..metadata import torch_dtype
+
+    return torch_dtype(name)

@@ -1,0 +1,342 @@
+"""Foreign layouts in one process: torch DCP and Hugging Face checkpoints written by their own tools.
+
+Detection, the DCP metadata allow-list (a hostile pickle runs no code), in-place reads of DCP's
+torch.save blobs and the torch.load fallback, HF forms and their errors, key_map, cast, and the
+inspect / verify / convert commands on every layout. The multi-rank loads are in test_formats_dist.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import pipeload
+from pipeload.cli import main
+from pipeload.errors import CheckpointFormatError, StateDictError
+from pipeload.formats import detect, open_checkpoint
+from pipeload.formats.dcp import DistcpFile
+from pipeload.inspect import inspect_checkpoint, verify_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _values():
+    g = torch.Generator().manual_seed(3)
+    return {
+        "model": {
+            "w": torch.randn(6, 5, generator=g).to(torch.bfloat16),
+            "b": torch.randn(5, generator=g, dtype=torch.float64),
+            "ids": torch.arange(7),
+            "mask": torch.rand(4, 3, generator=g) > 0.5,
+            "scale": torch.tensor(2.5),
+            "empty": torch.zeros(0, 3),
+        },
+        "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["model.w"]}]},
+        "step": 11,
+    }
+
+
+def _zeros_like(sd):
+    if isinstance(sd, dict):
+        return {k: _zeros_like(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [_zeros_like(v) for v in sd]
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    return None
+
+
+def _assert_equal(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_equal(a[k], b[k])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
+    dcp.save(_values(), checkpoint_id=path)
+    return path
+
+
+# -- DCP ---------------------------------------------------------------------------------------------
+
+
+def test_dcp_loads_in_place(dcp_dir):
+    assert detect(dcp_dir) == "dcp"
+    sd = _zeros_like(_values())
+    stats = pipeload.load(sd, dcp_dir)
+    _assert_equal(sd, _values())
+    assert stats.format == "dcp" and stats.objects == 4
+    # every tensor chunk was located inside its torch.save blob, none decoded with torch.load
+    ckpt = open_checkpoint(dcp_dir)
+    for name in ckpt.metadata.files:
+        f = ckpt.opener(os.path.join(dcp_dir, name))
+        for t in ckpt.metadata.tensors.values():
+            for c in t.chunks:
+                if c.file == name:
+                    f.buffer(c.key)
+        assert f.fallbacks == 0
+        f.close()
+
+
+class Payload:
+    """A class that is not DCP metadata: pickled inside a .metadata, it must be refused."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_dcp_metadata_refuses_foreign_class(tmp_path, dcp_dir):
+    marker = tmp_path / "ran"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
+    for fmt in (None, "dcp"):
+        with pytest.raises(pipeload.PipeloadError, match=r"refusing to unpickle posix\.system"):
+            pipeload.load({}, str(bad), format=fmt)
+    with pytest.raises(CheckpointFormatError, match=r"posix\.system"):
+        open_checkpoint(str(bad))
+    assert not marker.exists()
+    # a genuine DCP Metadata carrying an object of another class in a field: refused, naming the class
+    from pipeload.formats.dcp import load_dcp_metadata
+
+    md = load_dcp_metadata((open(os.path.join(dcp_dir, ".metadata"), "rb").read()), "x")
+    md.planner_data = {"x": Counterfeit()}
+    (bad / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(pipeload.PipeloadError, match=r"test_formats\.Counterfeit"):
+        pipeload.load({}, str(bad))
+    assert verify_checkpoint(str(bad))[0].count("Counterfeit") == 1
+
+
+class Counterfeit:
+    pass
+
+
+def _handmade_dcp(path: str, blobs: dict[str, tuple[torch.Tensor, bytes]]):
+    """A DCP layout built from torch's own metadata classes, with chosen torch.save blobs."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    os.makedirs(path)
+    sdm, storage, data = {}, {}, b""
+    for fqn, (t, blob) in blobs.items():
+        zero = torch.Size([0] * t.dim())
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.shape, [ChunkStorageMetadata(zero, t.shape)])
+        storage[MetadataIndex(fqn, zero, 0)] = _StorageInfo("__0_0.distcp", len(data), len(blob))
+        data += blob
+    with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
+        f.write(data)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata=sdm, storage_data=storage), f)
+
+
+def _saved(t, **kw) -> bytes:
+    b = io.BytesIO()
+    torch.save(t, b, **kw)
+    return b.getvalue()
+
+
+def test_dcp_unexpected_blobs_fall_back_to_torch_load(tmp_path):
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    wide = torch.arange(40, dtype=torch.int32)
+    blobs = {
+        "plain": (base, _saved(base)),
+        "transposed": (base.t(), _saved(base.t())),  # strided: not read in place
+        "legacy": (base + 1, _saved(base + 1, _use_new_zipfile_serialization=False)),  # not a zip
+        "view": (wide[10:20], _saved(wide[10:20])),  # a view: the whole storage is saved, offset 10
+    }
+    path = str(tmp_path / "hand")
+    _handmade_dcp(path, blobs)
+    sd = {k: torch.zeros_like(t) for k, (t, _) in blobs.items()}
+    pipeload.load(sd, path)
+    for k, (t, _) in blobs.items():
+        assert torch.equal(sd[k], t), k
+    ckpt = open_checkpoint(path)
+    f = ckpt.opener(os.path.join(path, "__0_0.distcp"))
+    assert isinstance(f, DistcpFile)
+    for k in blobs:
+        f.buffer(f"{k}@" + ",".join(["0"] * blobs[k][0].dim()))
+    assert f.fallbacks == 2  # transposed and legacy; plain and view were read in place
+    f.close()
+    # a blob that is no tensor at all: an error naming the file and the item, on load and on verify
+    path2 = str(tmp_path / "broken")
+    _handmade_dcp(path2, {"x": (base, b"PK\x03\x04 not really a zip" + bytes(50))})
+    with pytest.raises(pipeload.PipeloadError, match=r"__0_0\.distcp.*'x@0,0'"):
+        pipeload.load({"x": torch.zeros(3, 4)}, path2)
+    assert any("x@0,0" in p for p in verify_checkpoint(path2))
+
+
+# -- HF ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_tensors():
+    g = torch.Generator().manual_seed(5)
+    return {
+        "embed.weight": torch.randn(10, 4, generator=g),
+        "layers.0.w": torch.randn(4, 4, generator=g).to(torch.bfloat16),
+        "layers.1.w": torch.randn(4, 4, generator=g).to(torch.bfloat16),
+        "norm.weight": torch.randn(4, generator=g),
+    }
+
+
+def test_hf_forms(tmp_path, hf_tensors):
+    # one file, loaded by its path; __metadata__ kept
+    single = tmp_path / "model.safetensors"
+    save_file(hf_tensors, str(single), metadata={"format": "pt", "origin": "test"})
+    sd = {k: torch.zeros_like(v) for k, v in hf_tensors.items()}
+    assert pipeload.load(sd, str(single), verify_checksums=True).format == "hf"  # none recorded: skipped
+    _assert_equal(sd, hf_tensors)
+    info = inspect_checkpoint(str(single))
+    assert info["format"] == "hf" and info["file_metadata"] == {"model.safetensors": {"format": "pt", "origin": "test"}}
+    # a directory of files without an index
+    d = tmp_path / "noindex"
+    d.mkdir()
+    names = sorted(hf_tensors)
+    save_file({k: hf_tensors[k] for k in names[:2]}, str(d / "a.safetensors"))
+    save_file({k: hf_tensors[k] for k in names[2:]}, str(d / "b.safetensors"))
+    sd = {"model": {k: torch.zeros_like(v) for k, v in hf_tensors.items()}}
+    pipeload.load(sd, str(d), key_map={k: f"model.{k}" for k in hf_tensors})
+    _assert_equal(sd["model"], hf_tensors)
+    # strict works on mapped names: a state dict key no mapped name matches is missing
+    sd = {"model": {k: torch.zeros_like(v) for k, v in hf_tensors.items()}}
+    with pytest.raises(StateDictError, match=r"'model\.norm\.weight': missing from the checkpoint"):
+        pipeload.load(sd, str(d), key_map=lambda k: None if k == "norm.weight" else f"model.{k}")
+    stats = pipeload.load(sd, str(d), strict=False, key_map=lambda k: None if k == "norm.weight" else f"model.{k}")
+    assert stats.missing_keys == ["model.norm.weight"]
+
+
+def test_hf_errors(tmp_path, hf_tensors):
+    d = tmp_path / "dup"
+    d.mkdir()
+    save_file(hf_tensors, str(d / "a.safetensors"))
+    save_file({"norm.weight": hf_tensors["norm.weight"]}, str(d / "b.safetensors"))
+    with pytest.raises(pipeload.PipeloadError, match=r"'norm.weight' is in several files \(a.safetensors, b.safetensors\)"):
+        pipeload.load({}, str(d))
+    # with an index, the index decides: the duplicate is ignored; a tensor it names must exist
+    index = {"weight_map": {k: "a.safetensors" for k in hf_tensors}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    sd = {k: torch.zeros_like(v) for k, v in hf_tensors.items()}
+    pipeload.load(sd, str(d))
+    _assert_equal(sd, hf_tensors)
+    with pytest.raises(pipeload.PipeloadError, match=r"maps both"):
+        pipeload.load({}, str(d), format="hf", key_map=lambda k: "same")
+    index["weight_map"]["gone"] = "b.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(pipeload.PipeloadError, match=r"tensor 'gone' is not in b.safetensors"):
+        pipeload.load({}, str(d))
+    # a dtype mismatch without cast names every such tensor; with cast it converts
+    single = tmp_path / "m.safetensors"
+    save_file(hf_tensors, str(single))
+    sd = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in hf_tensors.items()}
+    with pytest.raises(StateDictError) as e:
+        pipeload.load(sd, str(single))
+    assert "layers.0.w" in str(e.value) and "layers.1.w" in str(e.value)
+    pipeload.load(sd, str(single), cast=True)
+    for k, v in hf_tensors.items():
+        assert torch.equal(sd[k], v.float())
+    with pytest.raises(pipeload.PipeloadError, match="not a pipeload checkpoint"):
+        pipeload.load({}, str(tmp_path / "nothing-here"))
+
+
+# -- tools -------------------------------------------------------------------------------------------
+
+
+def test_inspect_verify_convert(tmp_path, dcp_dir, capsys):
+    assert main(["inspect", dcp_dir]) == 0
+    assert "layout      dcp" in capsys.readouterr().out
+    assert main(["verify", dcp_dir]) == 0
+    # DCP -> pipeload: same values, checksums recorded and verified
+    pl = str(tmp_path / "pl")
+    assert main(["convert", dcp_dir, pl]) == 0
+    assert detect(pl) == "pipeload" and verify_checkpoint(pl) == []
+    sd = _zeros_like(_values())
+    pipeload.load(sd, pl)
+    _assert_equal(sd, _values())
+    # pipeload -> HF, sharded small: an index, whole tensors, objects left out
+    hf = str(tmp_path / "hf")
+    assert main(["convert", pl, hf, "--to", "hf", "--max-file-size", "0.0001"]) == 0
+    assert "left out" in capsys.readouterr().out
+    files = sorted(os.listdir(hf))
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) >= 2
+    assert main(["inspect", hf]) == 0 and main(["verify", hf]) == 0
+    sd = _zeros_like(_values()["model"])
+    pipeload.load(sd, hf, key_map=lambda k: k.removeprefix("model."))
+    _assert_equal(sd, _values()["model"])
+    # verify finds damage in a DCP file
+    broken = tmp_path / "broken"
+    os.makedirs(broken)
+    for name in os.listdir(dcp_dir):
+        data = open(os.path.join(dcp_dir, name), "rb").read()
+        (broken / name).write_bytes(data[: len(data) // 2] if name.endswith(".distcp") else data)
+    capsys.readouterr()
+    assert main(["verify", str(broken)]) == 1
+    assert "__0_0.distcp" in capsys.readouterr().err
+
+
+def test_rawfile_views(tmp_path):
+    from pipeload._fastio import FileCache, RawFile
+    from pipeload.errors import ReadError
+
+    p = tmp_path / "blob.bin"
+    p.write_bytes(bytes(range(256)) * 64)
+    f = RawFile(str(p))
+    v = f.view(250, 12)
+    assert bytes(v) == bytes(range(250, 256)) + bytes(range(6)) and f.size == 16384
+    with pytest.raises(ReadError, match=r"blob\.bin: byte range \[16380, 16390\) runs past the end"):
+        f.view(16380, 10)
+    with pytest.raises(ValueError):
+        f.view(-1, 2)
+    f.willneed(0, 10**9)  # clipped, never raises
+    f.close()
+    assert bytes(v[:2]) == bytes([250, 251])  # views outlive close()
+    with pytest.raises(ValueError, match="closed"):
+        f.view(0, 1)
+    cache = FileCache(1, opener=RawFile)
+    a = cache.get(str(p))
+    assert isinstance(a, RawFile) and cache.get(str(p)) is a and cache.opens == 1
+
+
+def test_payload_is_decoded_against_each_ranks_own_path(tmp_path, dcp_dir, hf_tensors):
+    """Rank 0 reads the metadata, but every rank reads data from the path it was given (a copy per node)."""
+    import shutil
+
+    from pipeload.formats import from_payload, read_payload
+
+    single = tmp_path / "a" / "model.safetensors"
+    single.parent.mkdir()
+    save_file(hf_tensors, str(single))
+    cases = [(dcp_dir, str(tmp_path / "dcp-copy")), (str(single.parent), str(tmp_path / "hf-copy"))]
+    for src, copy in cases:
+        shutil.copytree(src, copy)
+        ckpt = from_payload(read_payload(src), copy)
+        assert ckpt.root == copy
+    ckpt = from_payload(read_payload(str(single)), str(tmp_path / "hf-copy" / "model.safetensors"))
+    assert ckpt.root == str(tmp_path / "hf-copy")
