@@ -27,6 +27,8 @@ from ._fastio import SafetensorsFile
 from .errors import CheckpointFormatError
 from .metadata import ChunkMeta, TensorMeta, _any_overlap, tiling_problem
 
+SMALL_TABLE = 1 << 18  # chunk tables up to this many rows are converted to Python lists once per load
+
 ARRAYS = {  # name -> (safetensors dtype, numpy dtype)
     "shape": ("I64", np.int64),
     "chunk_start": ("I64", np.int64),
@@ -106,6 +108,8 @@ class ChunkIndex:
         self.n_files = n_files
         self._starts: list[int] | None = None  # chunk_start / max_rows as lists, once a box is looked up
         self._max_rows: list[int] = []
+        self._shapes: list | None = None
+        self._lists: tuple | None = None
 
     def close(self) -> None:
         self._file.close()
@@ -128,7 +132,20 @@ class ChunkIndex:
                                         f"no listed file")
 
     def shape(self, i: int, ndim: int) -> tuple[int, ...]:
-        return tuple(int(x) for x in self.a["shape"][i, :ndim])
+        if self._shapes is None:
+            self._shapes = self.a["shape"].tolist()  # T x K small ints: one C conversion per load
+        return tuple(self._shapes[i][:ndim])
+
+    def _columns(self) -> tuple[list, list, list] | None:
+        """Offsets, lengths and files of every chunk as Python lists, when the table is small enough
+        that converting it once costs less than looking up each box with numpy (None otherwise)."""
+        if self._lists is None:
+            if len(self.a["chunk_file"]) > SMALL_TABLE:
+                self._lists = ()
+            else:
+                self._lists = (self.a["chunk_offsets"].tolist(), self.a["chunk_lengths"].tolist(),
+                               self.a["chunk_file"].tolist())
+        return self._lists or None
 
     def chunks(self, i: int, fqn: str, ndim: int, files: list[str], lo: int | None = None,
                hi: int | None = None, rows: np.ndarray | None = None) -> list:
@@ -158,6 +175,11 @@ class ChunkIndex:
         if ndim == 0 or a == b:
             self._check(i, fqn, a, b, ndim)
             return self.chunks(i, fqn, ndim, files, a, b)
+        cols = self._columns()
+        if cols is not None and b - a <= 8:  # few chunks: plain Python over the converted table
+            lo, hi = a, b
+            off, ln, fl = cols[0][a:b], cols[1][a:b], cols[2][a:b]
+            return self._match(i, fqn, ndim, files, offsets, lengths, lo, hi, off, ln, fl)
         o0 = self.a["chunk_offsets"][a:b, 0]
         if b - a > 1:
             lo = a + int(np.searchsorted(o0, offsets[0] - self._max_rows[i], side="right"))
@@ -169,6 +191,10 @@ class ChunkIndex:
         off = self.a["chunk_offsets"][lo:hi].tolist()
         ln = self.a["chunk_lengths"][lo:hi].tolist()
         fl = self.a["chunk_file"][lo:hi].tolist()
+        return self._match(i, fqn, ndim, files, offsets, lengths, lo, hi, off, ln, fl)
+
+    def _match(self, i, fqn, ndim, files, offsets, lengths, lo, hi, off, ln, fl) -> list:
+        """The candidates ``[lo, hi)`` (as lists) that overlap the box, checked to cover it exactly."""
         shape = self.shape(i, ndim)
         nfiles = self.n_files
         hits, vol = [], 0
