@@ -293,7 +293,7 @@ def global_plan(
     class_of_row = cl[order]
     sid_of = np.zeros(len(candidates), dtype=np.int64)
     if len(candidates):
-        words = np.random.default_rng(0x5EED).integers(0, 2**63, size=(2, len(records)), dtype=np.int64)
+        words = _mix(np.arange(2 * len(records), dtype=np.uint64)).view(np.int64).reshape(2, len(records))
         with np.errstate(over="ignore"):
             sig = np.stack([np.add.reduceat(words[0][class_of_row], starts)[candidates],
                             np.add.reduceat(words[1][class_of_row], starts)[candidates],
@@ -427,6 +427,15 @@ def global_plan(
     sets = {sid: s for sid, s in sets.items() if sid in used}
     lap("ops")
     return GlobalPlan(ops, by_shard, sets, requested, readers, loads, bound)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of each element: fixed pseudo-random words, the same on every rank and numpy version."""
+    with np.errstate(over="ignore"):
+        z = (x + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
