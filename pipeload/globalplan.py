@@ -277,7 +277,7 @@ def global_plan(
             sets[sid] = HolderSet(tuple(range(world)), False)
             usable[sid] = not (same_host_private and len(np.unique(rows[:, F_HOST])) == 1)
         else:
-            sid = 1 + sum(1 for x in sets if x != FULL)
+            sid = len(sets) + (FULL not in sets)  # 1, 2, ... in order of first use (FULL is 0)
             members = np.sort(np.concatenate([cls.members[c] for c in classes]))
             mt = tuple(int(x) for x in members)
             dg = group_digest([ranks_of[r] for r in mt])
