@@ -11,8 +11,9 @@ The refusal must be the same on every rank, and a rank cannot know locally what 
 
 - an operation that overlaps another one in this process, at any moment, is *contended*, and so is
   the other;
-- a contended operation that is not yet past its first collective issues exactly one collective, the
-  exchange all-gather, carrying "contended" as a problem: every rank then raises together. Before it,
+- a contended operation that is not yet past its first collective issues exactly one collective — a
+  load its first one-word all-gather carrying "contended" (pipeload.loader), a save its plan all-gather
+  carrying it as a problem — and every rank then raises together. Before it,
   it waits until the operations that entered this process earlier on overlapping groups are done, so
   its one collective never interleaves with theirs; as every contended operation issues exactly one
   collective, the pairing across ranks is count-consistent whatever the order on each rank;
@@ -73,7 +74,7 @@ __all__ = ["Activity"]
 class Guard:
     """One operation's use of the registry: ``with Guard() as g`` around it, ``enter`` at its start.
 
-    ``enter`` returns the problem to carry into the exchange (None when not contended); ``late``
+    ``enter`` returns the problem to carry into the first collective (None when not contended); ``late``
     the error to carry into the final agreement.
     """
 
