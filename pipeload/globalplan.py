@@ -232,8 +232,10 @@ def global_plan(
         index = bc = np.zeros(0, dtype=np.int64)
         offsets = lengths = np.zeros((0, width), dtype=np.int64)
         requested = np.zeros(0, dtype=np.int64)
-    weights = np.prod(lengths, axis=1, where=np.arange(width) < ndim[index][:, None]) * itemsize[index] \
-        if len(index) else np.zeros(0, dtype=np.int64)
+    weights = itemsize[index].astype(np.int64)  # bytes of each shard: itemsize x its lengths (padding skipped)
+    nd = ndim[index]
+    for d in range(width):
+        weights *= np.where(nd > d, lengths[:, d], 1)
     lap("records")
 
     # 1. identical shard keys across classes
