@@ -93,7 +93,7 @@ def encode_record(index, broadcastable, offsets, lengths, objects, width: int) -
 
 
 def decode_record(data: bytes | memoryview) -> Record:
-    """Inverse of :func:`encode_record` (arrays are int64 views or copies)."""
+    """Inverse of :func:`encode_record`: zero-copy int32 or int64 views of ``data`` (bool copied)."""
     head = np.frombuffer(data, dtype=np.int64, count=_HEADER)
     version, n, m, width, itemsize = (int(x) for x in head)
     if version != _RECORD_VERSION or itemsize not in (4, 8):
@@ -101,8 +101,7 @@ def decode_record(data: bytes | memoryview) -> Record:
     body = np.frombuffer(data, dtype=np.int32 if itemsize == 4 else np.int64, offset=_HEADER * 8)
     if body.size != n * (2 + 2 * width) + m:
         raise ValueError("plan record has the wrong length")
-    body = body.astype(np.int64, copy=False)
-    a = 0
+    a = 0  # arrays stay views in the stored integer type; consumers widen what they compute with
     index = body[a : a + n]
     a += n
     bc = body[a : a + n].astype(bool)

@@ -107,12 +107,15 @@ def _row_groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = len(keys)
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    u = keys.astype(np.uint64)
+    u = np.ascontiguousarray(keys, dtype=np.int64).view(np.uint64)  # no copy for int64 rows
     h = np.full(n, 0x9E3779B97F4A7C15, dtype=np.uint64)
+    tmp = np.empty_like(h)
     with np.errstate(over="ignore"):
-        for c in range(u.shape[1]):
-            h = (h ^ u[:, c]) * np.uint64(0xBF58476D1CE4E5B9)
-            h ^= h >> np.uint64(31)
+        for c in range(u.shape[1]):  # in place: the rows can be millions
+            np.bitwise_xor(h, u[:, c], out=h)
+            np.multiply(h, np.uint64(0xBF58476D1CE4E5B9), out=h)
+            np.right_shift(h, np.uint64(31), out=tmp)
+            np.bitwise_xor(h, tmp, out=h)
     # Only rows whose hash bucket is shared can have a twin: sort just those (with R = 1 nearly none).
     size = 1 << max(4, int(2 * n - 1).bit_length())
     bucket = (h & np.uint64(size - 1)).astype(np.intp)
@@ -222,9 +225,9 @@ def global_plan(
     width = records[0].offsets.shape[1] if records else 0
     cl = np.repeat(np.arange(len(records)), n_per)
     if records:
-        index = np.concatenate([r.index for r in records])
+        index = np.concatenate([r.index for r in records]).astype(np.intp, copy=False)
         bc = np.concatenate([r.broadcastable for r in records])
-        offsets = np.concatenate([r.offsets for r in records])
+        offsets = np.concatenate([r.offsets for r in records])  # int32 when every record fits it
         lengths = np.concatenate([r.lengths for r in records])
         requested = np.flatnonzero(np.bincount(np.concatenate([index, *[r.objects for r in records]]),
                                                minlength=len(ndim)))
