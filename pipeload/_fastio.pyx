@@ -1276,6 +1276,21 @@ cdef str _span_str(const uint8_t* p, size_t at, size_t ln, uint8_t esc):
 
 # --------------------------------------------------------------------------------------------------
 
+cdef _check_unchanged(str path, int fd, Py_ssize_t size, uint64_t dev, uint64_t ino, int64_t mtime_s,
+                      int64_t mtime_ns):
+    """ReadError unless the open file ``fd`` still has the size, inode and mtime it had when mapped."""
+    cdef struct_stat st
+    cdef int err
+    if fstat(fd, &st) != 0:
+        err = errno
+        raise ReadError(f"{path}: cannot stat the open file: {os.strerror(err)}")
+    if st.st_size < size:
+        raise ReadError(f"{path}: file was truncated to {st.st_size} bytes after it was opened ({size} bytes mapped)")
+    if (st.st_size != size or <uint64_t>st.st_ino != ino or <uint64_t>st.st_dev != dev
+            or <int64_t>st.st_mtim.tv_sec != mtime_s or <int64_t>st.st_mtim.tv_nsec != mtime_ns):
+        raise ReadError(f"{path}: file changed on disk after it was opened")
+
+
 cdef class SafetensorsFile:
     """One open safetensors file: validated header, name index and zero-copy views of its bytes.
 
@@ -1629,22 +1644,9 @@ cdef class SafetensorsFile:
 
     def check_unchanged(self):
         """Raise ReadError if the open file changed on disk since open (size, inode, mtime)."""
-        cdef struct_stat st
-        cdef int err
         if self.closed:
             raise ValueError(f"{self.path}: file is closed")
-        if fstat(self._fd, &st) != 0:
-            err = errno
-            raise ReadError(f"{self.path}: cannot stat the open file: {os.strerror(err)}")
-        if st.st_size < self.size:
-            raise ReadError(
-                f"{self.path}: file was truncated to {st.st_size} bytes after it was opened "
-                f"({self.size} bytes mapped)")
-        if (st.st_size != self.size or <uint64_t>st.st_ino != self._st_ino
-                or <uint64_t>st.st_dev != self._st_dev
-                or <int64_t>st.st_mtim.tv_sec != self._mtime_s
-                or <int64_t>st.st_mtim.tv_nsec != self._mtime_ns):
-            raise ReadError(f"{self.path}: file changed on disk after it was opened")
+        _check_unchanged(self.path, self._fd, self.size, self._st_dev, self._st_ino, self._mtime_s, self._mtime_ns)
 
     def advise(self, advice, Py_ssize_t start=0, end=None):
         """madvise() over [start, end) of the mapping (widened to whole pages).
@@ -1826,22 +1828,9 @@ cdef class RawFile:
 
     def check_unchanged(self):
         """Raise ReadError if the open file changed on disk since open (size, inode, mtime)."""
-        cdef struct_stat st
-        cdef int err
         if self.closed:
             raise ValueError(f"{self.path}: file is closed")
-        if fstat(self._fd, &st) != 0:
-            err = errno
-            raise ReadError(f"{self.path}: cannot stat the open file: {os.strerror(err)}")
-        if st.st_size < self.size:
-            raise ReadError(
-                f"{self.path}: file was truncated to {st.st_size} bytes after it was opened "
-                f"({self.size} bytes mapped)")
-        if (st.st_size != self.size or <uint64_t>st.st_ino != self._st_ino
-                or <uint64_t>st.st_dev != self._st_dev
-                or <int64_t>st.st_mtim.tv_sec != self._mtime_s
-                or <int64_t>st.st_mtim.tv_nsec != self._mtime_ns):
-            raise ReadError(f"{self.path}: file changed on disk after it was opened")
+        _check_unchanged(self.path, self._fd, self.size, self._st_dev, self._st_ino, self._mtime_s, self._mtime_ns)
 
     def willneed(self, Py_ssize_t start, Py_ssize_t end):
         """Ask the kernel for bytes [start, end) now (MADV_WILLNEED in 1 MiB pieces, no GIL).
