@@ -40,7 +40,7 @@ from .planner import fqn_index, key_width, local_plan, piece_shard, plan_record
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
-from .statedict import flatten, mesh_groups
+from .statedict import flatten, mesh_groups, tensor_box
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
@@ -192,8 +192,7 @@ async def _load(
                                     f"group one after the other")
             if offer and bool(np.all(tokens == offer)):
                 prep = entry.state
-                for obj in prep.plan.objects:  # the same keys; their containers may be new
-                    obj.leaf = leaves[obj.fqn]
+                _rebind(prep, leaves)
                 reader.attach(prep.ckpt, cast=cast)
                 stats.plan_reused = True
             clock.lap("exchange")
@@ -229,6 +228,7 @@ async def _load(
     if keep and not stats.plan_reused:
         sig = plancache.signature(flatten(state_dict))
         token = plancache.token_of(prep.rows, options)
+        _strip(prep)
         plancache.store(cache_key, plancache.Entry(comm.pg, prep.stat, sig, token, prep, prep.created),
                         comm.destroy)
     stats.bytes_read = reader.bytes_read
@@ -238,6 +238,25 @@ async def _load(
     clock.lap("teardown")
     stats.wall = time.perf_counter() - t0
     return stats
+
+
+def _strip(prep: _Prepared) -> None:
+    """Drop every reference a kept plan holds to the state dict (its tensors may be large, and freed)."""
+    for shard in prep.plan.shards:
+        shard.dest = None
+    for obj in prep.plan.objects:
+        obj.leaf = None
+    prep.shared = {}
+
+
+def _rebind(prep: _Prepared, leaves: dict) -> None:
+    """Point a kept plan at this load's tensors and containers (same keys, boxes, dtypes: the signature)."""
+    boxes: dict = {}
+    for shard in prep.plan.shards:
+        shard.dest = tensor_box(shard.fqn, leaves[shard.fqn].value, boxes).local.detach()
+    for obj in prep.plan.objects:
+        obj.leaf = leaves[obj.fqn]
+    prep.shared = {pk: piece_shard(s, pk) for s in prep.plan.shards for pk in prep.gp.pieces.get(s.key, ())}
 
 
 _CONTENDED = -1  # the first word of a rank whose load overlaps another on its process (tokens are never -1)
@@ -437,7 +456,7 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
         timeout: for groups the load creates (default: the process group's own timeout).
         progress: a progress bar of loaded bytes on rank 0 (needs tqdm).
         reuse_plan: reuse the plan (and the groups it created) of an earlier load of the same checkpoint
-            into the same tensors on the same group, when every rank still holds it (default ``True``;
+            into a state dict of the same layout on the same group, when every rank still holds it (default ``True``;
             see :mod:`pipeload.plancache`; :func:`pipeload.clear_plan_cache` forgets them).
         format: the checkpoint's layout: ``"pipeload"``, ``"dcp"`` (torch.distributed.checkpoint) or
             ``"hf"`` (Hugging Face safetensors: one file, an index, or a directory of files); None

@@ -1,11 +1,12 @@
-"""Plan reuse: a second load of the same checkpoint into the same tensors on the same group skips planning.
+"""Plan reuse: a second load of the same checkpoint into the same layout on the same group skips planning.
 
 Evaluation loops, weight refreshes in RL and retries load one checkpoint into one state dict again and
 again. The first load keeps what it planned — the metadata, this rank's local plan, the global plan and
 the process groups it created — under a *token*, a hash of every rank's exchange row. A later load offers
 that token only if nothing it planned from has changed on this rank: the same ``.metadata`` file (inode,
-size, mtime; for a Hugging Face checkpoint, its files), the same tensors at the same addresses with the same shapes, dtypes and layouts, the same keys of
-Python objects (their containers are looked up again), the same options. Whether to reuse is then decided by one all-gather of
+size, mtime; for a Hugging Face checkpoint, its files), the same keys with the same dtypes, shapes,
+devices and layouts (:func:`signature`), the same options. A kept plan holds no reference to the state
+dict: the load that reuses it points it at its own tensors and containers. Whether to reuse is then decided by one all-gather of
 one word per rank (:func:`pipeload.loader`): every rank reuses exactly when every rank offered the same
 non-zero token, so every rank takes the same decision and the collectives that follow stay in one order.
 
@@ -68,15 +69,28 @@ def checkpoint_stat(path: str) -> tuple:
 
 
 def signature(leaves: dict[str, Leaf]) -> tuple:
-    """What the local plan was computed from: tensor identities, addresses, shapes, dtypes, layouts."""
+    """What a local plan is computed from: each tensor's key, dtype, device type, global and local shape,
+    placements and mesh (its ranks and this rank's coordinate); each object's key.
+
+    Tensor identities are not part of it: a kept plan holds no reference to the state dict and is
+    pointed at the tensors of the load that reuses it.
+    """
+    meshes: dict[int, tuple] = {}
     out = []
     for fqn in sorted(leaves):
         leaf = leaves[fqn]
         v = leaf.value
         if is_tensor(v):
             local = getattr(v, "_local_tensor", v)
-            out.append((fqn, id(v), id(local), local.data_ptr(), local.shape, local.dtype, local.device,
-                        v.shape, getattr(v, "placements", None)))
+            mesh = getattr(v, "device_mesh", None)
+            where = None
+            if mesh is not None:
+                where = meshes.get(id(mesh))
+                if where is None:
+                    where = meshes[id(mesh)] = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
+                                                tuple(mesh.get_coordinate() or ()))
+            out.append((fqn, local.shape, local.dtype, local.device.type, v.shape,
+                        getattr(v, "placements", None), where))
         else:
             out.append((fqn,))  # objects are replaced in whatever container holds them at load time
     return tuple(out)

@@ -106,10 +106,15 @@ def world4(rank: int, world: int, root: str, from2: str) -> dict:
     sd = L.build("plain", meshes, fill=False, keys=stage_keys[rank])
     out["pp"] = pipeload.load(sd, pp)
     L.check_values(sd)
-    # The same again: the group for {0, 3} is created anew (and destroyed) without a hang.
+    # The same layout again: the kept plan and its group for {0, 3} are reused; without reuse, the group
+    # is created anew (and destroyed) without a hang.
     sd = L.build("plain", meshes, fill=False, keys=stage_keys[rank])
-    out["pp_again"] = pipeload.load(sd, pp)
+    out["pp_reused"] = pipeload.load(sd, pp)
     L.check_values(sd)
+    sd = L.build("plain", meshes, fill=False, keys=stage_keys[rank])
+    out["pp_again"] = pipeload.load(sd, pp, reuse_plan=False)
+    L.check_values(sd)
+    pipeload.clear_plan_cache()
 
     # Two subgroup loads side by side: each pair broadcasts inside its own group.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -338,6 +343,7 @@ def test_pipeline_stages_create_one_group(worlds):
     created = [r["pp"].groups_created for r in r4]
     assert created == [1, 0, 0, 1], created
     assert [r["pp_again"].groups_created for r in r4] == created
+    assert all(r["pp_reused"].plan_reused and r["pp_reused"].groups_created == 0 for r in r4)
     assert r4[2]["pp"].bytes_read == 0 and r4[2]["pp"].broadcasts == 0
 
 

@@ -89,9 +89,12 @@ def world8(rank: int, world: int, root: str) -> dict:
         (v.to_local() if hasattr(v, "to_local") else v).zero_()
     out["again"] = pipeload.load(sd, ckpt)
     _check(sd)
-    other = _state(mesh, False) if rank == 3 else sd
-    out["mixed"] = pipeload.load(other, ckpt)
+    other = _state(mesh, False) if rank == 3 else sd  # new tensors, same layout: reused (plans hold no tensors)
+    out["fresh"] = pipeload.load(other, ckpt)
     _check(other)
+    fewer = {k: v for k, v in sd.items() if k != "norm"} if rank == 3 else sd  # one rank's keys differ
+    out["mixed"] = pipeload.load(fewer, ckpt)
+    _check(fewer)
     pipeload.save(_state(mesh, True), ckpt)  # a new save: the cached plan's .metadata is gone
     out["resaved"] = pipeload.load(sd, ckpt)
     _check(sd)
@@ -132,6 +135,7 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     assert len({r["digest"] for r in res}) == 1
     assert [r["stats"].plan_reused for r in res] == [False] * 8
     assert [r["again"].plan_reused for r in res] == [True] * 8
+    assert [r["fresh"].plan_reused for r in res] == [True] * 8
     assert [r["mixed"].plan_reused for r in res] == [False] * 8
     assert [r["resaved"].plan_reused for r in res] == [False] * 8
     assert all(r["one_host"].broadcasts == 0 and r["one_host"].bytes_received == 0 for r in res)
