@@ -48,6 +48,7 @@ MiB = 2**20
 LOADERS = ("pipeload", "pipeload-nobcast", "safetensors", "dcp")
 FORMATS = ("pipeload", "dcp", "hf")
 HF_LOADERS = ("pipeload", "pipeload-nobcast", "safetensors")
+DCP_LOADERS = ("pipeload", "pipeload-nobcast", "dcp")  # --format dcp: every loader reads DCP's files
 FLOOR = "floor"
 MODES = ("warm", "cold1", "cold", "throttled")
 # separate nodes emulated: each rank its own copy of every checkpoint and a host identity of its own
@@ -918,7 +919,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         raise RuntimeError("--plot needs matplotlib: pip install 'pipeload[plot]' (or pip install matplotlib)")
     rows = result["summary"]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    loaders = [l for l in (*LOADERS, "safetensors") if any(r["loader"] == l for r in rows)]
+    loaders = [l for l in LOADERS if any(r["loader"] == l for r in rows)]
     get = {(r["mode"], r["loader"]): r for r in rows}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / max(1, len(loaders))
@@ -956,9 +957,9 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
             raise ValueError(f"unknown mode {m!r}: choose from {', '.join(MODES)}")
     if cfg.format not in FORMATS:
         raise ValueError(f"unknown format {cfg.format!r}: choose from {', '.join(FORMATS)}")
-    allowed = HF_LOADERS if cfg.format == "hf" else LOADERS
-    if cfg.format == "hf" and tuple(cfg.loaders) == LOADERS:
-        cfg.loaders = HF_LOADERS
+    allowed = {"hf": HF_LOADERS, "dcp": DCP_LOADERS}.get(cfg.format, LOADERS)
+    if tuple(cfg.loaders) == LOADERS:
+        cfg.loaders = allowed
     for l in cfg.loaders:
         if l not in allowed:
             raise ValueError(f"unknown loader {l!r} for --format {cfg.format}: choose from {', '.join(allowed)}")

@@ -293,6 +293,10 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
 
 def test_bench_rejects_bad_layout(capsys):
     assert main(["bench", "--world", "4", "--tp", "3", "--quiet"]) == 2
+    # DCP's checkpoint has no HF copy to read plainly; fewer tensors than one expert per layer allows
+    assert main(["bench", "--format", "dcp", "--loaders", "safetensors", "--quiet"]) == 2
+    assert main(["bench", "--tensors", "100", "--layers", "8", "--quiet"]) == 2
+    assert bench.tensor_count(8, bench.experts_for(100_000, 8)) == 99_990
     assert "must equal --world" in capsys.readouterr().err
 
 
