@@ -47,13 +47,15 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"model size in MiB; scales widths, not the tensor count (default {DEFAULT_SIZE_MB})")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--repeats", type=int, default=3, help="runs per loader and mode; the median is reported (3)")
-    b.add_argument("--modes", type=_csv, default=MODES, help="comma list of warm,cold,throttled (default all)")
+    b.add_argument("--modes", type=_csv, default=MODES, help="comma list of " + ",".join(MODES) + " (default all)")
     b.add_argument("--loaders", type=_csv, default=LOADERS,
                    help="comma list of " + ",".join(LOADERS) + " (default all)")
     b.add_argument("--read-mbps", type=float, default=200.0, metavar="MIBPS",
                    help="throttled mode: read bandwidth of all ranks together, MiB/s (default 200)")
     b.add_argument("--layers", type=int, default=8, help="transformer layers (default 8)")
     b.add_argument("--experts", type=int, default=128, help="experts per layer (default 128)")
+    b.add_argument("--tensors", type=int, default=None, metavar="N",
+                   help="about N tensors in all (many small ones: sets the expert count; --size still sets the bytes)")
     b.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir, deleted after)")
     b.add_argument("--out", default=None, metavar="JSON", help="write every run and the summary as JSON")
     b.add_argument("--plot", default=None, metavar="PNG", help="write a chart (needs matplotlib)")
@@ -130,6 +132,7 @@ def _bench(args: argparse.Namespace) -> int:
         world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed, repeats=args.repeats,
         modes=tuple(args.modes), loaders=tuple(args.loaders), read_mbps=args.read_mbps, dir=args.dir,
         layers=args.layers, experts=args.experts, timeout=args.timeout, quiet=args.quiet, format=args.format,
+        tensors=args.tensors,
     )
     if args.plot:
         try:

@@ -194,8 +194,11 @@ def test_floor_slices_cover_every_byte_once(tmp_path):
 
 def _fake_runs():
     runs = []
-    for mode, walls in (("warm", {"floor": 0.1, "pipeload": 1.0, "pipeload-nobcast": 1.0, "dcp": 0.85}),
-                        ("throttled", {"floor": 2.0, "pipeload": 2.2, "pipeload-nobcast": 4.1, "dcp": 4.4})):
+    for mode, walls in (("warm", {"floor": 0.1, "pipeload": 1.0, "pipeload-nobcast": 1.0, "safetensors": 1.5,
+                                  "dcp": 0.85}),
+                        ("cold1", {"floor": 0.5, "pipeload": 1.0, "safetensors": 1.2}),
+                        ("throttled", {"floor": 2.0, "pipeload": 2.2, "pipeload-nobcast": 4.1, "safetensors": 8.0,
+                                       "dcp": 4.4})):
         for repeat in range(3):
             for loader, w in walls.items():
                 run = {"mode": mode, "loader": loader, "repeat": repeat, "wall": w * (1 + 0.01 * repeat),
@@ -205,6 +208,7 @@ def _fake_runs():
                 if loader.startswith("pipeload"):
                     run["broadcasts"] = 7
                     run["timings"] = {k: 0.1 for k in bench.TIMING_KEYS}
+                    run["plan_exchange"] = 0.12 + 0.01 * repeat + (0.1 if mode == "cold1" else 0.0)
                 runs.append(run)
     return runs
 
@@ -222,9 +226,22 @@ def test_summary_ratios_and_targets():
     assert targets["throttled: pipeload / floor"]["ok"] is True
     assert targets["throttled: DCP / pipeload (speed-up)"]["ok"] is True
     assert targets["warm: pipeload broadcast off / DCP"]["ok"] is False  # 1.0 / 0.85 = 1.18
+    assert get[("warm", "pipeload")]["vs_plain"] == pytest.approx(1.0 / 1.5)
+    assert targets["warm: pipeload / plain safetensors reader"]["ok"] is True  # 0.67
+    assert targets["cold1: pipeload / plain safetensors reader"]["ok"] is False  # 0.83
+    assert targets["throttled: pipeload read amplification"]["ok"] is True
+    assert targets["throttled: pipeload / floor"]["value"] == pytest.approx(1.1)
+    # plan + exchange: median over repeats per mode, then the worst mode (cold1: 0.23)
+    assert get[("warm", "pipeload")]["plan_exchange"] == pytest.approx(0.13)
+    fixed = [t for t in targets.values() if t["target"].startswith("pipeload plan + exchange")]
+    assert len(fixed) == 1 and fixed[0]["value"] == pytest.approx(0.23) and fixed[0]["ok"] is False
+    other = [t for t in bench.check_targets(rows, dp=2, default_size=False)
+             if t["target"].startswith("pipeload plan + exchange")]
+    assert other[0]["ok"] is None  # reported only away from the default size
     result = {"summary": rows, "targets": bench.check_targets(rows, dp=2)}
     table = bench.format_table(result)
-    assert "pipeload broadcast on" in table and "torch DCP" in table and "[ok  ]" in table
+    assert "plain safetensors reader" in table and "torch DCP" in table and "[ok  ]" in table
+    assert "plan+exch s" in table and "x plain" in table and "0.130" in table
     assert "plan" in table and "teardown" in table
 
 
@@ -245,24 +262,41 @@ def test_throttle_cgroup_roundtrip(tmp_path):
 @pytest.mark.timeout(120)
 def test_tiny_bench_end_to_end(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = main(["bench", "--world", "2", "--tp", "1", "--size", "1", "--layers", "1", "--experts", "2",
-               "--repeats", "1", "--modes", "warm,cold", "--out", str(out), "--dir", str(tmp_path / "b"),
+    # --tensors 40 with one layer: 5 experts, 39 tensors (the closest count the model shape allows)
+    rc = main(["bench", "--world", "2", "--tp", "1", "--size", "1", "--layers", "1", "--tensors", "40",
+               "--repeats", "1", "--modes", "warm,cold1,cold", "--out", str(out), "--dir", str(tmp_path / "b"),
                "--quiet", "--timeout", "100"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "separate nodes emulated" in text and "torch DCP" in text
+    assert "separate nodes emulated" in text and "torch DCP" in text and "plain safetensors reader" in text
+    assert "PIPELOAD_HOST_ID unset" in text and "plan+exch s" in text
     result = json.loads(out.read_text())
+    assert result["config"]["experts"] == 5 and result["checkpoint"]["tensors"] == bench.tensor_count(1, 5) == 39
     assert {(r["mode"], r["loader"]) for r in result["runs"]} == {
-        (m, l) for m in ("warm", "cold") for l in ("floor", *bench.LOADERS)}
+        (m, l) for m in ("warm", "cold1", "cold") for l in ("floor", *bench.LOADERS)}
     assert not (tmp_path / "b" / "nodes").exists()  # per-rank copies are removed
     assert (tmp_path / "b" / "pipeload" / METADATA_FILE).exists()
-    cold = {r["loader"]: r for r in result["runs"] if r["mode"] == "cold"}
-    assert all(r["resident_before"] == 0.0 for r in cold.values()) or bench.block_device(str(tmp_path)) is None
-    assert cold["pipeload"]["broadcasts"] > 0 and cold["pipeload-nobcast"]["broadcasts"] == 0
+    assert (tmp_path / "b" / "hf" / "model.safetensors.index.json").exists()
+    by = {(r["mode"], r["loader"]): r for r in result["runs"]}
+    on_block = bench.block_device(str(tmp_path)) is not None
+    for mode in ("cold1", "cold"):
+        assert all(by[(mode, l)]["resident_before"] == 0.0 for l in ("floor", *bench.LOADERS)) or not on_block
+    # one host (warm, cold1): the default policy reads replicas from the page cache; separate nodes broadcast
+    assert by[("warm", "pipeload")]["broadcasts"] == 0 and by[("cold1", "pipeload")]["broadcasts"] == 0
+    assert by[("cold", "pipeload")]["broadcasts"] > 0 and by[("cold", "pipeload-nobcast")]["broadcasts"] == 0
+    # the plain reader reads its own node's copy: every rank its replica's bytes, no collective
+    assert by[("cold", "safetensors")]["requested_bytes"] >= 2 * result["checkpoint"]["unique_bytes"] * 0.95
+    for (mode, loader), r in by.items():
+        if loader.startswith("pipeload"):
+            assert 0 < r["plan_exchange"] <= r["wall"] and len(r["plan_by_rank"]) == 2
 
 
 def test_bench_rejects_bad_layout(capsys):
     assert main(["bench", "--world", "4", "--tp", "3", "--quiet"]) == 2
+    # DCP's checkpoint has no HF copy to read plainly; fewer tensors than one expert per layer allows
+    assert main(["bench", "--format", "dcp", "--loaders", "safetensors", "--quiet"]) == 2
+    assert main(["bench", "--tensors", "100", "--layers", "8", "--quiet"]) == 2
+    assert bench.tensor_count(8, bench.experts_for(100_000, 8)) == 99_990
     assert "must equal --world" in capsys.readouterr().err
 
 

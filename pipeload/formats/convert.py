@@ -186,6 +186,7 @@ def _to_hf(ckpt: Checkpoint, reader: ChunkReader, dst: str, limit: int) -> dict[
     names = sorted(md.tensors)
     sizes = [(n, math.prod(md.tensors[n].shape) * dtype_itemsize(md.tensors[n].dtype)) for n in names]
     groups = _pack(sizes, limit)
+    size_of = dict(sizes)  # once: rebuilding it per tensor made a 100k-tensor conversion quadratic
     meta = {"format": "pt"}
     if ckpt.format == "hf" and len(ckpt.file_metadata) == 1:
         meta = dict(next(iter(ckpt.file_metadata.values()))) or meta  # keep a single file's __metadata__
@@ -193,7 +194,7 @@ def _to_hf(ckpt: Checkpoint, reader: ChunkReader, dst: str, limit: int) -> dict[
     total = 0
     for i, group in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        entries = [(n, md.tensors[n].dtype, md.tensors[n].shape, dict(sizes)[n]) for n in group]
+        entries = [(n, md.tensors[n].dtype, md.tensors[n].shape, size_of[n]) for n in group]
         header, _ = _header(entries, meta)
         _write(os.path.join(dst, fname), header, (_bytes_of(_whole(reader, md.tensors[n])) for n in group), None)
         for n in group:
