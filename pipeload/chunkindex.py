@@ -21,12 +21,16 @@ from __future__ import annotations
 
 from typing import Iterator, Mapping
 
+import os
+import stat
+
 import numpy as np
 
 from ._fastio import SafetensorsFile
 from .errors import CheckpointFormatError
 from .metadata import ChunkMeta, TensorMeta, _any_overlap, tiling_problem
 
+INLINE_INDEX = 8 << 20  # index files up to this size travel with .metadata from rank 0
 SMALL_TABLE = 1 << 18  # chunk tables up to this many rows are converted to Python lists once per load
 
 ARRAYS = {  # name -> (safetensors dtype, numpy dtype)
@@ -77,23 +81,40 @@ def build_arrays(names: list[str], tensors: Mapping, files: list[str]) -> dict[s
 class ChunkIndex:
     """A mapped index file; arrays are zero-copy views of the mapping."""
 
-    def __init__(self, path: str, n_tensors: int, n_files: int):
+    def __init__(self, path: str, n_tensors: int, n_files: int, data: bytes | None = None):
         self.path = path
-        try:
-            self._file = SafetensorsFile(path)
-        except FileNotFoundError:
-            raise CheckpointFormatError(f"{path}: the chunk index of this checkpoint is missing") from None
-        except OSError as e:
-            raise CheckpointFormatError(f"{path}: cannot read the chunk index ({e.strerror or e})") from None
+        self._file = None
         a = {}
-        for name, (st_dtype, np_dtype) in ARRAYS.items():
+        if data is not None:  # the whole file, read once by rank 0 and sent with .metadata
             try:
-                dtype, shape, _, _ = self._file.entry(name)
-            except KeyError:
-                raise CheckpointFormatError(f"{path}: chunk index has no array {name!r}") from None
-            if dtype != st_dtype:
-                raise CheckpointFormatError(f"{path}: chunk index array {name!r} is {dtype}, expected {st_dtype}")
-            a[name] = np.frombuffer(self._file.buffer(name), dtype=np_dtype).reshape(shape)
+                from safetensors.numpy import load
+
+                loaded = load(data)
+            except Exception as e:  # noqa: BLE001 - safetensors' own validation of the bytes
+                raise CheckpointFormatError(f"{path}: the chunk index is not valid safetensors ({e})") from None
+            for name, (_, np_dtype) in ARRAYS.items():
+                arr = loaded.get(name)
+                if arr is None:
+                    raise CheckpointFormatError(f"{path}: chunk index has no array {name!r}")
+                if arr.dtype != np_dtype:
+                    raise CheckpointFormatError(f"{path}: chunk index array {name!r} is {arr.dtype}, expected "
+                                                f"{np.dtype(np_dtype)}")
+                a[name] = arr
+        else:
+            try:
+                self._file = SafetensorsFile(path)
+            except FileNotFoundError:
+                raise CheckpointFormatError(f"{path}: the chunk index of this checkpoint is missing") from None
+            except OSError as e:
+                raise CheckpointFormatError(f"{path}: cannot read the chunk index ({e.strerror or e})") from None
+            for name, (st_dtype, np_dtype) in ARRAYS.items():
+                try:
+                    dtype, shape, _, _ = self._file.entry(name)
+                except KeyError:
+                    raise CheckpointFormatError(f"{path}: chunk index has no array {name!r}") from None
+                if dtype != st_dtype:
+                    raise CheckpointFormatError(f"{path}: chunk index array {name!r} is {dtype}, expected {st_dtype}")
+                a[name] = np.frombuffer(self._file.buffer(name), dtype=np_dtype).reshape(shape)
         t = n_tensors
         width = a["shape"].shape[1] if a["shape"].ndim == 2 else -1
         c = int(a["chunk_start"][-1]) if a["chunk_start"].shape == (t + 1,) else -1
@@ -112,7 +133,8 @@ class ChunkIndex:
         self._lists: tuple | None = None
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def _rows(self, i: int) -> tuple[int, int]:
         return int(self.a["chunk_start"][i]), int(self.a["chunk_start"][i + 1])
@@ -277,9 +299,41 @@ class IndexedTensors(Mapping):
 
 
 def open_index(directory: str, name: str, names: list[str], dtypes: list[str], ndims: list[int],
-               files: list[str]) -> IndexedTensors:
-    """The tensors of a format-2 checkpoint whose index file is ``directory/name``."""
+               files: list[str], data: bytes | None = None) -> IndexedTensors:
+    """The tensors of a format-2 checkpoint whose index file is ``directory/name`` (``data``: its bytes,
+    already read, as :func:`read_small_index` gives them)."""
     from .metadata import resolve_inside
 
-    idx = ChunkIndex(resolve_inside(directory, name), len(names), len(files))
+    idx = ChunkIndex(resolve_inside(directory, name), len(names), len(files), data)
     return IndexedTensors(idx, names, dtypes, ndims, files)
+
+
+def read_small_index(directory: str, name: str) -> bytes | None:
+    """The whole index file when it is at most :data:`INLINE_INDEX` bytes (else None: map it per rank).
+
+    A load's rank 0 sends a small index with ``.metadata``, so no rank touches storage while planning
+    (where its reads would queue behind the data other ranks already prefetch). Errors are left to the
+    ranks' own open of the file, which names them.
+    """
+    from .metadata import resolve_inside
+
+    try:
+        fd = os.open(resolve_inside(directory, name), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError, CheckpointFormatError):  # ValueError: a NUL in a hostile name
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > INLINE_INDEX:
+            return None
+        chunks, left = [], st.st_size
+        while left > 0:
+            b = os.read(fd, left)
+            if not b:
+                return None
+            chunks.append(b)
+            left -= len(b)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

@@ -241,13 +241,15 @@ class Metadata:
         return json.dumps(doc, indent=None, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes, source: str = "<metadata>", directory: str | None = None) -> "Metadata":
+    def from_json(cls, text: str | bytes, source: str = "<metadata>", directory: str | None = None,
+                  index_data: bytes | None = None) -> "Metadata":
         """Parse and validate; every failure is a CheckpointFormatError naming ``source`` and the key.
 
         Refused besides the schema: a key given twice in one JSON object (JSON leaves it undefined;
         a last-one-wins parser would hide a conflict), nesting deeper than Python's recursion allows,
         and strings holding a lone UTF-16 surrogate (no UTF-8 encoding: nothing could print them).
-        Format 2 maps its chunk index from ``directory`` (default: the directory of ``source``).
+        Format 2 maps its chunk index from ``directory`` (default: the directory of ``source``), or
+        decodes ``index_data``, the index file's bytes read by another rank.
         """
         try:
             doc = json.loads(text, object_pairs_hook=_unique_keys)
@@ -258,7 +260,7 @@ class Metadata:
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointFormatError(f"{source}: metadata is not valid JSON ({e})") from None
         if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME and doc.get("version") == 2:
-            md = _parse_v2(doc, source, directory if directory is not None else os.path.dirname(source))
+            md = _parse_v2(doc, source, directory if directory is not None else os.path.dirname(source), index_data)
         else:
             md = _parse(doc, source)
         if (_SURROGATE_ESCAPE if isinstance(text, str) else _SURROGATE_ESCAPE_B).search(text):
@@ -490,7 +492,7 @@ def _parse_objects(doc: Any, md: Metadata, source: str) -> None:
         )
 
 
-def _parse_v2(doc: dict, source: str, directory: str) -> Metadata:
+def _parse_v2(doc: dict, source: str, directory: str, index_data: bytes | None = None) -> Metadata:
     """Format 2: tensor-level facts from JSON, chunks from the mapped index (read where looked at)."""
     from .chunkindex import open_index
 
@@ -515,7 +517,7 @@ def _parse_v2(doc: dict, source: str, directory: str) -> Metadata:
     clash = set(names) & md.objects.keys()
     if clash:
         raise CheckpointFormatError(f"{source}: keys are both tensor and object: {sorted(clash)[:5]}")
-    md.tensors = open_index(directory, md.index_file, names, dtypes, ndims, md.data_files)
+    md.tensors = open_index(directory, md.index_file, names, dtypes, ndims, md.data_files, index_data)
     return md
 
 

@@ -279,3 +279,19 @@ def test_format_2_chunk_files_survive_an_objects_only_file(tmp_path):
     back = read_metadata(tmp_path)
     assert back.chunks_for("w", (0,), (4,)) == [ChunkMeta((0,), (4,), "b.safetensors", "w", "1" * 16)]
     assert back.tensors["w"] == md.tensors["w"] and back.files == ["a.safetensors", "b.safetensors"]
+
+
+def test_format_2_index_mapped_or_sent_loads_the_same(tmp_path):
+    """A small index travels with .metadata; a large one is mapped by each rank: both paths load alike."""
+    from pipeload import chunkindex
+
+    full = torch.arange(300 * 7, dtype=torch.float64).reshape(300, 7)
+    pipeload.save({"w": full, "v": torch.ones(3)}, tmp_path)
+    for limit in (chunkindex.INLINE_INDEX, 0):
+        saved, chunkindex.INLINE_INDEX = chunkindex.INLINE_INDEX, limit
+        try:
+            dst = {"w": torch.zeros(300, 7, dtype=torch.float64), "v": torch.zeros(3)}
+            pipeload.load(dst, tmp_path)
+        finally:
+            chunkindex.INLINE_INDEX = saved
+        assert torch.equal(dst["w"], full) and torch.equal(dst["v"], torch.ones(3))
