@@ -40,7 +40,7 @@ from .planner import fqn_index, key_width, local_plan, piece_shard, plan_record
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
-from .statedict import flatten, mesh_groups, tensor_box
+from .statedict import flatten, mesh_groups
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
@@ -251,9 +251,9 @@ def _strip(prep: _Prepared) -> None:
 
 def _rebind(prep: _Prepared, leaves: dict) -> None:
     """Point a kept plan at this load's tensors and containers (same keys, boxes, dtypes: the signature)."""
-    boxes: dict = {}
-    for shard in prep.plan.shards:
-        shard.dest = tensor_box(shard.fqn, leaves[shard.fqn].value, boxes).local.detach()
+    for shard in prep.plan.shards:  # the signature matched: each leaf's local tensor is the whole box
+        v = leaves[shard.fqn].value
+        shard.dest = getattr(v, "_local_tensor", v).detach()
     for obj in prep.plan.objects:
         obj.leaf = leaves[obj.fqn]
     prep.shared = {pk: piece_shard(s, pk) for s in prep.plan.shards for pk in prep.gp.pieces.get(s.key, ())}

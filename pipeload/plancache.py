@@ -82,15 +82,16 @@ def signature(leaves: dict[str, Leaf]) -> tuple:
         v = leaf.value
         if is_tensor(v):
             local = getattr(v, "_local_tensor", v)
-            mesh = getattr(v, "device_mesh", None)
+            spec = getattr(v, "_spec", None)  # a DTensor's placements and mesh, without its properties
+            mesh = spec.mesh if spec is not None else None
             where = None
             if mesh is not None:
                 where = meshes.get(id(mesh))
                 if where is None:
                     where = meshes[id(mesh)] = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
                                                 tuple(mesh.get_coordinate() or ()))
-            out.append((fqn, local.shape, local.dtype, local.device.type, v.shape,
-                        getattr(v, "placements", None), where))
+            out.append((fqn, local.shape, local.dtype, local.device, v.shape,
+                        spec.placements if spec is not None else None, where))
         else:
             out.append((fqn,))  # objects are replaced in whatever container holds them at load time
     return tuple(out)
