@@ -37,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark pipeload against torch.distributed.checkpoint on a local world",
         description="Save a synthetic MoE state dict with pipeload and with torch DCP on a local gloo world, "
-        "then load it with pipeload (broadcast on/off) and DCP in each mode, verifying every load. "
-        "cold/throttled emulate separate nodes: each rank reads its own copy of the checkpoint.",
+        "then load it with pipeload (default policy, and broadcast off), a plain per-rank safetensors reader "
+        "and DCP in each mode, verifying every load. warm/cold1 are one host; cold/throttled emulate "
+        "separate nodes: each rank reads its own copy of the checkpoint and runs on a host of its own.",
     )
     b.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     b.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
