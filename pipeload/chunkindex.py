@@ -28,7 +28,7 @@ import numpy as np
 
 from ._fastio import SafetensorsFile
 from .errors import CheckpointFormatError
-from .metadata import ChunkMeta, TensorMeta, _any_overlap, tiling_problem
+from .metadata import ChunkMeta, TensorMeta, _any_overlap, chunk_key, tiling_problem
 
 INLINE_INDEX = 8 << 20  # index files up to this size travel with .metadata from rank 0
 SMALL_TABLE = 1 << 18  # chunk tables up to this many rows are converted to Python lists once per load
@@ -184,7 +184,7 @@ class ChunkIndex:
         sums = self.a["chunk_checksum"][rows].tolist()
         for o, n, f, s in zip(offs, lens, fls, sums):
             o, n = tuple(o), tuple(n)
-            key = fqn if n == shape else f"{fqn}@{','.join(map(str, o))}"
+            key = chunk_key(fqn, o, n == shape)
             out.append(ChunkMeta(o, n, files[f], key, f"{s:016x}"))
         return out
 
@@ -225,7 +225,7 @@ class ChunkIndex:
                     and tuple(n[:ndim]) == tuple(lengths) and 0 <= fl[0] < nfiles \
                     and all(x + y <= z for x, y, z in zip(offsets, lengths, shape)) and n[0] <= self._max_rows[i]:
                 o, n = tuple(o[:ndim]), tuple(n[:ndim])
-                key = fqn if n == shape else f"{fqn}@{','.join(map(str, o))}"
+                key = chunk_key(fqn, o, n == shape)
                 sums = self._lists[3] if self._lists else None
                 return [ChunkMeta(o, n, files[fl[0]], key,
                                   f"{sums[lo] if sums else int(self.a['chunk_checksum'][lo]):016x}")]
@@ -258,7 +258,7 @@ class ChunkIndex:
         found = []
         for h in hits:
             o, n = tuple(off[h][:ndim]), tuple(ln[h][:ndim])
-            key = fqn if n == shape else f"{fqn}@{','.join(map(str, o))}"
+            key = chunk_key(fqn, o, n == shape)
             found.append(ChunkMeta(o, n, files[fl[h]], key, f"{int(sums[h]):016x}"))
         if len(found) > 1 and _any_overlap([(c.offsets, c.lengths) for c in found]):
             raise CheckpointFormatError(f"{self.path}: tensor {fqn!r}: chunks overlap")

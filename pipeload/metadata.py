@@ -384,6 +384,16 @@ def _checksum(v: Any, where: str) -> str:
     return v
 
 
+def chunk_key(fqn: str, offsets: tuple[int, ...], whole: bool) -> str:
+    """The safetensors tensor name of a chunk: the fqn for a whole tensor, ``fqn@o0,o1,...`` otherwise."""
+    return fqn if whole else f"{fqn}@{','.join(map(str, offsets))}"
+
+
+def plain_file_name(v: Any, where: str) -> str:
+    """``v`` if it names a file directly inside the checkpoint directory; CheckpointFormatError otherwise."""
+    return _file_name(v, where)
+
+
 def _file_name(v: Any, where: str) -> str:
     if not isinstance(v, str) or not v or "/" in v or "\\" in v or v in (".", "..") or "\x00" in v:
         raise CheckpointFormatError(f"{where}: file must be a plain file name inside the checkpoint")

@@ -48,6 +48,7 @@ from .metadata import (
     Metadata,
     ObjectMeta,
     TensorMeta,
+    chunk_key,
     dtype_itemsize,
     dtype_name,
     read_metadata_bytes,
@@ -62,11 +63,6 @@ _WRITE_BUFFER = 8 << 20
 
 def data_file_name(save_id: str, rank: int) -> str:
     return f"data-{save_id}-{rank:05d}.safetensors"
-
-
-def chunk_key(fqn: str, offsets: tuple[int, ...], whole: bool) -> str:
-    """The safetensors tensor name of a chunk: the fqn itself for a whole tensor, fqn@offsets otherwise."""
-    return fqn if whole else f"{fqn}@{','.join(map(str, offsets))}"
 
 
 def object_key(fqn: str) -> str:

@@ -51,8 +51,8 @@ from .exchange import (Classes, Transfer, classes, encode_record, group_digest, 
                        record_digest)
 from .loader import exchange_and_plan
 from .chunkindex import ARRAYS, build_arrays, index_file_name
-from .metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, TensorMeta, metadata_path, read_metadata,
-                       read_metadata_bytes)
+from .metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, TensorMeta, chunk_key, metadata_path,
+                       read_metadata, read_metadata_bytes)
 from .saver import _write_file
 from .planner import fqn_index, key_width, local_plan, plan_record
 from .statedict import Box, flatten
@@ -229,7 +229,7 @@ class Layout:
             for (o, n), r in sorted(seen.items()):
                 f = f"data-{SAVE_ID}-{r:05d}.safetensors"
                 files.add(f)
-                key = t.fqn if n == t.shape else f"{t.fqn}@{','.join(map(str, o))}"
+                key = chunk_key(t.fqn, o, n == t.shape)
                 chunks.append(ChunkMeta(o, n, f, key, "0" * 16))
             tensors[t.fqn] = TensorMeta(t.dtype, t.shape, tuple(chunks))
         md = Metadata(save_id=SAVE_ID, world_size=self.world, tensors=tensors)

@@ -26,6 +26,7 @@ from ..metadata import (
     Metadata,
     ObjectMeta,
     TensorMeta,
+    chunk_key,
     dtype_itemsize,
     torch_dtype,
 )
@@ -147,7 +148,7 @@ def _to_pipeload(ckpt: Checkpoint, reader: ChunkReader, dst: str, limit: int) ->
         itemsize = dtype_itemsize(t.dtype)
         for c in sorted(t.chunks, key=lambda c: c.offsets):
             whole = c.lengths == t.shape and not any(c.offsets)
-            name = fqn if whole else f"{fqn}@{','.join(map(str, c.offsets))}"
+            name = chunk_key(fqn, c.offsets, whole)
             work.append(("t", fqn, c, name, t.dtype, c.lengths, c.numel * itemsize))
     for fqn in sorted(md.objects):
         o = md.objects[fqn]

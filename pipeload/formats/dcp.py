@@ -42,7 +42,9 @@ from ..metadata import (
     ObjectMeta,
     TensorMeta,
     dtype_name,
+    plain_file_name,
 )
+from ..metadata import chunk_key as metadata_chunk_key
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -114,15 +116,9 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
     return md
 
 
-def _file_name(v: Any, where: str) -> str:
-    if not isinstance(v, str) or not v or "/" in v or "\\" in v or v in (".", "..") or "\x00" in v:
-        raise CheckpointFormatError(f"{where}: {v!r} is not a plain file name inside the checkpoint")
-    return v
-
-
 def chunk_key(fqn: str, offsets: tuple[int, ...]) -> str:
     """The key of a tensor chunk inside a ``.distcp`` file (names it in messages): ``fqn@o0,o1``."""
-    return f"{fqn}@{','.join(map(str, offsets))}"
+    return metadata_chunk_key(fqn, offsets, False)
 
 
 def from_payload(path: str, data: bytes):
@@ -141,7 +137,7 @@ def from_payload(path: str, data: bytes):
         info = storage.get((fqn, offsets))
         if info is None:
             raise CheckpointFormatError(f"{source}: no storage entry for {fqn!r} at {list(offsets or [])}")
-        f = _file_name(getattr(info, "relative_path", None), f"{source}: {fqn!r}")
+        f = plain_file_name(getattr(info, "relative_path", None), f"{source}: {fqn!r}")
         off, ln = getattr(info, "offset", None), getattr(info, "length", None)
         if type(off) is not int or type(ln) is not int or off < 0 or ln < 0:
             raise CheckpointFormatError(f"{source}: {fqn!r} has a bad byte range ({off!r}, {ln!r})")

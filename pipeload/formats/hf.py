@@ -21,7 +21,7 @@ from typing import Any
 
 from .._fastio import read_header
 from ..errors import CheckpointFormatError
-from ..metadata import ChunkMeta, Metadata, TensorMeta, tiling_problem, torch_dtype
+from ..metadata import ChunkMeta, Metadata, TensorMeta, plain_file_name, tiling_problem, torch_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
@@ -81,8 +81,7 @@ def read_payload(path: str) -> dict[str, Any]:
 
 
 def _check_name(name: str, where: str) -> None:
-    if not name or "/" in name or "\\" in name or name in (".", "..") or "\x00" in name:
-        raise CheckpointFormatError(f"{where}: {name!r} is not a plain file name inside the checkpoint")
+    plain_file_name(name, f"{where}: {name!r}")
 
 
 def _saved_offsets(meta: dict | None, path: str) -> dict[str, list[int]] | None:
