@@ -15,10 +15,9 @@ Rules kept here (see docs/ARCHITECTURE.md, "Why this cannot deadlock"):
 from __future__ import annotations
 
 import asyncio
-import bisect
 import warnings
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from .errors import DistributedError, PipeloadError
 from .exchange import Classes, Transfer, group_digest
+from .globalplan import contains
 
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); older releases only have the old one
@@ -257,7 +257,7 @@ class Comm:
         for sid, hs in sorted(sets.items(), key=lambda kv: kv[1].members):
             if sid == 0:
                 continue
-            mine = _contains(hs.members, self.rank)
+            mine = contains(hs.members, self.rank)
             if hs.create:
                 g = dist.new_group([self.global_ranks[r] for r in hs.members], timeout=self.timeout)
                 if mine:
@@ -321,11 +321,6 @@ def destroy_groups(groups: list[Any]) -> None:
             dist.destroy_process_group(g)
         except Exception as e:  # noqa: BLE001
             warnings.warn(f"pipeload: destroying a broadcast group failed: {e}", RuntimeWarning, stacklevel=2)
-
-
-def _contains(members: Sequence[int], r: int) -> bool:
-    i = bisect.bisect_left(members, r)
-    return i < len(members) and members[i] == r
 
 
 def finish(work) -> None:

@@ -6,7 +6,7 @@ A load's exchange has two steps, both over the load's group and taken by every r
 
 1. **Rows.** An all-gather of one :data:`ROW_WORDS`-word int64 row per rank: a flag word (this rank has
    problems to report), a hash of the save id it read, the 128-bit digest and the byte length of its
-   plan record, its host, its plan-cache token and the digests of up to :data:`MAX_GROUPS` process
+   plan record, its host and the digests of up to :data:`MAX_GROUPS` process
    groups it could reuse. ``W`` rows cost every rank ``W x 128`` bytes: 2 MiB at 16,384 ranks.
 2. **Distinct records.** Ranks whose records have the same digest are replicas of one another (data
    parallelism makes most ranks byte-identical to others); only the lowest rank of each digest, its
@@ -36,7 +36,7 @@ ROW_WORDS = 16
 MAX_GROUPS = 8  # reusable groups a rank can offer; more are ignored (the load then creates or reads privately)
 
 # row layout
-F_FLAGS, F_SAVE, F_DIGEST, F_NBYTES, F_HOST, F_TOKEN, F_NGROUPS, F_GROUPS = 0, 1, 2, 4, 5, 6, 7, 8
+F_FLAGS, F_SAVE, F_DIGEST, F_NBYTES, F_HOST, F_NGROUPS, F_GROUPS = 0, 1, 2, 4, 5, 7, 8  # word 6 is unused
 FLAG_PROBLEMS = 1
 
 _RECORD_VERSION = 1
@@ -118,7 +118,7 @@ def record_digest(record: bytes) -> tuple[int, int]:
     return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
 
 
-def make_row(*, record: bytes, save_id: str | None, problems: bool, host: int, token: int = 0,
+def make_row(*, record: bytes, save_id: str | None, problems: bool, host: int,
              groups: list[int] = (), digest: tuple[int, int] | None = None) -> np.ndarray:
     """One rank's row; ``digest`` is :func:`record_digest` of ``record`` when the caller has it."""
     row = np.zeros(ROW_WORDS, dtype=np.int64)
@@ -127,7 +127,6 @@ def make_row(*, record: bytes, save_id: str | None, problems: bool, host: int, t
     row[F_DIGEST : F_DIGEST + 2] = digest if digest is not None else record_digest(record)
     row[F_NBYTES] = len(record)
     row[F_HOST] = host
-    row[F_TOKEN] = token
     groups = sorted(set(groups))[:MAX_GROUPS]
     row[F_NGROUPS] = len(groups)
     row[F_GROUPS : F_GROUPS + len(groups)] = groups

@@ -405,7 +405,7 @@ def global_plan(
     lap("readers")
 
     # 4. this rank's broadcasts, in global order
-    mine_sets = {sid for sid, s in sets.items() if _has(s.members, me)}
+    mine_sets = {sid for sid, s in sets.items() if contains(s.members, me)}
     my_pieces = sorted((p for p in pieces if p[2] in mine_sets), key=lambda p: p[0])
     by_shard: dict[ShardKey, list[ShardKey]] = {}
     ops: list[Op] = []
@@ -449,6 +449,7 @@ def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.repeat(hi - np.cumsum(n), n) + np.arange(int(n.sum()))
 
 
-def _has(members: tuple[int, ...], r: int) -> bool:
+def contains(members: Sequence[int], r: int) -> bool:
+    """Whether ``r`` is in the ascending ``members`` (binary search: sets can hold thousands of ranks)."""
     i = bisect.bisect_left(members, r)
     return i < len(members) and members[i] == r

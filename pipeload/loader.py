@@ -36,7 +36,7 @@ from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, e
 from .globalplan import GlobalPlan, global_plan
 from . import formats
 from .metadata import Metadata
-from .planner import fqn_index, key_width, local_plan, piece_shard, plan_record
+from .planner import fqn_index, local_plan, piece_shard, plan_record
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
@@ -286,7 +286,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
 
     # 2-3. exchange and global plan
     names = list(fqn_index(md)) if md else []  # checkpoint keys in index order (sorted)
-    width = key_width(md) if md else 0
+    width = md.width() if md else 0
     record = plan_record(plan, width) if plan else encode_record([], [], [], [], [], width)
     rows_seen: list[np.ndarray] = []
     # without collectives this rank plans alone, as rank 0 of a world of one
@@ -391,19 +391,12 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     records = [decode_record(b) for b in raw]
     if clock is not None:
         clock.lap("exchange")
-    ndim, itemsize = _key_shapes(md, names)
+    ndim, itemsize = md.key_arrays(names) if md is not None else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     if on_phase is not None:
         on_phase("key shapes")
     return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
                        batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
                        on_phase=on_phase, same_host_private=same_host_private, everything=everything)
-
-
-def _key_shapes(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Per checkpoint key index: tensor rank and item size (0 for objects)."""
-    if md is None:
-        return np.zeros(len(names), dtype=np.int64), np.zeros(len(names), dtype=np.int64)
-    return md.key_arrays(names)
 
 
 async def _execute(comm, reader, pool, shared, private, objects, groups, gp, counters, max_inflight,

@@ -3,7 +3,7 @@
 Call order (every rank of the load's group)::
 
     local = local_plan(leaves, metadata, broadcastable)    # each rank alone
-    record = plan_record(local, key_width(metadata))       # compact bytes for the exchange
+    record = plan_record(local, metadata.width())          # compact bytes for the exchange
     ...exchange (pipeload.exchange): rows, then each distinct record once...
     plan = globalplan.global_plan(rows, classes, records, rank, ...)   # identical decisions everywhere
 
@@ -170,11 +170,6 @@ def local_plan(
 
 
 # -- the exchange record and striped pieces -------------------------------------------------------------
-
-
-def key_width(md: Metadata) -> int:
-    """Columns per shard in the exchange record: the largest tensor rank in the checkpoint."""
-    return md.width()
 
 
 def plan_record(plan: LocalPlan, width: int) -> bytes:

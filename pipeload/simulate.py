@@ -54,7 +54,7 @@ from .chunkindex import ARRAYS, build_arrays, index_file_name
 from .metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, TensorMeta, chunk_key, metadata_path,
                        read_metadata, read_metadata_bytes)
 from .saver import _write_file
-from .planner import fqn_index, key_width, local_plan, plan_record
+from .planner import fqn_index, local_plan, plan_record
 from .statedict import Box, flatten
 
 LAYOUTS = ("dense", "dense-pp8", "moe", "fsdp")
@@ -320,7 +320,7 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
     if plan.problems:
         raise AssertionError(f"rank {rank}: local plan problems: {plan.problems[:3]}")
     names = list(fqn_index(md))
-    record = plan_record(plan, key_width(md))
+    record = plan_record(plan, md.width())
     phases.lap("local plan")
     ex = SimExchange(rows, cls, records, rank)
     groups = layout.group_digests(rank, {})
@@ -341,7 +341,7 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     directory = tmp.name
     md_bytes = lay.write_checkpoint_metadata(directory)
     md = read_metadata(directory)
-    width = key_width(md)
+    width = md.width()
     log(f"metadata: {len(lay.tensors)} tensors, {md_bytes / 1e6:.1f} MB (.metadata and chunk index)")
     keys = [lay.class_of(r) for r in range(world)]
     rep: dict[tuple, int] = {}

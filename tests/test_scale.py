@@ -20,7 +20,7 @@ from pipeload.comm import Comm
 from pipeload.exchange import classes
 from pipeload.loader import exchange_and_plan
 from pipeload.metadata import read_metadata
-from pipeload.planner import fqn_index, key_width, local_plan, plan_record
+from pipeload.planner import fqn_index, local_plan, plan_record
 from pipeload.statedict import flatten, mesh_groups
 
 import layouts as L
@@ -113,7 +113,7 @@ def world8(rank: int, world: int, root: str) -> dict:
     md = read_metadata(ckpt)
     leaves = flatten(_state(mesh, False))
     plan = local_plan(leaves, md, comm.broadcastable)
-    record = plan_record(plan, key_width(md))
+    record = plan_record(plan, md.width())
     groups = list(comm.reusable_groups(mesh_groups(leaves)))
     gp = exchange_and_plan(comm, rank, world, md, list(fqn_index(md)), record, [], groups, directory=ckpt,
                            broadcast=True, batch_bytes=6 << 20, can_create=True)
