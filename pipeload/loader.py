@@ -126,6 +126,7 @@ class _Prepared:
     rows: np.ndarray | None = None  # the exchange rows: the plan-cache token hashes them
     stat: tuple = ()  # of the checkpoint's metadata file(s) when they were read
     ckpt: Any = None  # the formats.Checkpoint the reader serves
+    signature: tuple = ()  # plancache.signature of the state dict it was planned for (when it may be kept)
 
 
 async def _load(
@@ -198,7 +199,8 @@ async def _load(
             clock.lap("exchange")
         if prep is None:
             prep = _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors,
-                            broadcast_batch_bytes, broadcast_groups, reader, pool, clock, (format, key_map, cast))
+                            broadcast_batch_bytes, broadcast_groups, reader, pool, clock, (format, key_map, cast),
+                            keepable=cache_key is not None)
         stats.format = reader.format
         stats.missing_keys, stats.unexpected_keys = list(prep.missing), list(prep.unexpected)
         stats.shared_shards = len(prep.plan.shards) - len(prep.private)
@@ -226,10 +228,9 @@ async def _load(
     for obj, value in decoded:
         obj.leaf.container[obj.leaf.key] = value
     if keep and not stats.plan_reused:
-        sig = plancache.signature(flatten(state_dict))
         token = plancache.token_of(prep.rows, options)
         _strip(prep)
-        plancache.store(cache_key, plancache.Entry(comm.pg, prep.stat, sig, token, prep, prep.created),
+        plancache.store(cache_key, plancache.Entry(comm.pg, prep.stat, prep.signature, token, prep, prep.created),
                         comm.destroy)
     stats.bytes_read = reader.bytes_read
     stats.bytes_received = counters.bytes_received
@@ -264,6 +265,8 @@ _CONTENDED = -1  # the first word of a rank whose load overlaps another on its p
 
 def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
     """(the cached plan this rank may offer or None, the state dict's leaves)."""
+    if not plancache.holds(cache_key):  # nothing to offer: the full path flattens the state dict itself
+        return None, {}
     try:
         leaves = flatten(state_dict)
         sig = plancache.signature(leaves)
@@ -273,7 +276,7 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
 
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
-             broadcast_groups, reader, pool, clock, request) -> _Prepared:
+             broadcast_groups, reader, pool, clock, request, keepable: bool = False) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order)."""
     stat = plancache.checkpoint_stat(directory)
     # 1. local plan: problems are carried to the exchange, never raised on this rank alone
@@ -317,8 +320,10 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     # 4. groups
     groups, created = comm.make_groups(gp.sets, reusable) if collective else ({}, [])
     clock.lap("groups")
+    # objects are keyed by name only in the signature: their values being replaced later changes nothing
     return _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
-                     rows_seen[0] if rows_seen else None, stat, ckpt)
+                     rows_seen[0] if rows_seen else None, stat, ckpt,
+                     plancache.signature(leaves) if keepable else ())
 
 
 def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool, reader, request):

@@ -107,6 +107,11 @@ def key(global_ranks, directory: str, options: tuple) -> tuple:
     return (tuple(global_ranks), os.path.realpath(directory), options)
 
 
+def holds(k: tuple) -> bool:
+    """Whether a plan is kept under ``k`` (cheap: no signature needed to know there is none)."""
+    return k in _cache
+
+
 def lookup(k: tuple, pg: Any, stat: tuple, sig: tuple) -> Entry | None:
     """The cached entry for ``k`` if this rank's inputs are unchanged (then its token may be offered)."""
     e = _cache.get(k)
