@@ -411,8 +411,8 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
     on_bytes = bar.update if bar is not None else None
     try:
         if gp.ops:
-            phase = SharedPhase(comm, reader, shared, groups, pool, counters, max_inflight, on_bytes)
-            phase.members = {sid: hs.members for sid, hs in gp.sets.items()}
+            phase = SharedPhase(comm, reader, shared, groups, pool, counters, max_inflight, on_bytes,
+                                {sid: hs.members for sid, hs in gp.sets.items()})
             await phase.run(gp.ops)
         clock.lap("shared")
         loop = asyncio.get_running_loop()

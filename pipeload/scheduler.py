@@ -79,12 +79,13 @@ class SharedPhase:
         counters: Counters,
         max_inflight: int,
         on_bytes: Callable[[int], None] | None = None,
+        members: dict[int, tuple[int, ...]] | None = None,
     ):
         self.comm = comm
         self.reader = reader
         self.shards = shards
         self.groups = groups  # holder set id -> process group
-        self.members: dict[int, tuple[int, ...]] = {}  # holder set id -> ranks (for error messages)
+        self.members = members or {}  # holder set id -> ranks (for error messages)
         self.pool = pool
         self.counters = counters
         self.max_inflight = max(1, max_inflight)
