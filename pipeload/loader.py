@@ -40,7 +40,7 @@ from .planner import fqn_index, local_plan, piece_shard, plan_record
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
-from .statedict import flatten, mesh_groups
+from .statedict import flatten, mesh_groups, untracked
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
@@ -127,6 +127,7 @@ class _Prepared:
     stat: tuple = ()  # of the checkpoint's metadata file(s) when they were read
     ckpt: Any = None  # the formats.Checkpoint the reader serves
     signature: tuple = ()  # plancache.signature of the state dict it was planned for (when it may be kept)
+    cut: list = field(default_factory=list)  # (piece, its shard) of the cut shared shards, once kept
 
 
 async def _load(
@@ -242,22 +243,30 @@ async def _load(
 
 
 def _strip(prep: _Prepared) -> None:
-    """Drop every reference a kept plan holds to the state dict (its tensors may be large, and freed)."""
+    """Drop every reference a kept plan holds to the state dict (its tensors may be large, and freed).
+
+    The shared pieces stay: an uncut one is its shard itself, a cut one is remembered with its shard so
+    that :func:`_rebind` only points it at the new tensor's rows.
+    """
+    prep.cut = [(prep.shared[pk], s) for s in prep.plan.shards for pk in prep.gp.pieces.get(s.key, ())
+                if pk != s.key]
     for shard in prep.plan.shards:
         shard.dest = None
+    for piece, _ in prep.cut:
+        piece.dest = None
     for obj in prep.plan.objects:
         obj.leaf = None
-    prep.shared = {}
 
 
 def _rebind(prep: _Prepared, leaves: dict) -> None:
     """Point a kept plan at this load's tensors and containers (same keys, boxes, dtypes: the signature)."""
     for shard in prep.plan.shards:  # the signature matched: each leaf's local tensor is the whole box
         v = leaves[shard.fqn].value
-        shard.dest = getattr(v, "_local_tensor", v).detach()
+        shard.dest = untracked(getattr(v, "_local_tensor", v))
+    for piece, shard in prep.cut:
+        piece.dest = shard.dest.narrow(0, piece.key[1][0] - shard.key[1][0], piece.key[2][0])
     for obj in prep.plan.objects:
         obj.leaf = leaves[obj.fqn]
-    prep.shared = {pk: piece_shard(s, pk) for s in prep.plan.shards for pk in prep.gp.pieces.get(s.key, ())}
 
 
 _CONTENDED = -1  # the first word of a rank whose load overlaps another on its process (tokens are never -1)

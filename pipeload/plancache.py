@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .statedict import Leaf, is_tensor
+from torch import Tensor
+
+from .statedict import Leaf
 
 CAPACITY = 2
 
@@ -69,32 +71,26 @@ def checkpoint_stat(path: str) -> tuple:
 
 
 def signature(leaves: dict[str, Leaf]) -> tuple:
-    """What a local plan is computed from: each tensor's key, dtype, device type, global and local shape,
-    placements and mesh (its ranks and this rank's coordinate); each object's key.
+    """What a local plan is computed from: the keys in the order :func:`~pipeload.statedict.flatten` found
+    them (a state dict built in another order does not reuse the plan: conservative, and no sort), and
+    per leaf its facts: a DTensor's spec (mesh, placements, global shape, stride, dtype: its box on this
+    rank and its device follow from them), a plain tensor's shape, dtype and device type, nothing for an
+    object (objects are replaced in whatever container holds them at load time).
 
     Tensor identities are not part of it: a kept plan holds no reference to the state dict and is
-    pointed at the tensors of the load that reuses it.
+    pointed at the tensors of the load that reuses it. The DTensors of one layout share their spec
+    objects, so comparing the same state dict's signature again costs an identity check per leaf; a
+    rebuilt state dict compares specs by value.
     """
-    meshes: dict[int, tuple] = {}
-    out = []
-    for fqn in sorted(leaves):
-        leaf = leaves[fqn]
+    facts = []
+    for leaf in leaves.values():
         v = leaf.value
-        if is_tensor(v):
-            local = getattr(v, "_local_tensor", v)
-            spec = getattr(v, "_spec", None)  # a DTensor's placements and mesh, without its properties
-            mesh = spec.mesh if spec is not None else None
-            where = None
-            if mesh is not None:
-                where = meshes.get(id(mesh))
-                if where is None:
-                    where = meshes[id(mesh)] = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
-                                                tuple(mesh.get_coordinate() or ()))
-            out.append((fqn, local.shape, local.dtype, local.device, v.shape,
-                        spec.placements if spec is not None else None, where))
+        if isinstance(v, Tensor):
+            spec = getattr(v, "_spec", None)
+            facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type))
         else:
-            out.append((fqn,))  # objects are replaced in whatever container holds them at load time
-    return tuple(out)
+            facts.append(None)
+    return tuple(leaves), tuple(facts)
 
 
 def token_of(rows: np.ndarray, options: tuple) -> int:

@@ -23,7 +23,7 @@ import torch
 from .exchange import encode_record
 from .globalplan import ShardKey
 from .metadata import ChunkMeta, Metadata, ObjectMeta, dtype_name
-from .statedict import Box, Leaf, is_tensor, tensor_box
+from .statedict import Box, Leaf, is_tensor, tensor_box, untracked
 
 
 class ReadItem(NamedTuple):
@@ -160,7 +160,7 @@ def local_plan(
                 dtype=value.dtype,
                 nbytes=box.numel * itemsize,
                 reads=reads,
-                dest=box.local.detach(),  # same storage; in-place copies into parameters need no autograd
+                dest=untracked(box.local),  # same storage
                 broadcastable=broadcastable(box.local),
             )
         )

@@ -92,6 +92,10 @@ def world8(rank: int, world: int, root: str) -> dict:
     other = _state(mesh, False) if rank == 3 else sd  # new tensors, same layout: reused (plans hold no tensors)
     out["fresh"] = pipeload.load(other, ckpt)
     _check(other)
+    relaid = _state(mesh, False)  # the same keys, one tensor in another layout: planned afresh
+    relaid["w0"] = L.make_dtensor(torch.zeros((4096, 96), dtype=torch.bfloat16), mesh, [Shard(0), Shard(1)])
+    out["relayout"] = pipeload.load(relaid, ckpt)
+    _check(relaid)
     fewer = {k: v for k, v in sd.items() if k != "norm"} if rank == 3 else sd  # one rank's keys differ
     out["mixed"] = pipeload.load(fewer, ckpt)
     _check(fewer)
@@ -136,6 +140,7 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     assert [r["stats"].plan_reused for r in res] == [False] * 8
     assert [r["again"].plan_reused for r in res] == [True] * 8
     assert [r["fresh"].plan_reused for r in res] == [True] * 8
+    assert [r["relayout"].plan_reused for r in res] == [False] * 8
     assert [r["mixed"].plan_reused for r in res] == [False] * 8
     assert [r["resaved"].plan_reused for r in res] == [False] * 8
     assert all(r["one_host"].broadcasts == 0 and r["one_host"].bytes_received == 0 for r in res)
