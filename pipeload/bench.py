@@ -547,7 +547,7 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
         if mode == "warm":
             warm_files(my_files)
         else:
-            drop_cache([p for d in where.values() for p in data_files(d)])
+            drop_cache([p for d in where.values() if os.path.isdir(d) for p in data_files(d)])  # only those saved
         resident = residency(my_files)
         stats = None
         dist.barrier()

@@ -188,6 +188,41 @@ class ChunkIndex:
             out.append(ChunkMeta(o, n, files[f], key, f"{s:016x}"))
         return out
 
+    def exact(self, tensors: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Per box (tensor row, offsets and lengths zero-padded to :attr:`width`), the row of the chunk that
+        is exactly that box and names a listed file, or -1: loaded as saved, every box is one chunk.
+
+        One vectorised binary search over all boxes at once (a tensor's chunks are sorted by offsets);
+        a table that is not sorted, or a box no single chunk matches, gives -1 and is resolved box by box
+        by :meth:`overlapping`, which validates what it finds.
+        """
+        n = len(tensors)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        start = self.a["chunk_start"]
+        table = self.a["chunk_offsets"]
+        lo, hi = start[tensors].copy(), start[tensors + 1].copy()
+        end = hi.copy()
+        rows = np.arange(n)
+        steps = int(np.max(hi - lo)).bit_length() if self.width else 0  # all scalars: nothing to order
+        for _ in range(steps):  # the lower bound of each box's offsets among its tensor's chunks
+            active = lo < hi
+            if not active.any():
+                break
+            mid = (lo + hi) >> 1
+            at = table[np.where(active, mid, 0)]
+            differ = at != offsets
+            first = differ.argmax(axis=1)
+            less = differ[rows, first] & (at[rows, first] < offsets[rows, first])
+            lo = np.where(active & less, mid + 1, lo)
+            hi = np.where(active & ~less, mid, hi)
+        found = lo < end
+        r = np.where(found, lo, 0)
+        files = self.a["chunk_file"][r]
+        found &= ((table[r] == offsets).all(axis=1) & (self.a["chunk_lengths"][r] == lengths).all(axis=1)
+                  & (files >= 0) & (files < self.n_files))
+        return np.where(found, lo, -1)
+
     def overlapping(self, i: int, fqn: str, ndim: int, files: list[str], offsets, lengths) -> list:
         """The chunks of tensor ``i`` that overlap the box; they must cover it exactly."""
         if self._starts is None:
@@ -273,6 +308,7 @@ class IndexedTensors(Mapping):
         self.index, self.names, self.dtypes, self.files = index, names, dtypes, files
         self.pos = {n: i for i, n in enumerate(names)}
         self.ndim = np.asarray(ndims, dtype=np.int64)
+        self.ndims = [int(x) for x in ndims]  # the same as Python ints: looked up once per tensor leaf
         if len(self.ndim) != len(names) or np.any(self.ndim < 0) or np.any(self.ndim > index.width):
             raise CheckpointFormatError(f"{index.path}: tensor ranks do not match the chunk index")
 

@@ -42,6 +42,7 @@ import bisect
 import hashlib
 import heapq
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Callable, Sequence
 
 import numpy as np
@@ -344,12 +345,14 @@ def global_plan(
                                   for x in range(len(ok))], dtype=bool)
         in_mine = good & set_in_mine[sid_of] if len(candidates) else good
 
-    piece_sets: list[tuple[ShardKey, int, int]] = []  # (key, weight, set id) of shared shards it plans
+    # (key, weight, set id) of the shared shards it plans; rows converted to Python in one call each
     first_rows = order[starts[candidates[in_mine]]]
-    for r, sid in zip(first_rows.tolist(), sid_of[in_mine].tolist()):
-        nd = int(ndim[index[r]])
-        piece_sets.append(((int(index[r]), tuple(offsets[r, :nd].tolist()), tuple(lengths[r, :nd].tolist())),
-                           int(weights[r]), sid))
+    piece_sets: list[tuple[ShardKey, int, int]] = [
+        ((i, tuple(o[:n]), tuple(ln[:n])), w, sid)
+        for i, n, o, ln, w, sid in zip(index[first_rows].tolist(), ndim[index[first_rows]].tolist(),
+                                       offsets[first_rows].tolist(), lengths[first_rows].tolist(),
+                                       weights[first_rows].tolist(), sid_of[in_mine].tolist())
+    ]
     # groups read by every holder: not broadcastable, or no usable group
     private_groups = np.concatenate([candidates[~good], shut])
     if len(private_groups):
@@ -374,7 +377,8 @@ def global_plan(
             cut.append(sid)
         else:
             greedy += [(key, w, sid, key) for key, w in shards]
-    greedy.sort(key=lambda p: (-p[1], p[0]))
+    greedy.sort(key=itemgetter(0))  # largest first, ties by key (two stable C-keyed sorts)
+    greedy.sort(key=itemgetter(1), reverse=True)
     heaps: dict[int, list[tuple[int, int]]] = {}
     for pk, pw, sid, _ in greedy:
         heap = heaps.get(sid)
@@ -406,7 +410,7 @@ def global_plan(
 
     # 4. this rank's broadcasts, in global order
     mine_sets = {sid for sid, s in sets.items() if contains(s.members, me)}
-    my_pieces = sorted((p for p in pieces if p[2] in mine_sets), key=lambda p: p[0])
+    my_pieces = sorted((p for p in pieces if p[2] in mine_sets), key=itemgetter(0))
     by_shard: dict[ShardKey, list[ShardKey]] = {}
     ops: list[Op] = []
     pending: dict[tuple[int, int], tuple[list[ShardKey], int]] = {}

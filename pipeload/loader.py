@@ -184,17 +184,24 @@ async def _load(
             if reuse_plan and not contended:
                 cache_key = plancache.key(comm.global_ranks, directory, options)
                 entry, leaves = _cached(cache_key, comm, directory, state_dict)
+            if entry is not None:  # before the gather: waiting for the other ranks is the time to do it
+                _rebind(entry.state, leaves)
             clock.lap("plan")
             offer = _CONTENDED if contended else entry.token if entry is not None else 0
-            tokens = comm.gather_rows(np.array([offer], dtype=np.int64), what)[:, 0]
+            tokens = None
+            try:
+                tokens = comm.gather_rows(np.array([offer], dtype=np.int64), what)[:, 0]
+            finally:
+                reuse = tokens is not None and offer != 0 and bool(np.all(tokens == offer))
+                if entry is not None and not reuse:
+                    _strip(entry.state)  # replaced by this load's plan, or dropped: never holds our tensors
             if np.any(tokens == _CONTENDED):
                 ranks = np.flatnonzero(tokens == _CONTENDED).tolist()
                 raise PipeloadError(contended or f"{what}: another pipeload operation ran at the same time on an "
                                     f"overlapping process group on rank(s) {ranks}; run loads and saves on one "
                                     f"group one after the other")
-            if offer and bool(np.all(tokens == offer)):
+            if reuse:
                 prep = entry.state
-                _rebind(prep, leaves)
                 reader.attach(prep.ckpt, cast=cast)
                 stats.plan_reused = True
             clock.lap("exchange")
@@ -228,11 +235,12 @@ async def _load(
                     comm.destroy(prep.created)
     for obj, value in decoded:
         obj.leaf.container[obj.leaf.key] = value
-    if keep and not stats.plan_reused:
-        token = plancache.token_of(prep.rows, options)
-        _strip(prep)
-        plancache.store(cache_key, plancache.Entry(comm.pg, prep.stat, prep.signature, token, prep, prep.created),
-                        comm.destroy)
+    if keep:
+        _strip(prep)  # a kept plan never holds the state dict's tensors (also after it was reused)
+        if not stats.plan_reused:
+            token = plancache.token_of(prep.rows, options)
+            plancache.store(cache_key, plancache.Entry(comm.pg, prep.stat, prep.signature, token, prep,
+                                                       prep.created), comm.destroy)
     stats.bytes_read = reader.bytes_read
     stats.bytes_received = counters.bytes_received
     stats.broadcasts = counters.broadcasts

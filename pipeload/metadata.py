@@ -147,7 +147,7 @@ class Metadata:
         if self.indexed:
             t = self.tensors
             i = t.pos.get(fqn)
-            return None if i is None else (t.dtypes[i], t.index.shape(i, int(t.ndim[i])))
+            return None if i is None else (t.dtypes[i], t.index.shape(i, t.ndims[i]))
         m = self.tensors.get(fqn)
         return None if m is None else (m.dtype, m.shape)
 
@@ -156,8 +156,31 @@ class Metadata:
         if self.indexed:
             t = self.tensors
             i = t.pos[fqn]
-            return t.index.overlapping(i, fqn, int(t.ndim[i]), t.files, offsets, lengths)
+            return t.index.overlapping(i, fqn, t.ndims[i], t.files, offsets, lengths)
         return self.tensors[fqn].chunks
+
+    def exact_chunks(self, fqns: list[str], offsets: list[tuple], lengths: list[tuple]) -> list:
+        """Per box of tensor ``fqns[j]``: ``(file, checksum)`` of the one stored chunk that is exactly that box
+        (format 2, looked up for all boxes at once), or None: resolve it with :meth:`chunks_for`."""
+        if not self.indexed or not fqns:
+            return [None] * len(fqns)
+        import numpy as np
+
+        t = self.tensors
+        width = t.index.width
+        pad = [(0,) * k for k in range(width + 1)]
+        pos = np.fromiter((t.pos[f] for f in fqns), dtype=np.int64, count=len(fqns))
+        off = np.array([o + pad[width - len(o)] for o in offsets], dtype=np.int64).reshape(len(fqns), width)
+        ln = np.array([n + pad[width - len(n)] for n in lengths], dtype=np.int64).reshape(len(fqns), width)
+        rows = t.index.exact(pos, off, ln)
+        hit = rows >= 0
+        r = rows[hit]
+        files = t.index.a["chunk_file"][r].tolist()
+        sums = t.index.a["chunk_checksum"][r].tolist()
+        out: list = [None] * len(fqns)
+        for j, f, c in zip(np.flatnonzero(hit).tolist(), files, sums):
+            out[j] = (t.files[f], f"{c:016x}")
+        return out
 
     def key_arrays(self, names: list[str]):
         """(tensor rank, item size) per key of ``names`` as int64 arrays (0 for objects)."""

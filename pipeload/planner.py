@@ -22,7 +22,7 @@ import torch
 
 from .exchange import encode_record
 from .globalplan import ShardKey
-from .metadata import ChunkMeta, Metadata, ObjectMeta, dtype_name
+from .metadata import ChunkMeta, Metadata, ObjectMeta, chunk_key, dtype_name
 from .statedict import Box, Leaf, is_tensor, tensor_box, untracked
 
 
@@ -106,6 +106,7 @@ def local_plan(
     index = fqn_index(md)
     plan = LocalPlan()
     boxes: dict = {}  # meshes stay alive through this call, so their ids are stable keys
+    todo = []  # (fqn, value, box, numel) of the tensors to resolve into reads
     for fqn in sorted(leaves):
         leaf = leaves[fqn]
         value = leaf.value
@@ -141,24 +142,32 @@ def local_plan(
                 f"the checkpoint {tmeta[0]} {list(tmeta[1])}"
             )
             continue
-        if box.local is None or box.numel == 0:
-            continue
+        numel = box.numel
+        if box.local is not None and numel:
+            todo.append((fqn, value, box, numel))
+    # Loaded as saved, each box is one stored chunk: found for all boxes at once; others box by box.
+    exact = md.exact_chunks([t[0] for t in todo], [t[2].offsets for t in todo], [t[2].lengths for t in todo])
+    for (fqn, value, box, numel), hit in zip(todo, exact):
         itemsize = value.element_size()
-        reads = []
-        for chunk in md.chunks_for(fqn, box.offsets, box.lengths):
-            hit = _intersect(chunk, box.offsets, box.lengths)
-            if hit is not None:
-                src, dst, ln = hit
-                reads.append(
-                    ReadItem(chunk.file, chunk.key, chunk.checksum, chunk.lengths, src, dst, ln,
-                             math.prod(ln) * itemsize)
-                )
+        if hit is not None:
+            zero = (0,) * len(box.offsets)
+            file, checksum = hit
+            key = chunk_key(fqn, box.offsets, box.lengths == box.global_shape)
+            reads = [ReadItem(file, key, checksum, box.lengths, zero, zero, box.lengths, numel * itemsize)]
+        else:
+            reads = []
+            for chunk in md.chunks_for(fqn, box.offsets, box.lengths):
+                hit = _intersect(chunk, box.offsets, box.lengths)
+                if hit is not None:
+                    src, dst, ln = hit
+                    reads.append(ReadItem(chunk.file, chunk.key, chunk.checksum, chunk.lengths, src, dst, ln,
+                                          math.prod(ln) * itemsize))
         plan.shards.append(
             DestShard(
                 fqn=fqn,
                 key=(index[fqn], box.offsets, box.lengths),
                 dtype=value.dtype,
-                nbytes=box.numel * itemsize,
+                nbytes=numel * itemsize,
                 reads=reads,
                 dest=untracked(box.local),  # same storage
                 broadcastable=broadcastable(box.local),

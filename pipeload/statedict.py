@@ -9,7 +9,7 @@ the path is the fqn stored in the checkpoint, so save and load flatten alike by 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
 
 
-@dataclass
+@dataclass(slots=True)
 class Leaf:
     """A leaf of the state dict and the container slot it lives in (so objects can be replaced)."""
 
@@ -68,9 +68,11 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-@dataclass(frozen=True)
-class Box:
-    """The part of a global tensor this rank holds: ``offsets``/``lengths`` per dim of ``global_shape``."""
+class Box(NamedTuple):
+    """The part of a global tensor this rank holds: ``offsets``/``lengths`` per dim of ``global_shape``.
+
+    (A NamedTuple: one is built per tensor leaf at every load.)
+    """
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]

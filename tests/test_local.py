@@ -295,3 +295,43 @@ def test_format_2_index_mapped_or_sent_loads_the_same(tmp_path):
         finally:
             chunkindex.INLINE_INDEX = saved
         assert torch.equal(dst["w"], full) and torch.equal(dst["v"], torch.ones(3))
+
+
+def test_format_2_exact_chunk_lookup_agrees_with_the_chunk_list(tmp_path):
+    """The vectorised lookup of "the one chunk that is this box" finds exactly the chunks equal to a box,
+    and nothing for boxes that span, split or miss chunks (those resolve box by box)."""
+    import random
+
+    from pipeload.chunkindex import ARRAYS, build_arrays, index_file_name
+    from pipeload.metadata import ChunkMeta, Metadata, TensorMeta, read_metadata
+    from pipeload.saver import _write_file
+
+    rng = random.Random(7)
+    tensors = {"scalar": TensorMeta("F32", (), (ChunkMeta((), (), "d.safetensors", "scalar", "0" * 16),))}
+    for t in range(12):
+        rows, cols = rng.randint(1, 40), rng.randint(1, 9)
+        rcut = sorted({0, *rng.sample(range(1, rows + 1), min(rows, rng.randint(0, 5))), rows})
+        ccut = sorted({0, *rng.sample(range(1, cols + 1), min(cols, rng.randint(0, 3))), cols})
+        chunks = tuple(ChunkMeta((r0, c0), (r1 - r0, c1 - c0), f"f{rng.randint(0, 2)}.safetensors", f"t{t}@{r0},{c0}",
+                                 f"{rng.getrandbits(64):016x}")
+                       for r0, r1 in zip(rcut, rcut[1:]) for c0, c1 in zip(ccut, ccut[1:]))
+        tensors[f"t{t}"] = TensorMeta("F32", (rows, cols), chunks)
+    md = Metadata("0" * 16, 1, tensors, {})
+    name = index_file_name(md.save_id)
+    arrays = build_arrays(sorted(md.tensors), md.tensors, md.files)
+    _write_file(str(tmp_path / name), md.save_id, [(k, ARRAYS[k][0], a.shape, a.tobytes()) for k, a in arrays.items()])
+    (tmp_path / ".metadata").write_text(md.to_json_v2(name))
+    back = read_metadata(tmp_path)
+    boxes = []
+    for fqn, t in tensors.items():
+        boxes += [(fqn, c.offsets, c.lengths) for c in t.chunks]  # each chunk: found
+        if t.shape:
+            boxes.append((fqn, (0, 0), t.shape))  # the whole tensor: found only when it is one chunk
+            for _ in range(5):  # random boxes: found only when they happen to be a chunk
+                r0, c0 = rng.randrange(t.shape[0]), rng.randrange(t.shape[1])
+                boxes.append((fqn, (r0, c0), (rng.randint(1, t.shape[0] - r0), rng.randint(1, t.shape[1] - c0))))
+    got = back.exact_chunks([b[0] for b in boxes], [b[1] for b in boxes], [b[2] for b in boxes])
+    for (fqn, off, ln), hit in zip(boxes, got):
+        same = [c for c in tensors[fqn].chunks if c.offsets == off and c.lengths == ln]
+        assert hit == ((same[0].file, same[0].checksum) if same else None), (fqn, off, ln)
+    assert sum(h is not None for h in got) >= sum(len(t.chunks) for t in tensors.values())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -92,6 +93,12 @@ def world8(rank: int, world: int, root: str) -> dict:
     other = _state(mesh, False) if rank == 3 else sd  # new tensors, same layout: reused (plans hold no tensors)
     out["fresh"] = pipeload.load(other, ckpt)
     _check(other)
+    probe = _state(mesh, False)  # reused again; afterwards the kept plan must not hold its tensors
+    out["probe"] = pipeload.load(probe, ckpt)
+    _check(probe)
+    gone = [weakref.ref(probe["norm"]), weakref.ref(probe["w1"].to_local())]
+    del probe
+    out["freed"] = [r() is None for r in gone]
     relaid = _state(mesh, False)  # the same keys, one tensor in another layout: planned afresh
     relaid["w0"] = L.make_dtensor(torch.zeros((4096, 96), dtype=torch.bfloat16), mesh, [Shard(0), Shard(1)])
     out["relayout"] = pipeload.load(relaid, ckpt)
@@ -140,6 +147,8 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     assert [r["stats"].plan_reused for r in res] == [False] * 8
     assert [r["again"].plan_reused for r in res] == [True] * 8
     assert [r["fresh"].plan_reused for r in res] == [True] * 8
+    assert [r["probe"].plan_reused for r in res] == [True] * 8
+    assert [r["freed"] for r in res] == [[True, True]] * 8
     assert [r["relayout"].plan_reused for r in res] == [False] * 8
     assert [r["mixed"].plan_reused for r in res] == [False] * 8
     assert [r["resaved"].plan_reused for r in res] == [False] * 8
