@@ -18,9 +18,10 @@ A load's exchange has two steps, both over the load's group and taken by every r
 Problem texts travel only when some row carries the problem flag (a third, rare all-gather).
 
 A record is columnar: ``[version, n_shards, n_objects, width, itemsize]`` then the arrays ``index``,
-``broadcastable``, ``offsets`` (n x width), ``lengths`` (n x width), ``objects``, all int32 when every
-value fits, int64 otherwise. ``width`` is the largest tensor rank of the checkpoint; shorter shapes are
-padded with zeros (a tensor's true rank comes from the metadata).
+``broadcastable``, ``affinity``, ``offsets`` (n x width), ``lengths`` (n x width), ``objects``, all int32
+when every value fits, int64 otherwise. ``width`` is the largest tensor rank of the checkpoint; shorter
+shapes are padded with zeros (a tensor's true rank comes from the metadata). ``affinity`` is the rank the
+layout names as the writer of the file a shard is stored in, or -1 (see :mod:`pipeload.globalplan`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ MAX_GROUPS = 8  # reusable groups a rank can offer; more are ignored (the load t
 F_FLAGS, F_SAVE, F_DIGEST, F_NBYTES, F_HOST, F_NGROUPS, F_GROUPS = 0, 1, 2, 4, 5, 7, 8  # word 6 is unused
 FLAG_PROBLEMS = 1
 
-_RECORD_VERSION = 1
+_RECORD_VERSION = 2
 _HEADER = 5
 _I32_MAX = 2**31 - 1
 
@@ -67,24 +68,27 @@ class Record(NamedTuple):
 
     index: np.ndarray  # (n,) checkpoint key index of each shard
     broadcastable: np.ndarray  # (n,) bool
+    affinity: np.ndarray  # (n,) the rank that wrote the shard's file, when the layout says so; -1 otherwise
     offsets: np.ndarray  # (n, width)
     lengths: np.ndarray  # (n, width)
     objects: np.ndarray  # (m,) checkpoint key index of each object
 
 
-def encode_record(index, broadcastable, offsets, lengths, objects, width: int) -> bytes:
+def encode_record(index, broadcastable, offsets, lengths, objects, width: int, affinity=None) -> bytes:
     """The record bytes of one rank's plan (see the module docstring); identical plans give identical bytes."""
     n, m = len(index), len(objects)
     index = np.asarray(index, dtype=np.int64).reshape(n)
+    affinity = np.full(n, -1, dtype=np.int64) if affinity is None else np.asarray(affinity, dtype=np.int64).reshape(n)
     offsets = np.asarray(offsets, dtype=np.int64).reshape(n, width)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(n, width)
     objects = np.asarray(objects, dtype=np.int64).reshape(m)
-    big = max((int(a.max()) for a in (index, offsets, lengths, objects) if a.size), default=0)
+    big = max((int(a.max()) for a in (index, offsets, lengths, objects, affinity) if a.size), default=0)
     dtype = np.int32 if big <= _I32_MAX else np.int64
     parts = [
         np.asarray([_RECORD_VERSION, n, m, width, np.dtype(dtype).itemsize], dtype=np.int64).tobytes(),
         index.astype(dtype).tobytes(),
         np.asarray(broadcastable, dtype=bool).reshape(n).astype(dtype).tobytes(),
+        affinity.astype(dtype).tobytes(),
         offsets.astype(dtype).tobytes(),
         lengths.astype(dtype).tobytes(),
         objects.astype(dtype).tobytes(),
@@ -99,18 +103,20 @@ def decode_record(data: bytes | memoryview) -> Record:
     if version != _RECORD_VERSION or itemsize not in (4, 8):
         raise ValueError(f"unknown plan record (version {version}, itemsize {itemsize})")
     body = np.frombuffer(data, dtype=np.int32 if itemsize == 4 else np.int64, offset=_HEADER * 8)
-    if body.size != n * (2 + 2 * width) + m:
+    if body.size != n * (3 + 2 * width) + m:
         raise ValueError("plan record has the wrong length")
     a = 0  # arrays stay views in the stored integer type; consumers widen what they compute with
     index = body[a : a + n]
     a += n
     bc = body[a : a + n].astype(bool)
     a += n
+    affinity = body[a : a + n]
+    a += n
     offsets = body[a : a + n * width].reshape(n, width)
     a += n * width
     lengths = body[a : a + n * width].reshape(n, width)
     a += n * width
-    return Record(index, bc, offsets, lengths, body[a : a + m])
+    return Record(index, bc, affinity, offsets, lengths, body[a : a + m])
 
 
 def record_digest(record: bytes) -> tuple[int, int]:

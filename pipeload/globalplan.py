@@ -25,6 +25,14 @@ Rules (DESIGN.md, "Global plan"):
   bytes so far, ties to the lower rank; starting loads are the bytes each rank reads alone anyway —
   exactly :func:`pipeload.balance.assign`, the rule the saver used to pick writers (so an unchanged
   layout reads each rank's own file);
+- **affinity**: a layout written by another tool names the rank that wrote each file (torch DCP's
+  ``__<rank>_<i>.distcp``), and its writers chose differently. Before the greedy, largest first, a
+  shard whose record carries such a writer goes to it when the writer holds it and stays within 11/10
+  of the mean bytes of its component (its ranks' bytes plus every shared byte there, over its ranks);
+  the greedy places the rest. The items of one file, neighbours on storage, are then read by one rank,
+  and no page holding the end of one and the start of the next is read twice (measured: 6 % of a
+  256 MiB DCP checkpoint). Without affinity (pipeload's own files) the decisions are exactly the
+  greedy's;
 - **stream cutting**: a holder set whose largest shard exceeds half a member's mean share (and whose
   share is at least ``min_stripe``) cannot be balanced by whole shards; after the greedy, its shards
   in key order form one byte stream that is cut, at row boundaries, into one contiguous segment per
@@ -228,12 +236,13 @@ def global_plan(
     if records:
         index = np.concatenate([r.index for r in records]).astype(np.intp, copy=False)
         bc = np.concatenate([r.broadcastable for r in records])
+        affinity = np.concatenate([r.affinity for r in records])
         offsets = np.concatenate([r.offsets for r in records])  # int32 when every record fits it
         lengths = np.concatenate([r.lengths for r in records])
         requested = np.flatnonzero(np.bincount(np.concatenate([index, *[r.objects for r in records]]),
                                                minlength=len(ndim)))
     else:
-        index = bc = np.zeros(0, dtype=np.int64)
+        index = bc = affinity = np.zeros(0, dtype=np.int64)
         offsets = lengths = np.zeros((0, width), dtype=np.int64)
         requested = np.zeros(0, dtype=np.int64)
     weights = itemsize[index].astype(np.int64)  # bytes of each shard: itemsize x its lengths (padding skipped)
@@ -347,12 +356,18 @@ def global_plan(
 
     # (key, weight, set id) of the shared shards it plans; rows converted to Python in one call each
     first_rows = order[starts[candidates[in_mine]]]
+    wanted = first_rows[affinity[first_rows] >= 0]  # shards whose layout names a writer (rarely any)
     piece_sets: list[tuple[ShardKey, int, int]] = [
         ((i, tuple(o[:n]), tuple(ln[:n])), w, sid)
         for i, n, o, ln, w, sid in zip(index[first_rows].tolist(), ndim[index[first_rows]].tolist(),
                                        offsets[first_rows].tolist(), lengths[first_rows].tolist(),
                                        weights[first_rows].tolist(), sid_of[in_mine].tolist())
     ]
+    prefer: dict[ShardKey, int] = {
+        (i, tuple(o[:n]), tuple(ln[:n])): a
+        for i, n, o, ln, a in zip(index[wanted].tolist(), ndim[index[wanted]].tolist(), offsets[wanted].tolist(),
+                                  lengths[wanted].tolist(), affinity[wanted].tolist())
+    }
     # groups read by every holder: not broadcastable, or no usable group
     private_groups = np.concatenate([candidates[~good], shut])
     if len(private_groups):
@@ -370,6 +385,7 @@ def global_plan(
     readers: dict[ShardKey, int] = {}
     greedy: list[tuple[ShardKey, int, int, ShardKey]] = []
     cut: list[int] = []
+    placed: list[tuple[ShardKey, int, int, ShardKey]] = []  # read by their writer (affinity)
     for sid in sorted(by_set):
         shards = by_set[sid]
         share = sum(w for _, w in shards) // len(sets[sid].members)
@@ -379,6 +395,19 @@ def global_plan(
             greedy += [(key, w, sid, key) for key, w in shards]
     greedy.sort(key=itemgetter(0))  # largest first, ties by key (two stable C-keyed sorts)
     greedy.sort(key=itemgetter(1), reverse=True)
+    if prefer:  # affinity first, within each component's cap; the greedy places the rest
+        cap = _affinity_caps(by_set, sets, loads, lambda sid: find(members_of[sid][0]))
+        rest = []
+        for p in greedy:
+            h = prefer.get(p[0], -1)
+            sid = p[2]
+            if h >= 0 and contains(sets[sid].members, h) and loads[h] + p[1] <= cap[find(members_of[sid][0])]:
+                readers[p[0]] = h
+                loads[h] += p[1]
+                placed.append(p)
+            else:
+                rest.append(p)
+        greedy = rest
     heaps: dict[int, list[tuple[int, int]]] = {}
     for pk, pw, sid, _ in greedy:
         heap = heaps.get(sid)
@@ -393,7 +422,7 @@ def global_plan(
         readers[pk] = r
         loads[r] = lr + pw
         heapq.heapreplace(heap, (loads[r], r))
-    pieces += greedy
+    pieces += greedy + placed
     for sid in cut:  # after the greedy: each cut set evens out its members' loads
         shards = sorted(by_set[sid])
         members = sets[sid].members
@@ -436,6 +465,18 @@ def global_plan(
     sets = {sid: s for sid, s in sets.items() if sid in used}
     lap("ops")
     return GlobalPlan(ops, by_shard, sets, requested, readers, loads, bound)
+
+
+def _affinity_caps(by_set: dict, sets: dict, loads: list[int], component) -> dict[int, int]:
+    """Per connected component of holder sets: the bytes a rank may reach by reading what it wrote,
+    11/10 of the component's mean (its ranks' bytes so far plus every shared byte, over its ranks)."""
+    ranks: dict[int, set] = {}
+    total: dict[int, int] = {}
+    for sid, shards in by_set.items():
+        c = component(sid)
+        ranks.setdefault(c, set()).update(sets[sid].members)
+        total[c] = total.get(c, 0) + sum(w for _, w in shards)
+    return {c: (total[c] + sum(loads[r] for r in rs)) * 11 // (10 * len(rs)) for c, rs in ranks.items()}
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -355,7 +355,7 @@ def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, 
         leaves = flatten(state_dict)
         if cast:
             md = formats.cast_metadata(md, leaves)
-        plan = local_plan(leaves, md, comm.broadcastable, strict=strict)
+        plan = local_plan(leaves, md, comm.broadcastable, strict=strict, writer_of=ckpt.writer_of)
         return md, leaves, plan, plan.problems, ckpt
     except Exception as e:  # noqa: BLE001
         return md, leaves, plan, [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"], ckpt

@@ -50,6 +50,7 @@ class DestShard:
     reads: list[ReadItem]
     dest: torch.Tensor  # this rank's tensor holding the box (copied into in place)
     broadcastable: bool
+    affinity: int = -1  # the rank the layout names as writer of the file holding it, or -1
 
 
 @dataclass
@@ -96,12 +97,15 @@ def local_plan(
     *,
     strict: bool = True,
     box_of: Callable[[str, torch.Tensor, dict], Box] = tensor_box,
+    writer_of: Callable[[str], int] | None = None,
 ) -> LocalPlan:
     """Resolve this rank's destination shards into ReadItems and validate them against ``md``.
 
     Nothing is read or written: every dtype/shape/key problem is collected in ``problems`` so the
     load can refuse before touching any destination. ``box_of`` resolves a tensor leaf's box
     (:func:`pipeload.statedict.tensor_box`; the simulation passes the box a layout assigns).
+    ``writer_of`` (a layout's :attr:`~pipeload.formats.Checkpoint.writer_of`) gives each shard stored
+    in one file its affinity.
     """
     index = fqn_index(md)
     plan = LocalPlan()
@@ -171,6 +175,8 @@ def local_plan(
                 reads=reads,
                 dest=untracked(box.local),  # same storage
                 broadcastable=broadcastable(box.local),
+                affinity=writer_of(reads[0].file) if writer_of is not None and reads and all(
+                    r.file == reads[0].file for r in reads) else -1,
             )
         )
     if strict and plan.missing:
@@ -196,7 +202,7 @@ def plan_record(plan: LocalPlan, width: int) -> bytes:
         lengths[i, : len(ln)] = ln
     return encode_record(
         [s.key[0] for s in plan.shards], [s.broadcastable for s in plan.shards], offsets, lengths,
-        [o.index for o in plan.objects], width,
+        [o.index for o in plan.objects], width, [s.affinity for s in plan.shards],
     )
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 import pipeload
 from pipeload._world import run_world
+from pipeload.formats.dcp import writer_of as dcp_writer_of
 
 WORLD_TIMEOUT = 150
 DIM, HIDDEN = 24, 40  # odd splits: 40 rows over 4 FSDP ranks, 24 columns over 2 TP ranks
@@ -220,6 +221,32 @@ def world(rank: int, ws: int, root: str) -> dict:
     sd = {"x": torch.zeros(3)}
     pipeload.load(sd, own, broadcast_replicated_tensors=False)  # private reads: no broadcast to hide it
     assert torch.equal(sd["x"], torch.full((3,), float(rank))), (rank, sd["x"])
+
+    # -- 7. DCP saved and loaded in one layout, nodes apart: a replicated item is read by the rank whose
+    # file DCP wrote it to (affinity; DCP spread the 24 replicated tensors evenly over its 4 files), so
+    # each rank's reads stay inside its own file
+    from pipeload.formats import dcp as dcp_layout
+
+    same_dir = os.path.join(root, "dcp_same")
+    torch.manual_seed(5)
+    saved = {f"w{i}": torch.randn(64 + 8 * i, 32) for i in range(24)}
+    dcp.save(saved, checkpoint_id=same_dir)
+    files: dict[str, int] = {}
+    resolve = dcp_layout.DistcpFile._resolve
+
+    def counting(self, key):  # observe which file each item this rank reads comes from
+        hit = resolve(self, key)
+        files[os.path.basename(self.path)] = files.get(os.path.basename(self.path), 0) + hit[3] - hit[2]
+        return hit
+
+    dcp_layout.DistcpFile._resolve = counting
+    try:
+        sd = {k: torch.zeros_like(v) for k, v in saved.items()}
+        pipeload.load(sd, same_dir)
+    finally:
+        dcp_layout.DistcpFile._resolve = resolve
+    _assert_identical(sd, saved, "dcp -> the same layout")
+    out["same_layout_files"] = files
     return out
 
 
@@ -233,6 +260,14 @@ def test_dcp_fsdp_to_tp_equals_dcp_load(results):
     assert results[0]["tp2_format"] == "dcp" and results[0]["tp2_tensors"] >= 10
     fmt, _, _, unexpected = results[0]["dp_tp"]
     assert fmt == "dcp" and unexpected == ["extra.epoch", "extra.tag"]  # strict=False reports them
+
+
+def test_dcp_same_layout_reads_each_ranks_own_file(results):
+    assert dcp_writer_of("__3_0.distcp") == 3 and dcp_writer_of("data.distcp") == -1
+    for rank, r in enumerate(results):
+        files = r["same_layout_files"]
+        own = sum(n for f, n in files.items() if f.startswith(f"__{rank}_"))
+        assert own >= 0.9 * sum(files.values()), (rank, files)
 
 
 def test_dcp_replicas_read_once(results):

@@ -24,11 +24,12 @@ ITEMSIZE = 4
 
 
 def plan_all(per_rank, *, broadcast=True, batch_bytes=0, can_create=True, reusable=None, stripe=True,
-             min_stripe=1 << 20, n_keys=None, hosts=None, same_host_private=False, everything=False):
+             min_stripe=1 << 20, n_keys=None, hosts=None, same_host_private=False, everything=False,
+             writers=None):
     """The global plan of every rank, through the loader's own exchange formats (records, rows, classes).
 
     ``per_rank[r]`` = ([(key, broadcastable)], [object indices]); keys are (index, offsets, lengths)
-    of 1-d or 2-d shards, ``ITEMSIZE`` bytes per element.
+    of 1-d or 2-d shards, ``ITEMSIZE`` bytes per element; ``writers``: key -> affinity.
     """
     world = len(per_rank)
     width = 2
@@ -36,7 +37,8 @@ def plan_all(per_rank, *, broadcast=True, batch_bytes=0, can_create=True, reusab
     for r, (shards, objects) in enumerate(per_rank):
         off = [list(k[1]) + [0] * (width - len(k[1])) for k, _ in shards]
         ln = [list(k[2]) + [0] * (width - len(k[2])) for k, _ in shards]
-        rec = encode_record([k[0] for k, _ in shards], [bc for _, bc in shards], off, ln, objects, width)
+        rec = encode_record([k[0] for k, _ in shards], [bc for _, bc in shards], off, ln, objects, width,
+                            [(writers or {}).get(k, -1) for k, _ in shards])
         groups = [group_digest(m) for m in (reusable[r] if reusable else [])]
         rows.append(make_row(record=rec, save_id="s", problems=False, host=hosts[r] if hosts else 0, groups=groups))
         recs.append(rec)
@@ -197,7 +199,37 @@ def test_exchange_record_roundtrip_is_compact():
     rec = decode_record(data)
     assert rec.index.tolist() == list(range(100)) and rec.broadcastable.tolist() == [i % 2 == 0 for i in range(100)]
     assert rec.offsets.tolist() == [[i, 0] for i in range(100)] and rec.lengths.tolist() == [[3, 7]] * 100
-    assert len(data) == 5 * 8 + 100 * 6 * 4  # int32 columns when every value fits
+    assert rec.affinity.tolist() == [-1] * 100
+    assert len(data) == 5 * 8 + 100 * 7 * 4  # int32 columns when every value fits
+
+
+def test_affinity_sends_shards_to_their_writer_within_a_tenth_of_the_share():
+    """Two replica pairs ({0, 2}, {1, 3}); a foreign layout wrote each shard in one holder's file. The
+    writer reads it while it stays within 11/10 of the mean; a writer that wrote everything cannot
+    unbalance the load."""
+    rng = random.Random(3)
+    per_rank = [([], []) for _ in range(4)]
+    keys = []
+    for idx in range(300):
+        key = (idx, (0,), (rng.choice([16, 256, 4096, 20000]),))
+        keys.append(key)
+        for r in ((0, 2), (1, 3))[idx % 2]:
+            per_rank[r][0].append((key, True))
+    balanced = {k: ((0, 2), (1, 3))[k[0] % 2][rng.random() < 0.5] for k in keys}
+    everything_by_0 = {k: 0 for k in keys}
+    for writers in (balanced, everything_by_0):
+        plans = plan_all(per_rank, writers=writers, stripe=False, everything=True)
+        assert len({p.digest() for p in plans}) == 1
+        loads = plans[0].loads
+        for pair in ((0, 2), (1, 3)):
+            share = sum(_nbytes(k) for k in keys if k[0] % 2 == pair[0]) // 2
+            assert max(loads[r] for r in pair) <= share * 11 // 10 + 20000 * ITEMSIZE, (pair, loads)
+        by_writer = sum(_nbytes(k) for k in keys if plans[0].readers[k] == writers[k])
+        if writers is balanced:  # nearly everything read by the rank whose file holds it
+            assert by_writer >= 0.9 * sum(_nbytes(k) for k in keys), by_writer
+    plain = plan_all(per_rank, stripe=False, everything=True)[0]
+    assert plain.readers == {k: balance.assign({k: _nbytes(k) for k in keys},
+                                               {k: list(((0, 2), (1, 3))[k[0] % 2]) for k in keys})[k] for k in keys}
 
 
 def test_balance_assign_is_order_independent():

@@ -47,6 +47,11 @@ class Checkpoint:
     # Prefetch: a rank's ranges of one file closer than this are requested as one (None: the
     # reader's default, right when each rank reads mostly contiguous ranges of its own file).
     merge_gap: int | None = None
+    # The rank a layout names as the writer of a data file (-1: none). The plan prefers that rank as the
+    # reader of the replicated shards stored there (see pipeload.globalplan): one rank then reads a run
+    # of neighbouring items, and no storage page is read by two ranks. None: the layout names none
+    # (pipeload's own save already places each shard in the file its load reader is chosen for).
+    writer_of: Callable[[str], int] | None = None
 
 
 def detect(path: str) -> str:
@@ -110,6 +115,8 @@ def from_payload(payload: tuple[str, Any], path: str | os.PathLike, key_map: Key
         # Whole tensors, each read by several ranks in parts: the bytes between two of this rank's
         # ranges are usually another rank's share. Merge only what is about one page apart.
         ckpt.merge_gap = hf.MERGE_GAP
+    elif format == "dcp":
+        ckpt.writer_of = dcp.writer_of
     if key_map is not None:
         ckpt.metadata = rename(ckpt.metadata, key_map, path)
     return ckpt

@@ -26,6 +26,7 @@ import collections
 import io
 import os
 import pickle
+import re
 import struct
 import warnings
 from typing import Any
@@ -165,6 +166,15 @@ def from_payload(path: str, data: bytes):
             raise CheckpointFormatError(f"{source}: {fqn!r} has unknown metadata {type(m).__name__}")
     md.validate_geometry(source)
     return path, md, _Opener(items), {}
+
+
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def writer_of(file: str) -> int:
+    """The rank that wrote a ``.distcp`` file (FileSystemWriter names them ``__<rank>_<i>.distcp``), or -1."""
+    m = _WRITER.fullmatch(file)
+    return int(m.group(1)) if m else -1
 
 
 class _Opener:
