@@ -306,7 +306,7 @@ class IndexedTensors(Mapping):
     def __init__(self, index: ChunkIndex, names: list[str], dtypes: list[str], ndims: list[int],
                  files: list[str]):
         self.index, self.names, self.dtypes, self.files = index, names, dtypes, files
-        self.pos = {n: i for i, n in enumerate(names)}
+        self.pos = dict(zip(names, range(len(names))))
         self.ndim = np.asarray(ndims, dtype=np.int64)
         self.ndims = [int(x) for x in ndims]  # the same as Python ints: looked up once per tensor leaf
         if len(self.ndim) != len(names) or np.any(self.ndim < 0) or np.any(self.ndim > index.width):

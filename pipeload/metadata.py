@@ -128,6 +128,7 @@ class Metadata:
     version: int = 1
     index_file: str | None = None  # format 2: the chunk index's file name
     data_files: list[str] | None = None  # format 2: the data files, as listed in .metadata
+    _key_index: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def indexed(self) -> bool:
@@ -141,6 +142,14 @@ class Metadata:
             names = {c.file for t in self.tensors.values() for c in t.chunks}
         names.update(o.file for o in self.objects.values())
         return sorted(names)
+
+    def key_index(self) -> dict[str, int]:
+        """Position of every checkpoint key (tensors and objects) in sorted order: the compact name used in
+        the exchange. Computed once per Metadata (a load builds its Metadata and never changes it)."""
+        if self._key_index is None:
+            names = sorted([*self.tensors, *self.objects])
+            self._key_index = dict(zip(names, range(len(names))))
+        return self._key_index
 
     def tensor_info(self, fqn: str) -> tuple[str, tuple[int, ...]] | None:
         """(dtype, global shape) of a tensor key, or None."""

@@ -71,7 +71,7 @@ class LocalPlan:
 
 def fqn_index(md: Metadata) -> dict[str, int]:
     """Position of every checkpoint key in sorted order: the compact name used in the exchange."""
-    return {fqn: i for i, fqn in enumerate(sorted([*md.tensors, *md.objects]))}
+    return md.key_index()
 
 
 def _intersect(chunk: ChunkMeta, offsets, lengths) -> tuple | None:
