@@ -93,6 +93,18 @@ cdef enum: NOGIL_HEADER = 65536     # release the GIL while scanning headers at 
 
 # Test hook: pretend a writable private mapping is refused (as under vm.overcommit_memory=2).
 cdef bint _force_readonly = False
+cdef volatile uint8_t _sink  # where _touch() puts the bytes it reads, so the reads are not optimised away
+
+
+cdef void _touch(const uint8_t* p, size_t n) noexcept nogil:
+    """Fault in every page of ``[p, p + n)`` (called without the GIL: on a busy or throttled device a
+    fault waits behind every read queued before it, and the process's other threads must run meanwhile)."""
+    cdef size_t off = 0
+    while off < n:
+        _sink = p[off]
+        off += _PAGE
+    if n:
+        _sink = p[n - 1]
 
 
 def _set_force_readonly(bint value):
@@ -1396,6 +1408,8 @@ cdef class SafetensorsFile:
         # ask for their ranges with advise("willneed") or turn readahead back on ("normal").
         madvise(addr, <size_t>self.size, MADV_RANDOM)
         base = <const uint8_t*>addr
+        with nogil:  # the header's pages are read from storage here, never while holding the GIL
+            _touch(base, 8)
         for k in range(8):
             hlen |= (<uint64_t>base[k]) << (8 * k)
         if hlen > MAX_HEADER:
@@ -1408,7 +1422,9 @@ cdef class SafetensorsFile:
                 f"{self.path}: header length runs past the end of the file "
                 f"({self.size} bytes; not a safetensors file?)")
         self.data_offset = 8 + <Py_ssize_t>hlen
-        madvise(addr, <size_t>(8 + hlen), MADV_WILLNEED)
+        with nogil:
+            madvise(addr, <size_t>(8 + hlen), MADV_WILLNEED)
+            _touch(base, <size_t>(8 + hlen))
         self._parse(base + 8, <size_t>hlen)
 
     cdef _parse(self, const uint8_t* hp, size_t hn):

@@ -144,8 +144,9 @@ def mesh_groups(leaves: dict[str, Leaf]) -> list[Any]:
     seen: dict[int, Any] = {}
     meshes = {}
     for leaf in leaves.values():
-        if isinstance(leaf.value, DTensor):
-            meshes[id(leaf.value.device_mesh)] = leaf.value.device_mesh
+        spec = getattr(leaf.value, "_spec", None) if isinstance(leaf.value, DTensor) else None
+        if spec is not None:  # the spec's mesh: DTensor.device_mesh is a property, ~1 us a leaf
+            meshes[id(spec.mesh)] = spec.mesh
     for mesh in meshes.values():
         if mesh.get_coordinate() is None:
             continue
