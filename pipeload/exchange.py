@@ -17,11 +17,12 @@ A load's exchange has two steps, both over the load's group and taken by every r
 
 Problem texts travel only when some row carries the problem flag (a third, rare all-gather).
 
-A record is columnar: ``[version, n_shards, n_objects, width, itemsize]`` then the arrays ``index``,
-``broadcastable``, ``affinity``, ``offsets`` (n x width), ``lengths`` (n x width), ``objects``, all int32
-when every value fits, int64 otherwise. ``width`` is the largest tensor rank of the checkpoint; shorter
-shapes are padded with zeros (a tensor's true rank comes from the metadata). ``affinity`` is the rank the
-layout names as the writer of the file a shard is stored in, or -1 (see :mod:`pipeload.globalplan`).
+A record is columnar: ``[version, n_shards, n_objects, width, itemsize, has_affinity]`` then the arrays
+``index``, ``broadcastable``, ``affinity`` (only when ``has_affinity``), ``offsets`` (n x width),
+``lengths`` (n x width), ``objects``, all int32 when every value fits, int64 otherwise. ``width`` is the
+largest tensor rank of the checkpoint; shorter shapes are padded with zeros (a tensor's true rank comes
+from the metadata). ``affinity`` is the rank the layout names as the writer of the file a shard is
+stored in, or -1 (see :mod:`pipeload.globalplan`); a record without it means -1 everywhere.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ F_FLAGS, F_SAVE, F_DIGEST, F_NBYTES, F_HOST, F_NGROUPS, F_GROUPS = 0, 1, 2, 4, 5
 FLAG_PROBLEMS = 1
 
 _RECORD_VERSION = 2
-_HEADER = 5
+_HEADER = 6
 _I32_MAX = 2**31 - 1
 
 # above this many distinct records, one padded all-gather replaces the per-owner broadcasts
@@ -84,11 +85,12 @@ def encode_record(index, broadcastable, offsets, lengths, objects, width: int, a
     objects = np.asarray(objects, dtype=np.int64).reshape(m)
     big = max((int(a.max()) for a in (index, offsets, lengths, objects, affinity) if a.size), default=0)
     dtype = np.int32 if big <= _I32_MAX else np.int64
+    has_affinity = bool(np.any(affinity >= 0))
     parts = [
-        np.asarray([_RECORD_VERSION, n, m, width, np.dtype(dtype).itemsize], dtype=np.int64).tobytes(),
+        np.asarray([_RECORD_VERSION, n, m, width, np.dtype(dtype).itemsize, has_affinity], dtype=np.int64).tobytes(),
         index.astype(dtype).tobytes(),
         np.asarray(broadcastable, dtype=bool).reshape(n).astype(dtype).tobytes(),
-        affinity.astype(dtype).tobytes(),
+        affinity.astype(dtype).tobytes() if has_affinity else b"",
         offsets.astype(dtype).tobytes(),
         lengths.astype(dtype).tobytes(),
         objects.astype(dtype).tobytes(),
@@ -99,19 +101,22 @@ def encode_record(index, broadcastable, offsets, lengths, objects, width: int, a
 def decode_record(data: bytes | memoryview) -> Record:
     """Inverse of :func:`encode_record`: zero-copy int32 or int64 views of ``data`` (bool copied)."""
     head = np.frombuffer(data, dtype=np.int64, count=_HEADER)
-    version, n, m, width, itemsize = (int(x) for x in head)
-    if version != _RECORD_VERSION or itemsize not in (4, 8):
+    version, n, m, width, itemsize, has_affinity = (int(x) for x in head)
+    if version != _RECORD_VERSION or itemsize not in (4, 8) or has_affinity not in (0, 1):
         raise ValueError(f"unknown plan record (version {version}, itemsize {itemsize})")
     body = np.frombuffer(data, dtype=np.int32 if itemsize == 4 else np.int64, offset=_HEADER * 8)
-    if body.size != n * (3 + 2 * width) + m:
+    if body.size != n * (2 + has_affinity + 2 * width) + m:
         raise ValueError("plan record has the wrong length")
     a = 0  # arrays stay views in the stored integer type; consumers widen what they compute with
     index = body[a : a + n]
     a += n
     bc = body[a : a + n].astype(bool)
     a += n
-    affinity = body[a : a + n]
-    a += n
+    if has_affinity:
+        affinity = body[a : a + n]
+        a += n
+    else:
+        affinity = np.full(n, -1, dtype=body.dtype)
     offsets = body[a : a + n * width].reshape(n, width)
     a += n * width
     lengths = body[a : a + n * width].reshape(n, width)

@@ -200,7 +200,11 @@ def test_exchange_record_roundtrip_is_compact():
     assert rec.index.tolist() == list(range(100)) and rec.broadcastable.tolist() == [i % 2 == 0 for i in range(100)]
     assert rec.offsets.tolist() == [[i, 0] for i in range(100)] and rec.lengths.tolist() == [[3, 7]] * 100
     assert rec.affinity.tolist() == [-1] * 100
-    assert len(data) == 5 * 8 + 100 * 7 * 4  # int32 columns when every value fits
+    assert len(data) == 6 * 8 + 100 * 6 * 4  # int32 columns when every value fits; no affinity column
+    for i, s in enumerate(plan.shards):
+        s.affinity = i % 3
+    rec = decode_record(plan_record(plan, 2))
+    assert rec.affinity.tolist() == [i % 3 for i in range(100)] and rec.index.tolist() == list(range(100))
 
 
 def test_affinity_sends_shards_to_their_writer_within_a_tenth_of_the_share():
