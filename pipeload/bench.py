@@ -539,11 +539,7 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
         directory = where[src_kind]
         my_files = data_files(directory)
         if loader != FLOOR:
-            if cfg.format == "hf":  # tensors only: synth.zero_ also resets the Python objects
-                for v in synth.flatten(dest).values():
-                    (v.to_local() if hasattr(v, "to_local") else v).detach().zero_()
-            else:
-                synth.zero_(dest)
+            _zero(dest, tensors_only=cfg.format == "hf")
         if mode == "warm":
             warm_files(my_files)
         else:
@@ -645,7 +641,7 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
         finally:
             if mode == "throttled":
                 _join_cgroup(throttle["leave"])
-    reuse = _plan_reuse(cfg, dest, ref, shared["pipeload"]) if "pipeload" in loaders else None
+    reuse = _plan_reuse(cfg, dest, ref, shared[cfg.format]) if "pipeload" in loaders else None
     dist.barrier()
     shutil.rmtree(os.path.join(root, "nodes", f"rank{rank}"), ignore_errors=True)
     if rank != 0:
@@ -663,8 +659,20 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
     }
 
 
+def _zero(dest, *, tensors_only: bool) -> None:
+    """Reset a destination before a load (``tensors_only``: the HF layout's tree, which holds no objects)."""
+    from pipeload import synth
+
+    if tensors_only:
+        for v in synth.flatten(dest).values():
+            (v.to_local() if hasattr(v, "to_local") else v).detach().zero_()
+    else:
+        synth.zero_(dest)
+
+
 def _plan_reuse(cfg: BenchConfig, dest, ref, directory: str) -> dict[str, Any]:
-    """Plan + exchange of a first load and of a second one that reuses its plan (median of repeats).
+    """Plan + exchange of a first load of the checkpoint pipeload reads in this bench, and of a second one
+    that reuses its plan (median of repeats).
 
     Page cache warm, separate hosts emulated (so the plan has broadcasts to reuse).
 
@@ -681,7 +689,7 @@ def _plan_reuse(cfg: BenchConfig, dest, ref, directory: str) -> dict[str, Any]:
         pipeload.clear_plan_cache()
         got = []
         for _ in range(2):
-            synth.zero_(dest)
+            _zero(dest, tensors_only=cfg.format == "hf")
             dist.barrier()
             st = pipeload.load(dest, directory)
             _all_ok(synth.same_tensors(ref, dest), f"pipeload plan reuse (repeat {repeat + 1})")

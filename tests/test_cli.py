@@ -291,6 +291,19 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
             assert 0 < r["plan_exchange"] <= r["wall"] and len(r["plan_by_rank"]) == 2
 
 
+def test_tiny_bench_of_the_hf_layout_with_pipeload_only(tmp_path):
+    """--format hf with one loader: no DCP checkpoint is written (cold mode drops only what exists) and
+    the plan-reuse measurement reads the HF copy into the tensors-only tree."""
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--world", "2", "--tp", "1", "--size", "1", "--layers", "1", "--tensors", "40",
+               "--repeats", "1", "--modes", "cold", "--format", "hf", "--loaders", "pipeload", "--out", str(out),
+               "--dir", str(tmp_path / "b"), "--quiet", "--timeout", "100"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert not (tmp_path / "b" / "dcp").exists()
+    assert result["plan_reuse"]["reused"] is not None and result["plan_reuse"]["first"] > 0
+
+
 def test_bench_rejects_bad_layout(capsys):
     assert main(["bench", "--world", "4", "--tp", "3", "--quiet"]) == 2
     # DCP's checkpoint has no HF copy to read plainly; fewer tensors than one expert per layer allows
