@@ -69,7 +69,7 @@ class Record(NamedTuple):
 
     index: np.ndarray  # (n,) checkpoint key index of each shard
     broadcastable: np.ndarray  # (n,) bool
-    affinity: np.ndarray  # (n,) the rank that wrote the shard's file, when the layout says so; -1 otherwise
+    affinity: np.ndarray | None  # (n,) the rank that wrote each shard's file, or -1; None: -1 for all
     offsets: np.ndarray  # (n, width)
     lengths: np.ndarray  # (n, width)
     objects: np.ndarray  # (m,) checkpoint key index of each object
@@ -116,7 +116,7 @@ def decode_record(data: bytes | memoryview) -> Record:
         affinity = body[a : a + n]
         a += n
     else:
-        affinity = np.full(n, -1, dtype=body.dtype)
+        affinity = None
     offsets = body[a : a + n * width].reshape(n, width)
     a += n * width
     lengths = body[a : a + n * width].reshape(n, width)

@@ -236,13 +236,16 @@ def global_plan(
     if records:
         index = np.concatenate([r.index for r in records]).astype(np.intp, copy=False)
         bc = np.concatenate([r.broadcastable for r in records])
-        affinity = np.concatenate([r.affinity for r in records])
+        affinity = (np.concatenate([r.affinity if r.affinity is not None else np.full(len(r.index), -1, np.int64)
+                                    for r in records])
+                    if any(r.affinity is not None for r in records) else None)
         offsets = np.concatenate([r.offsets for r in records])  # int32 when every record fits it
         lengths = np.concatenate([r.lengths for r in records])
         requested = np.flatnonzero(np.bincount(np.concatenate([index, *[r.objects for r in records]]),
                                                minlength=len(ndim)))
     else:
-        index = bc = affinity = np.zeros(0, dtype=np.int64)
+        index = bc = np.zeros(0, dtype=np.int64)
+        affinity = None
         offsets = lengths = np.zeros((0, width), dtype=np.int64)
         requested = np.zeros(0, dtype=np.int64)
     weights = itemsize[index].astype(np.int64)  # bytes of each shard: itemsize x its lengths (padding skipped)
@@ -356,18 +359,19 @@ def global_plan(
 
     # (key, weight, set id) of the shared shards it plans; rows converted to Python in one call each
     first_rows = order[starts[candidates[in_mine]]]
-    wanted = first_rows[affinity[first_rows] >= 0]  # shards whose layout names a writer (rarely any)
     piece_sets: list[tuple[ShardKey, int, int]] = [
         ((i, tuple(o[:n]), tuple(ln[:n])), w, sid)
         for i, n, o, ln, w, sid in zip(index[first_rows].tolist(), ndim[index[first_rows]].tolist(),
                                        offsets[first_rows].tolist(), lengths[first_rows].tolist(),
                                        weights[first_rows].tolist(), sid_of[in_mine].tolist())
     ]
-    prefer: dict[ShardKey, int] = {
-        (i, tuple(o[:n]), tuple(ln[:n])): a
-        for i, n, o, ln, a in zip(index[wanted].tolist(), ndim[index[wanted]].tolist(), offsets[wanted].tolist(),
-                                  lengths[wanted].tolist(), affinity[wanted].tolist())
-    }
+    prefer: dict[ShardKey, int] = {}  # the shards whose layout names a writer (see affinity)
+    if affinity is not None:
+        wanted = first_rows[affinity[first_rows] >= 0]
+        prefer = {(i, tuple(o[:n]), tuple(ln[:n])): a
+                  for i, n, o, ln, a in zip(index[wanted].tolist(), ndim[index[wanted]].tolist(),
+                                            offsets[wanted].tolist(), lengths[wanted].tolist(),
+                                            affinity[wanted].tolist())}
     # groups read by every holder: not broadcastable, or no usable group
     private_groups = np.concatenate([candidates[~good], shut])
     if len(private_groups):
