@@ -134,11 +134,7 @@ class Comm:
         try:
             dist.all_gather_object(out, obj, group=self.pg)
         except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
-            raise PipeloadError(
-                f"{what}: the all-gather over {self.size} ranks failed on rank {self.rank} "
-                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
-                f"{self.silent_peers()}; every rank of the group must make the same call"
-            ) from e
+            raise self._fail(what, "all-gather", e) from e
         return out
 
     def broadcast_object(self, obj: Any, what: str = "pipeload") -> Any:
@@ -160,10 +156,10 @@ class Comm:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return PipeloadError(
             f"{what}: the {call} over {self.size} ranks failed on rank {self.rank} ({type(e).__name__}: "
-            f"{first}); every rank of the group must make the same call"
+            f"{first}){self.silent_peers()}; every rank of the group must make the same call"
         )
 
-    def gather_rows(self, row: np.ndarray, what: str = "pipeload") -> np.ndarray:
+    def gather_rows(self, row: np.ndarray, what: str = "pipeload", call: str = "all-gather of plan rows") -> np.ndarray:
         """Every rank's fixed-size int64 row, stacked (one all-gather of ``W x len(row)`` words)."""
         if self.size == 1:
             return row.reshape(1, -1).copy()
@@ -172,7 +168,7 @@ class Comm:
         try:
             _all_gather_single(out, mine, group=self.pg)
         except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
-            raise self._fail(what, "all-gather of plan rows", e) from e
+            raise self._fail(what, call, e) from e
         return out.cpu().numpy().reshape(self.size, len(row))
 
     def transfer_records(self, t: Transfer, cls: Classes, mine: bytes, what: str = "pipeload") -> list[bytes]:
@@ -207,11 +203,17 @@ class Comm:
         return out
 
     def agree(self, what: str, error: str | None) -> None:
-        """Gather every rank's error (None = success); raise one DistributedError on every rank if any."""
+        """Gather every rank's error (None = success); raise one DistributedError on every rank if any.
+
+        One word per rank says whether it failed; only then are the texts gathered (a second collective
+        that every rank takes, since every rank saw the same words). A successful load or save thus costs
+        ``W`` words per rank here, not ``W`` pickled objects to unpickle.
+        """
+        failed = self.gather_rows(np.array([error is not None], dtype=np.int64), what, "final agreement")[:, 0]
+        if not failed.any():
+            return
         errors = self.all_gather_object(error, what)
-        failures = {r: e for r, e in enumerate(errors) if e is not None}
-        if failures:
-            raise DistributedError(what, failures)
+        raise DistributedError(what, {r: e for r, e in enumerate(errors) if e is not None})
 
     def broadcastable(self, tensor: torch.Tensor) -> bool:
         """Whether this rank can take part in a broadcast of ``tensor``'s data through the group's backend.
