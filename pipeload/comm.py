@@ -171,6 +171,17 @@ class Comm:
             raise self._fail(what, call, e) from e
         return out.cpu().numpy().reshape(self.size, len(row))
 
+    def union(self, flags: np.ndarray, what: str = "pipeload") -> np.ndarray:
+        """Element-wise maximum of every rank's ``flags`` (uint8): one all-reduce of ``len(flags)`` bytes."""
+        if self.size == 1:
+            return flags
+        t = torch.from_numpy(np.ascontiguousarray(flags, dtype=np.uint8)).to(self.broadcast_device)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
+            raise self._fail(what, "all-reduce of requested keys", e) from e
+        return t.cpu().numpy()
+
     def transfer_records(self, t: Transfer, cls: Classes, mine: bytes, what: str = "pipeload") -> list[bytes]:
         """The record of every class (``cls``), moved as ``t`` says; this rank's own class costs nothing."""
         me = int(cls.of_rank[self.rank])

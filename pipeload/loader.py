@@ -175,14 +175,17 @@ async def _load(
     with ChunkReader(directory, verify_checksums=verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool:
-        # 0. The first collective of every load: one word per rank. It says whether a plan every rank
-        # still holds can be reused, and refuses on every rank alike a load that ran concurrently with
-        # another on an overlapping group (in any rank's process: see _busy.py).
-        prep, cache_key = None, None
+        # 0. The first collective of every load: two words per rank. They say whether a plan every rank
+        # still holds can be reused, refuse on every rank alike a load that ran concurrently with another
+        # on an overlapping group (in any rank's process: see _busy.py), and whether the ranks share one
+        # host (then, under gloo and the default policy, no shard will be broadcast).
+        prep, cache_key, private_only = None, None, broadcast_replicated_tensors is False
         if collective:
             entry, leaves = None, {}
             if reuse_plan and not contended:
-                cache_key = plancache.key(comm.global_ranks, directory, options)
+                # this rank's host is part of the key (not of the token, which all ranks share): it
+                # decides which shards are broadcast, and PIPELOAD_HOST_ID may change between loads
+                cache_key = plancache.key(comm.global_ranks, directory, (*options, host_id()))
                 entry, leaves = _cached(cache_key, comm, directory, state_dict)
             if entry is not None:  # before the gather: waiting for the other ranks is the time to do it
                 _rebind(entry.state, leaves)
@@ -190,7 +193,8 @@ async def _load(
             offer = _CONTENDED if contended else entry.token if entry is not None else 0
             tokens = None
             try:
-                tokens = comm.gather_rows(np.array([offer], dtype=np.int64), what)[:, 0]
+                first = comm.gather_rows(np.array([offer, host_id()], dtype=np.int64), what)
+                tokens = first[:, 0]
             finally:
                 reuse = tokens is not None and offer != 0 and bool(np.all(tokens == offer))
                 if entry is not None and not reuse:
@@ -204,11 +208,13 @@ async def _load(
                 prep = entry.state
                 reader.attach(prep.ckpt, cast=cast)
                 stats.plan_reused = True
+            private_only = private_only or (broadcast_replicated_tensors == "auto"
+                                            and comm.broadcast_device.type == "cpu" and len(np.unique(first[:, 1])) == 1)
             clock.lap("exchange")
         if prep is None:
             prep = _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors,
                             broadcast_batch_bytes, broadcast_groups, reader, pool, clock, (format, key_map, cast),
-                            keepable=cache_key is not None)
+                            keepable=cache_key is not None, private_only=private_only)
         stats.format = reader.format
         stats.missing_keys, stats.unexpected_keys = list(prep.missing), list(prep.unexpected)
         stats.shared_shards = len(prep.plan.shards) - len(prep.private)
@@ -293,12 +299,18 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
 
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
-             broadcast_groups, reader, pool, clock, request, keepable: bool = False) -> _Prepared:
-    """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order)."""
+             broadcast_groups, reader, pool, clock, request, keepable: bool = False,
+             private_only: bool = False) -> _Prepared:
+    """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
+
+    ``private_only`` (every rank decided it alike from the first gather): no shard will be broadcast,
+    so the exchange stops after the rows and the union of requested keys (see :func:`exchange_and_plan`).
+    """
     stat = plancache.checkpoint_stat(directory)
     # 1. local plan: problems are carried to the exchange, never raised on this rank alone
     md, leaves, plan, problems, ckpt = _local_plan(state_dict, directory, comm, collective, strict, reader, request)
-    reusable = comm.reusable_groups([*(broadcast_groups or ()), *mesh_groups(leaves)]) if collective else {}
+    reusable = (comm.reusable_groups([*(broadcast_groups or ()), *mesh_groups(leaves)])
+                if collective and not private_only else {})
     if not problems and md.world_size == comm.size:
         # in the worker: under a throttled device, queueing the requests blocks for a while
         pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
@@ -315,7 +327,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                            list(reusable), directory=directory,
                            broadcast=collective and broadcast_replicated_tensors is not False,
                            batch_bytes=batch_bytes, can_create=comm.is_world, global_ranks=comm.global_ranks,
-                           clock=clock, rows_out=rows_seen,
+                           clock=clock, rows_out=rows_seen, private_only=private_only,
                            same_host_private=broadcast_replicated_tensors == "auto" and comm.broadcast_device.type == "cpu")
     unexpected = []
     if collective:
@@ -384,13 +396,18 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
                       problems: list[str], groups: list[int], *, directory: str, broadcast: bool,
                       batch_bytes: int, can_create: bool, global_ranks=None, clock=None,
                       on_phase=None, rows_out: list | None = None, same_host_private: bool = False,
-                      everything: bool = False) -> GlobalPlan:
+                      everything: bool = False, private_only: bool = False) -> GlobalPlan:
     """Steps 2-3 of a load on one rank: the exchange through ``ex`` and this rank's global plan.
 
     ``ex`` is the load's :class:`~pipeload.comm.Comm` (or the simulated exchange of
     :mod:`pipeload.simulate`; ``None``: no collectives, a world of one). It must provide
-    ``gather_rows``, ``transfer_records`` and ``all_gather_object``. Any rank's problem raises the same
-    error on every rank; ranks that read different saves raise too.
+    ``gather_rows``, ``transfer_records`` and ``all_gather_object`` (and ``union`` for ``private_only``).
+    Any rank's problem raises the same error on every rank; ranks that read different saves raise too.
+
+    ``private_only``: every rank knows no shard will be broadcast (all on one host under gloo and the
+    default policy, or broadcasting off), so nobody needs another rank's record: after the rows, one
+    all-reduce of a byte per checkpoint key tells which keys some rank loads (``strict``), and the plan
+    is "each rank reads what it needs" — what the global plan would decide, without computing it.
     """
     what = f"pipeload.load from {directory}"
     row = make_row(record=record, save_id=md.save_id if md else None, problems=bool(problems),
@@ -408,6 +425,16 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
         )
     if rows_out is not None:
         rows_out.append(rows)
+    if private_only:
+        mine = decode_record(record)
+        wanted = np.zeros(len(names), dtype=np.uint8)
+        wanted[np.asarray(mine.index, dtype=np.intp)] = 1
+        wanted[np.asarray(mine.objects, dtype=np.intp)] = 1
+        if ex is not None:
+            wanted = ex.union(wanted, what)
+        if clock is not None:
+            clock.lap("exchange")
+        return GlobalPlan([], {}, {}, np.flatnonzero(wanted), {}, [], 0)
     cls = classes(rows)
     raw = ex.transfer_records(record_transfer(cls, len(rows)), cls, record, what) if ex is not None else [record]
     records = [decode_record(b) for b in raw]

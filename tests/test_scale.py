@@ -118,6 +118,18 @@ def world8(rank: int, world: int, root: str) -> dict:
     out["one_host"] = pipeload.load(sd, ckpt)
     _check(sd)
     out["one_host_forced"] = pipeload.load(_state(mesh, False), ckpt, broadcast_replicated_tensors=True)
+    # One host needs no plan exchange (nothing is broadcast): strict still sees the union of the keys
+    # every rank loads. Rank 0 loads two keys, the others the rest: complete. Nobody loads "norm": refused.
+    part = {k: v for k, v in _state(mesh, False).items() if (k in ("big", "norm")) == (rank == 0)}
+    out["split"] = pipeload.load(part, ckpt)
+    _check(part)
+    part.pop("norm", None)
+    try:
+        pipeload.load(part, ckpt)
+        out["nobody"] = "loaded"
+    except pipeload.PipeloadError as e:
+        out["nobody"] = str(e)
+    out["nobody_lax"] = pipeload.load(part, ckpt, strict=False).unexpected_keys
     os.environ["PIPELOAD_HOST_ID"] = f"emulated-node-{rank}"  # as run_world(separate_hosts=True) set it
     # The loader's exchange on the real group, captured for the comparison with the simulated one.
     comm = Comm()
@@ -150,6 +162,9 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     assert [r["probe"].plan_reused for r in res] == [True] * 8
     assert [r["freed"] for r in res] == [[True, True]] * 8
     assert [r["relayout"].plan_reused for r in res] == [False] * 8
+    assert all(r["split"].broadcasts == 0 and r["split"].bytes_read > 0 for r in res)
+    assert all("- norm" in r["nobody"] and "no rank loads" in r["nobody"] for r in res), res[0]["nobody"]
+    assert [r["nobody_lax"] for r in res] == [["norm"]] * 8
     assert [r["mixed"].plan_reused for r in res] == [False] * 8
     assert [r["resaved"].plan_reused for r in res] == [False] * 8
     assert all(r["one_host"].broadcasts == 0 and r["one_host"].bytes_received == 0 for r in res)
