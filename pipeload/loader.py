@@ -6,7 +6,8 @@ Phases (every rank of the group, in this order; see docs/ARCHITECTURE.md):
    validate — no destination is touched, problems are collected;
 2. exchange: one all-gather of a fixed-size row per rank, then each distinct plan record once
    (:mod:`pipeload.exchange`; every rank, also one with nothing to load); any rank's problem raises on
-   every rank;
+   every rank. (Before 1, two words per rank decide plan reuse, refuse concurrent loads, and tell
+   whether anything can be broadcast: if not, the records never move.)
 3. plan (global part): pure, identical on every rank (:mod:`pipeload.globalplan`);
 4. groups: resolve or create the broadcast groups, by the same decision on every rank;
 5. shared: read-once + broadcast pipeline; 6. private: the rest, per file;
