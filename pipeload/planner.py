@@ -194,12 +194,9 @@ def plan_record(plan: LocalPlan, width: int) -> bytes:
     and carry no rank-specific field.
     """
     n = len(plan.shards)
-    offsets = np.zeros((n, width), dtype=np.int64)
-    lengths = np.zeros((n, width), dtype=np.int64)
-    for i, s in enumerate(plan.shards):
-        _, off, ln = s.key
-        offsets[i, : len(off)] = off
-        lengths[i, : len(ln)] = ln
+    pad = [(0,) * k for k in range(width + 1)]  # shapes padded with zeros to the checkpoint's width
+    offsets = np.array([s.key[1] + pad[width - len(s.key[1])] for s in plan.shards], dtype=np.int64).reshape(n, width)
+    lengths = np.array([s.key[2] + pad[width - len(s.key[2])] for s in plan.shards], dtype=np.int64).reshape(n, width)
     return encode_record(
         [s.key[0] for s in plan.shards], [s.broadcastable for s in plan.shards], offsets, lengths,
         [o.index for o in plan.objects], width, [s.affinity for s in plan.shards],
