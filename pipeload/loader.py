@@ -32,8 +32,8 @@ from ._busy import Guard
 from ._gcpause import paused_gc
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
-from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, encode_record, host_id, make_row,
-                       record_transfer)
+from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, encode_record, hash64, host_id,
+                       make_row, record_transfer)
 from .globalplan import GlobalPlan, global_plan
 from . import formats
 from .metadata import Metadata
@@ -166,6 +166,7 @@ async def _load(
     what = f"pipeload.load from {directory}"
     comm = Comm(process_group, timeout)
     collective = use_collectives and comm.size > 1
+    agreed = (broadcast_replicated_tensors, broadcast_batch_bytes, bool(strict))  # every rank's must be equal
     options = (broadcast_replicated_tensors, broadcast_batch_bytes, bool(strict),
                tuple(id(g) for g in broadcast_groups or ()), format, id(key_map) if key_map is not None else None,
                bool(cast))
@@ -194,7 +195,8 @@ async def _load(
             offer = _CONTENDED if contended else entry.token if entry is not None else 0
             tokens = None
             try:
-                first = comm.gather_rows(np.array([offer, host_id()], dtype=np.int64), what)
+                first = comm.gather_rows(np.array([offer, host_id(), hash64(repr(agreed).encode())],
+                                                  dtype=np.int64), what)
                 tokens = first[:, 0]
             finally:
                 reuse = tokens is not None and offer != 0 and bool(np.all(tokens == offer))
@@ -205,12 +207,18 @@ async def _load(
                 raise PipeloadError(contended or f"{what}: another pipeload operation ran at the same time on an "
                                     f"overlapping process group on rank(s) {ranks}; run loads and saves on one "
                                     f"group one after the other")
+            if len(np.unique(first[:, 2])) > 1:
+                odd = np.flatnonzero(first[:, 2] != first[0, 2]).tolist()
+                raise PipeloadError(f"{what}: rank(s) {odd} passed other broadcast_replicated_tensors, "
+                                    f"broadcast_batch_bytes or strict options than rank 0; every rank must pass "
+                                    f"the same (they decide which collectives the load issues)")
             if reuse:
                 prep = entry.state
                 reader.attach(prep.ckpt, cast=cast)
                 stats.plan_reused = True
-            private_only = private_only or (broadcast_replicated_tensors == "auto"
-                                            and comm.broadcast_device.type == "cpu" and len(np.unique(first[:, 1])) == 1)
+            one_host = len(np.unique(first[:, 1])) == 1
+            private_only = private_only or (broadcast_replicated_tensors == "auto" and one_host
+                                            and comm.broadcast_device.type == "cpu")
             clock.lap("exchange")
         if prep is None:
             prep = _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors,

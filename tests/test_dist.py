@@ -148,6 +148,10 @@ def _failures(rank, meshes, root, good) -> dict:
         if isinstance(v, torch.Tensor):
             local = v.to_local() if hasattr(v, "to_local") else v
             assert not local.any(), f"{fqn} was written although validation failed"
+    # Options that decide the collectives must agree: a rank passing another one is named, nobody hangs.
+    sd = L.build("tp2dp2", meshes, fill=False)
+    _expect_failure(lambda: pipeload.load(sd, good, strict=rank != 3), "rank(s) [3]", "strict")
+    _expect_failure(lambda: pipeload.load(sd, good, broadcast_batch_bytes=1 << (20 + (rank == 1))), "rank(s) [1]")
     # strict: a key missing from the checkpoint on one rank; keys no rank loads.
     sd = L.build("tp2dp2", meshes, fill=False)
     if rank == 2:
