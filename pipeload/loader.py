@@ -6,8 +6,8 @@ Phases (every rank of the group, in this order; see docs/ARCHITECTURE.md):
    validate — no destination is touched, problems are collected;
 2. exchange: one all-gather of a fixed-size row per rank, then each distinct plan record once
    (:mod:`pipeload.exchange`; every rank, also one with nothing to load); any rank's problem raises on
-   every rank. (Before 1, two words per rank decide plan reuse, refuse concurrent loads, and tell
-   whether anything can be broadcast: if not, the records never move.)
+   every rank. (Before 1, three words per rank decide plan reuse, refuse concurrent loads and options that
+   differ between ranks, and tell whether anything can be broadcast: if not, the records never move.)
 3. plan (global part): pure, identical on every rank (:mod:`pipeload.globalplan`);
 4. groups: resolve or create the broadcast groups, by the same decision on every rank;
 5. shared: read-once + broadcast pipeline; 6. private: the rest, per file;
@@ -177,10 +177,11 @@ async def _load(
     with ChunkReader(directory, verify_checksums=verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool:
-        # 0. The first collective of every load: two words per rank. They say whether a plan every rank
+        # 0. The first collective of every load: three words per rank. They say whether a plan every rank
         # still holds can be reused, refuse on every rank alike a load that ran concurrently with another
-        # on an overlapping group (in any rank's process: see _busy.py), and whether the ranks share one
-        # host (then, under gloo and the default policy, no shard will be broadcast).
+        # on an overlapping group (in any rank's process: see _busy.py) or with options that differ
+        # between ranks, and whether the ranks share one host (then, under gloo and the default policy,
+        # no shard will be broadcast).
         prep, cache_key, private_only = None, None, broadcast_replicated_tensors is False
         if collective:
             entry, leaves = None, {}
