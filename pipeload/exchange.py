@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -73,6 +73,12 @@ class Record(NamedTuple):
     offsets: np.ndarray  # (n, width)
     lengths: np.ndarray  # (n, width)
     objects: np.ndarray  # (m,) checkpoint key index of each object
+
+
+def padded(shapes: Sequence[tuple[int, ...]], width: int) -> np.ndarray:
+    """``shapes`` (offsets or lengths of several boxes) as one ``n x width`` int64 array, zero-padded."""
+    pad = [(0,) * k for k in range(width + 1)]
+    return np.array([s + pad[width - len(s)] for s in shapes], dtype=np.int64).reshape(len(shapes), width)
 
 
 def encode_record(index, broadcastable, offsets, lengths, objects, width: int, affinity=None) -> bytes:

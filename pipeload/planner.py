@@ -17,10 +17,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-import numpy as np
 import torch
 
-from .exchange import encode_record
+from .exchange import encode_record, padded
 from .globalplan import ShardKey
 from .metadata import ChunkMeta, Metadata, ObjectMeta, chunk_key, dtype_name
 from .statedict import Box, Leaf, is_tensor, tensor_box, untracked
@@ -193,12 +192,9 @@ def plan_record(plan: LocalPlan, width: int) -> bytes:
     Replicas with the same destination shards produce byte-identical records: shards are in fqn order
     and carry no rank-specific field.
     """
-    n = len(plan.shards)
-    pad = [(0,) * k for k in range(width + 1)]  # shapes padded with zeros to the checkpoint's width
-    offsets = np.array([s.key[1] + pad[width - len(s.key[1])] for s in plan.shards], dtype=np.int64).reshape(n, width)
-    lengths = np.array([s.key[2] + pad[width - len(s.key[2])] for s in plan.shards], dtype=np.int64).reshape(n, width)
     return encode_record(
-        [s.key[0] for s in plan.shards], [s.broadcastable for s in plan.shards], offsets, lengths,
+        [s.key[0] for s in plan.shards], [s.broadcastable for s in plan.shards],
+        padded([s.key[1] for s in plan.shards], width), padded([s.key[2] for s in plan.shards], width),
         [o.index for o in plan.objects], width, [s.affinity for s in plan.shards],
     )
 

@@ -47,8 +47,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .exchange import (Classes, Transfer, classes, encode_record, group_digest, hash64, make_row, received_bytes,
-                       record_digest)
+from .exchange import (Classes, Transfer, classes, encode_record, group_digest, hash64, make_row, padded,
+                       received_bytes, record_digest)
 from .loader import exchange_and_plan
 from .chunkindex import ARRAYS, build_arrays, index_file_name
 from .metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, TensorMeta, chunk_key, metadata_path,
@@ -246,13 +246,8 @@ class Layout:
     def record(self, rank: int, width: int) -> bytes:
         """The record ``rank`` would send, encoded from its boxes by the loader's own encoder."""
         bx = self.boxes(rank)
-        n = len(bx)
-        offsets = np.zeros((n, width), dtype=np.int64)
-        lengths = np.zeros((n, width), dtype=np.int64)
-        for i, (t, o, ln) in enumerate(bx):
-            offsets[i, : len(o)] = o
-            lengths[i, : len(ln)] = ln
-        return encode_record([self.index[t.fqn] for t, _, _ in bx], [True] * n, offsets, lengths,
+        return encode_record([self.index[t.fqn] for t, _, _ in bx], [True] * len(bx),
+                             padded([tuple(o) for _, o, _ in bx], width), padded([tuple(ln) for _, _, ln in bx], width),
                              [self.index[o] for o in self.objects], width)
 
     def state_dict(self, rank: int) -> tuple[dict, dict[str, Box]]:
