@@ -367,11 +367,7 @@ def global_plan(
     ]
     prefer: dict[ShardKey, int] = {}  # the shards whose layout names a writer (see affinity)
     if affinity is not None:
-        wanted = first_rows[affinity[first_rows] >= 0]
-        prefer = {(i, tuple(o[:n]), tuple(ln[:n])): a
-                  for i, n, o, ln, a in zip(index[wanted].tolist(), ndim[index[wanted]].tolist(),
-                                            offsets[wanted].tolist(), lengths[wanted].tolist(),
-                                            affinity[wanted].tolist())}
+        prefer = {p[0]: a for p, a in zip(piece_sets, affinity[first_rows].tolist()) if a >= 0}
     # groups read by every holder: not broadcastable, or no usable group
     private_groups = np.concatenate([candidates[~good], shut])
     if len(private_groups):
