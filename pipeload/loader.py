@@ -128,7 +128,7 @@ class _Prepared:
     stat: tuple = ()  # of the checkpoint's metadata file(s) when they were read
     ckpt: Any = None  # the formats.Checkpoint the reader serves
     signature: tuple = ()  # plancache.signature of the state dict it was planned for (when it may be kept)
-    cut: list = field(default_factory=list)  # (piece, its shard) of the cut shared shards, once kept
+    cut: list = field(default_factory=list)  # (piece, its shard) of every shared shard cut into pieces
 
 
 async def _load(
@@ -167,6 +167,7 @@ async def _load(
     comm = Comm(process_group, timeout)
     collective = use_collectives and comm.size > 1
     agreed = (broadcast_replicated_tensors, broadcast_batch_bytes, bool(strict))  # every rank's must be equal
+    host = host_id()
     options = (broadcast_replicated_tensors, broadcast_batch_bytes, bool(strict),
                tuple(id(g) for g in broadcast_groups or ()), format, id(key_map) if key_map is not None else None,
                bool(cast))
@@ -188,7 +189,7 @@ async def _load(
             if reuse_plan and not contended:
                 # this rank's host is part of the key (not of the token, which all ranks share): it
                 # decides which shards are broadcast, and PIPELOAD_HOST_ID may change between loads
-                cache_key = plancache.key(comm.global_ranks, directory, (*options, host_id()))
+                cache_key = plancache.key(comm.global_ranks, directory, (*options, host))
                 entry, leaves = _cached(cache_key, comm, directory, state_dict)
             if entry is not None:  # before the gather: waiting for the other ranks is the time to do it
                 _rebind(entry.state, leaves)
@@ -196,7 +197,7 @@ async def _load(
             offer = _CONTENDED if contended else entry.token if entry is not None else 0
             tokens = None
             try:
-                first = comm.gather_rows(np.array([offer, host_id(), hash64(repr(agreed).encode())],
+                first = comm.gather_rows(np.array([offer, host, hash64(repr(agreed).encode())],
                                                   dtype=np.int64), what)
                 tokens = first[:, 0]
             finally:
@@ -269,11 +270,9 @@ async def _load(
 def _strip(prep: _Prepared) -> None:
     """Drop every reference a kept plan holds to the state dict (its tensors may be large, and freed).
 
-    The shared pieces stay: an uncut one is its shard itself, a cut one is remembered with its shard so
-    that :func:`_rebind` only points it at the new tensor's rows.
+    The shared pieces stay: an uncut one is its shard itself, a cut one is listed with its shard in
+    ``prep.cut``, so that :func:`_rebind` only points it at the new tensor's rows.
     """
-    prep.cut = [(prep.shared[pk], s) for s in prep.plan.shards for pk in prep.gp.pieces.get(s.key, ())
-                if pk != s.key]
     for shard in prep.plan.shards:
         shard.dest = None
     for piece, _ in prep.cut:
@@ -346,14 +345,16 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
         raise StateDictError(
             f"pipeload.load from {directory}: keys in the checkpoint that no rank loads (strict=True)", unexpected
         )
-    shared = {}
-    private = []
+    shared, private, cut = {}, [], []
     for s in plan.shards:
         pieces = gp.pieces.get(s.key)
         if pieces is None:
             private.append(s)
-        else:
-            shared.update((pk, piece_shard(s, pk)) for pk in pieces)
+            continue
+        for pk in pieces:
+            piece = shared[pk] = piece_shard(s, pk)
+            if piece is not s:
+                cut.append((piece, s))
     clock.lap("plan")
 
     # 4. groups
@@ -362,7 +363,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     # objects are keyed by name only in the signature: their values being replaced later changes nothing
     return _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
                      rows_seen[0] if rows_seen else None, stat, ckpt,
-                     plancache.signature(leaves) if keepable else ())
+                     plancache.signature(leaves) if keepable else (), cut)
 
 
 def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool, reader, request):
