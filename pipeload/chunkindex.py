@@ -158,15 +158,15 @@ class ChunkIndex:
             self._shapes = self.a["shape"].tolist()  # T x K small ints: one C conversion per load
         return tuple(self._shapes[i][:ndim])
 
-    def _columns(self) -> tuple[list, list, list, list] | None:
-        """Offsets, lengths, files and checksums of every chunk as Python lists, when the table is small enough
-        that converting it once costs less than looking up each box with numpy (None otherwise)."""
+    def _columns(self) -> tuple[list, list, list] | None:
+        """Offsets, lengths and files of every chunk as Python lists, when the table is small enough that
+        converting it once costs less than looking up each box with numpy (None otherwise)."""
         if self._lists is None:
             if len(self.a["chunk_file"]) > SMALL_TABLE:
                 self._lists = ()
             else:
                 self._lists = (self.a["chunk_offsets"].tolist(), self.a["chunk_lengths"].tolist(),
-                               self.a["chunk_file"].tolist(), self.a["chunk_checksum"].tolist())
+                               self.a["chunk_file"].tolist())
         return self._lists or None
 
     def chunks(self, i: int, fqn: str, ndim: int, files: list[str], lo: int | None = None,
@@ -235,7 +235,7 @@ class ChunkIndex:
         cols = self._columns()
         if cols is not None and b - a <= 8:  # few chunks: plain Python over the converted table
             lo, hi = a, b
-            off, ln, fl = cols[0][a:b], cols[1][a:b], cols[2][a:b]
+            off, ln, fl = (c[a:b] for c in cols)
             return self._match(i, fqn, ndim, files, offsets, lengths, lo, hi, off, ln, fl)
         o0 = self.a["chunk_offsets"][a:b, 0]
         if b - a > 1:
@@ -254,16 +254,6 @@ class ChunkIndex:
         """The candidates ``[lo, hi)`` (as lists) that overlap the box, checked to cover it exactly."""
         shape = self.shape(i, ndim)
         nfiles = self.n_files
-        if hi - lo == 1:  # the usual case, loaded as saved: one chunk that is exactly the box
-            o, n = off[0], ln[0]
-            if (len(o) == ndim or not any(o[ndim:]) and not any(n[ndim:])) and tuple(o[:ndim]) == tuple(offsets) \
-                    and tuple(n[:ndim]) == tuple(lengths) and 0 <= fl[0] < nfiles \
-                    and all(x + y <= z for x, y, z in zip(offsets, lengths, shape)) and n[0] <= self._max_rows[i]:
-                o, n = tuple(o[:ndim]), tuple(n[:ndim])
-                key = chunk_key(fqn, o, n == shape)
-                sums = self._lists[3] if self._lists else None
-                return [ChunkMeta(o, n, files[fl[0]], key,
-                                  f"{sums[lo] if sums else int(self.a['chunk_checksum'][lo]):016x}")]
         hits, vol = [], 0
         for k, (o, n) in enumerate(zip(off, ln)):
             if hi - lo <= 64 and (any(o[ndim:]) or any(n[ndim:]) or not 0 <= fl[k] < nfiles
@@ -314,7 +304,7 @@ class IndexedTensors(Mapping):
 
     def __getitem__(self, fqn: str):
         i = self.pos[fqn]
-        nd = int(self.ndim[i])
+        nd = self.ndims[i]
         shape = self.index.shape(i, nd)
         a, b = self.index._rows(i)
         self.index._check(i, fqn, a, b, nd)
