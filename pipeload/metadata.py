@@ -175,13 +175,11 @@ class Metadata:
             return [None] * len(fqns)
         import numpy as np
 
+        from .exchange import padded
+
         t = self.tensors
-        width = t.index.width
-        pad = [(0,) * k for k in range(width + 1)]
         pos = np.fromiter((t.pos[f] for f in fqns), dtype=np.int64, count=len(fqns))
-        off = np.array([o + pad[width - len(o)] for o in offsets], dtype=np.int64).reshape(len(fqns), width)
-        ln = np.array([n + pad[width - len(n)] for n in lengths], dtype=np.int64).reshape(len(fqns), width)
-        rows = t.index.exact(pos, off, ln)
+        rows = t.index.exact(pos, padded(offsets, t.index.width), padded(lengths, t.index.width))
         hit = rows >= 0
         r = rows[hit]
         files = t.index.a["chunk_file"][r].tolist()
