@@ -272,14 +272,15 @@ class Metadata:
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "<metadata>", directory: str | None = None,
-                  index_data: bytes | None = None) -> "Metadata":
+                  index_data: tuple[str, bytes] | None = None) -> "Metadata":
         """Parse and validate; every failure is a CheckpointFormatError naming ``source`` and the key.
 
         Refused besides the schema: a key given twice in one JSON object (JSON leaves it undefined;
         a last-one-wins parser would hide a conflict), nesting deeper than Python's recursion allows,
         and strings holding a lone UTF-16 surrogate (no UTF-8 encoding: nothing could print them).
         Format 2 maps its chunk index from ``directory`` (default: the directory of ``source``), or
-        decodes ``index_data``, the index file's bytes read by another rank.
+        decodes ``index_data``: (name, bytes) of the index file read by another rank, used when the name
+        is the one this metadata gives.
         """
         try:
             doc = json.loads(text, object_pairs_hook=_unique_keys)
@@ -532,7 +533,7 @@ def _parse_objects(doc: Any, md: Metadata, source: str) -> None:
         )
 
 
-def _parse_v2(doc: dict, source: str, directory: str, index_data: bytes | None = None) -> Metadata:
+def _parse_v2(doc: dict, source: str, directory: str, index_data: tuple[str, bytes] | None = None) -> Metadata:
     """Format 2: tensor-level facts from JSON, chunks from the mapped index (read where looked at)."""
     from .chunkindex import open_index
 
@@ -557,7 +558,8 @@ def _parse_v2(doc: dict, source: str, directory: str, index_data: bytes | None =
     clash = set(names) & md.objects.keys()
     if clash:
         raise CheckpointFormatError(f"{source}: keys are both tensor and object: {sorted(clash)[:5]}")
-    md.tensors = open_index(directory, md.index_file, names, dtypes, ndims, md.data_files, index_data)
+    data = index_data[1] if index_data is not None and index_data[0] == md.index_file else None
+    md.tensors = open_index(directory, md.index_file, names, dtypes, ndims, md.data_files, data)
     return md
 
 
