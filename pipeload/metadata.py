@@ -422,10 +422,6 @@ def chunk_key(fqn: str, offsets: tuple[int, ...], whole: bool) -> str:
 
 def plain_file_name(v: Any, where: str) -> str:
     """``v`` if it names a file directly inside the checkpoint directory; CheckpointFormatError otherwise."""
-    return _file_name(v, where)
-
-
-def _file_name(v: Any, where: str) -> str:
     if not isinstance(v, str) or not v or "/" in v or "\\" in v or v in (".", "..") or "\x00" in v:
         raise CheckpointFormatError(f"{where}: file must be a plain file name inside the checkpoint")
     return v
@@ -459,7 +455,7 @@ def _tensor_fast(t: Any, files: dict[str, str]) -> TensorMeta | None:
             return None
         if file not in files:
             try:
-                files[file] = _file_name(file, "")
+                files[file] = plain_file_name(file, "")
             except CheckpointFormatError:
                 return None
         out.append(ChunkMeta(tuple(offsets), tuple(lengths), file, key, csum))
@@ -501,7 +497,7 @@ def _parse(doc: Any, source: str) -> Metadata:
                 ChunkMeta(
                     offsets=_int_list(_req(c, "offsets", list, cw), f"{cw} offsets"),
                     lengths=_int_list(_req(c, "lengths", list, cw), f"{cw} lengths"),
-                    file=_file_name(_req(c, "file", str, cw), cw),
+                    file=plain_file_name(_req(c, "file", str, cw), cw),
                     key=_req(c, "key", str, cw),
                     checksum=_checksum(_req(c, "checksum", str, cw), cw),
                 )
@@ -525,7 +521,7 @@ def _parse_objects(doc: Any, md: Metadata, source: str) -> None:
         if nbytes < 0:
             raise CheckpointFormatError(f"{where}: negative nbytes")
         md.objects[fqn] = ObjectMeta(
-            file=_file_name(_req(o, "file", str, where), where),
+            file=plain_file_name(_req(o, "file", str, where), where),
             key=_req(o, "key", str, where),
             nbytes=nbytes,
             checksum=_checksum(_req(o, "checksum", str, where), where),
@@ -539,9 +535,9 @@ def _parse_v2(doc: dict, source: str, directory: str, index_data: tuple[str, byt
 
     md = Metadata(save_id=_req(doc, "save_id", str, source), world_size=_req(doc, "world_size", int, source),
                   version=2)
-    md.index_file = _file_name(_req(doc, "index", str, source), f"{source}: index")
+    md.index_file = plain_file_name(_req(doc, "index", str, source), f"{source}: index")
     files = _req(doc, "files", list, source)
-    md.data_files = [_file_name(f, f"{source}: files") for f in files]
+    md.data_files = [plain_file_name(f, f"{source}: files") for f in files]
     t = _req(doc, "tensors", dict, source)
     names = _req(t, "names", list, f"{source}: tensors")
     dtypes = _req(t, "dtypes", list, f"{source}: tensors")
