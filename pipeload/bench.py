@@ -692,7 +692,7 @@ def _plan_reuse(cfg: BenchConfig, dest, ref, directory: str) -> dict[str, Any]:
     from pipeload import synth
 
     os.environ["PIPELOAD_HOST_ID"] = f"emulated-node-{dist.get_rank()}"  # plan the broadcasts too
-    per_load: list[list[tuple[float, float]]] = [[], [], [], []]  # first, reused; first span, reused span
+    per_load: list[list[float]] = [[], [], [], []]  # first, reused; first span, reused span
     for repeat in range(max(cfg.repeats, REUSE_REPEATS)):
         pipeload.clear_plan_cache()
         got = []
