@@ -73,6 +73,17 @@ class SafetensorsFile:
         "dontneed" also discards bytes written through views of that range.
         Raises ValueError for an unknown advice, a bad range or a closed file; OSError if madvise
         fails."""
+    def copy_box(self, name: str, dtype: str, chunk_shape: tuple[int, ...], src_offsets: tuple[int, ...],
+                 lengths: tuple[int, ...], dst: int, dst_offsets: tuple[int, ...], dst_strides: tuple[int, ...],
+                 dst_shape: tuple[int, ...], willneed: bool = False) -> int:
+        """Copy the box (src_offsets, lengths) of tensor ``name`` to address ``dst`` (element 0 of a host
+        tensor of ``dst_shape`` / ``dst_strides`` in elements), at ``dst_offsets`` there; returns bytes copied.
+
+        One call, no views: the reader's fast path. Checks first, copying nothing on failure: the stored
+        dtype and shape are ``dtype`` / ``chunk_shape`` (CheckpointFormatError naming file and tensor),
+        both boxes fit their tensors (ValueError). The copy runs without the GIL under the SIGBUS guard
+        (ReadError "bus error while copying tensor ..."; the box then holds partial bytes).
+        ``willneed``: madvise(WILLNEED) the box's byte span first. Raises ValueError once closed."""
     def close(self) -> None:
         """Idempotent. Closes the descriptor and drops this object's reference to the mapping: the
         mapping is unmapped when the last view handed out is released, never before."""

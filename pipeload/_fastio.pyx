@@ -14,7 +14,7 @@ This module does not import torch: it deals in bytes and buffers. Hand a view to
 import os
 from collections import OrderedDict
 
-from pipeload.errors import HeaderError, ReadError, TensorNotFoundError
+from pipeload.errors import CheckpointFormatError, HeaderError, ReadError, TensorNotFoundError
 
 from cpython.buffer cimport PyBuffer_FillInfo
 from cpython.dict cimport PyDict_SetDefault
@@ -90,6 +90,12 @@ cdef size_t _WILLNEED_PIECE = 1 << 20
 cdef enum: MAX_HEADER = 100000000
 cdef enum: MAX_DEPTH = 127          # serde_json's recursion limit: 128 levels refused, 127 accepted
 cdef enum: NOGIL_HEADER = 65536     # release the GIL while scanning headers at least this long
+
+# Guarded copies (see _guard.h and guarded_copy below).
+cdef extern from "_guard.h" nogil:
+    int pl_copy_nd(char* dst, const int64_t* dstr, const char* src, const int64_t* sstr,
+                   const int64_t* shape, int ndim, size_t itemsize, void** fault)
+
 
 # Test hook: pretend a writable private mapping is refused (as under vm.overcommit_memory=2).
 cdef bint _force_readonly = False
@@ -1721,6 +1727,87 @@ cdef class SafetensorsFile:
         if rc != 0:
             raise OSError(err, os.strerror(err), self.path)
 
+    def copy_box(self, name, str dtype, tuple chunk_shape, tuple src_offsets, tuple lengths,
+                 size_t dst, tuple dst_offsets, tuple dst_strides, tuple dst_shape, bint willneed=False):
+        """Copy the box (src_offsets, lengths) of tensor ``name`` to a strided host destination.
+
+        The reader's fast path: one call per box, no Python object per view. ``dst`` is the address
+        of element 0 of a tensor of ``dst_shape`` and ``dst_strides`` (elements); the box lands at
+        ``dst_offsets`` there. The stored tensor must be ``dtype`` with shape ``chunk_shape``
+        (CheckpointFormatError naming the file and tensor otherwise); both boxes must lie inside
+        their tensors (ValueError: nothing is copied). ``willneed`` madvises the box's byte span
+        first. The copy runs as ``guarded_copy``'s: without the GIL, a SIGBUS raises ReadError and
+        leaves partial bytes in the box. The mapping stays referenced for the copy: a concurrent
+        ``close()`` cannot unmap it underneath. Returns the bytes copied.
+        """
+        cdef size_t i = self._find(name)
+        cdef Entry* e = &self._ents[i]
+        cdef int n = len(lengths)
+        cdef int k, rc
+        cdef int64_t ds[64]
+        cdef int64_t ss[64]
+        cdef int64_t sh[64]
+        cdef int64_t o, d, ln, dim, stride
+        cdef size_t isz, nbytes, a0, stop
+        cdef int64_t first = 0, last = 0
+        cdef char* base
+        cdef char* out = <char*>dst
+        cdef void* fault = NULL
+        cdef _Mapping m = self._map
+        if self.closed or m is None:
+            raise ValueError(f"{self.path}: file is closed")
+        stored = _DT_NAMES[e.dtype]
+        if stored != dtype or <int>e.ndim != len(chunk_shape) or _dt_bits[e.dtype] % 8 != 0 or any(
+                <int64_t>self._dims[e.dims_at + k] != chunk_shape[k] for k in range(e.ndim)):
+            shape = [self._dims[e.dims_at + k] for k in range(e.ndim)]
+            raise CheckpointFormatError(f"{self.path}: tensor {name!r} is {stored} {shape}, "
+                                        f"the metadata says {dtype} {list(chunk_shape)}")
+        if n > 64 or len(src_offsets) != n or n != <int>e.ndim or len(dst_offsets) != n \
+                or len(dst_strides) != n or len(dst_shape) != n:
+            raise ValueError(f"{self.path}: tensor {name!r}: box of {n} dims into a {e.ndim}-dim chunk "
+                             f"and a {len(dst_shape)}-dim destination")
+        isz = _dt_bits[e.dtype] // 8
+        base = m.addr + e.start
+        nbytes = isz
+        stride = <int64_t>isz
+        for k in range(n - 1, -1, -1):
+            o = src_offsets[k]
+            ln = lengths[k]
+            d = dst_offsets[k]
+            dim = <int64_t>self._dims[e.dims_at + k]
+            if o < 0 or ln < 0 or d < 0 or o > dim - ln or d > <int64_t>dst_shape[k] - ln:
+                raise ValueError(f"{self.path}: tensor {name!r}: box at {list(src_offsets)} of {list(lengths)} "
+                                 f"does not fit chunk {list(chunk_shape)} or destination {list(dst_shape)} "
+                                 f"at {list(dst_offsets)}")
+            ss[k] = stride
+            sh[k] = ln
+            ds[k] = <int64_t>dst_strides[k] * <int64_t>isz
+            base += o * stride
+            out += d * ds[k]
+            first += o * stride
+            last += (o + ln - 1) * stride
+            nbytes *= <size_t>ln
+            stride *= dim
+        if nbytes == 0:
+            return 0
+        if willneed:
+            a0 = <size_t>(e.start + first) & ~(_PAGE - 1)
+            stop = <size_t>(e.start + last) + isz
+            with nogil:
+                while a0 < stop:
+                    madvise(m.addr + a0, min(<size_t>_WILLNEED_PIECE, stop - a0), MADV_WILLNEED)
+                    a0 += _WILLNEED_PIECE
+        with nogil:
+            rc = pl_copy_nd(out, ds, base, ss, sh, n, isz, &fault)
+        if rc == -1:
+            raise ReadError(
+                f"{self.path}: bus error while copying tensor {name!r} from the mapped file (it was "
+                f"truncated or its storage failed during the read)")
+        if rc != 0:
+            raise ReadError(f"{self.path}: cannot install the SIGBUS guard for a mapped copy")
+        return nbytes
+
+
     def close(self):
         """Close the descriptor. Views handed out stay valid: the mapping goes with the last one."""
         if self._fd >= 0:
@@ -1978,11 +2065,6 @@ def read_header(path):
 # --------------------------------------------------------------------------------------------------
 # Guarded copies: a fault on a mapped page (the file truncated underneath, a storage error) becomes a
 # ReadError for that copy instead of killing the process with SIGBUS. The C side is in _guard.h.
-
-cdef extern from "_guard.h" nogil:
-    int pl_copy_nd(char* dst, const int64_t* dstr, const char* src, const int64_t* sstr,
-                   const int64_t* shape, int ndim, size_t itemsize, void** fault)
-
 
 def guarded_copy(size_t dst, dst_strides, size_t src, src_strides, shape, size_t itemsize, source):
     """Copy a strided box of ``shape`` from address ``src`` to address ``dst`` (strides in bytes).

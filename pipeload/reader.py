@@ -149,7 +149,7 @@ class ChunkReader:
         self.cache = FileCache(cache_size)
         self.verify = verify_checksums
         self._verified: set[tuple[str, str]] = set()
-        self._inside: set[str] = set()
+        self._paths: dict[str, str] = {}  # data file name -> its path, once found inside the checkpoint
         self.bytes_read = 0
         self.cast = False  # view chunks in their stored dtype and convert while copying
         self.format = ""  # the attached checkpoint's layout
@@ -162,6 +162,7 @@ class ChunkReader:
         its file names are relative to its root. Call before the first read.
         """
         self.directory = ckpt.root
+        self._paths = {}
         self.format = ckpt.format
         self.cast = cast
         self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
@@ -174,10 +175,11 @@ class ChunkReader:
         # (MADV_WILLNEED) before it is copied. Sequential reads run as fast as with readahead;
         # scattered ones (another rank's file, resharding) no longer pull in neighbours nobody on this
         # node needs.
-        if name not in self._inside:
+        path = self._paths.get(name)
+        if path is None:
             resolve_inside(self.directory, name)  # a data file resolving outside the checkpoint is refused
-            self._inside.add(name)
-        f = self.cache.get(os.path.join(self.directory, name))
+            path = self._paths[name] = os.path.join(self.directory, name)
+        f = self.cache.get(path)
         f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
         return f
 
@@ -199,17 +201,23 @@ class ChunkReader:
         Asynchronous: the reads proceed while this rank copies what is already there.
         """
         spans: dict[str, list[tuple[int, int]]] = {}
+        files: dict[str, Any] = {}
         try:
             for item in items:
                 if item.nbytes == 0:
                     continue
-                f = self._file(item.file)
+                f = files.get(item.file)
+                if f is None:
+                    f = files[item.file] = self._file(item.file)
                 start = f.entry(item.key)[2]
+                if item.lengths == item.chunk_lengths:  # the whole chunk (a load in the saved layout)
+                    spans.setdefault(item.file, []).append((start, start + item.nbytes))
+                    continue
                 itemsize = item.nbytes // math.prod(item.lengths)
                 lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, itemsize)
                 spans.setdefault(item.file, []).append((start + lo, start + hi))
             for name, ranges in spans.items():
-                f = self._file(name)
+                f = files[name]
                 gap = getattr(f, "merge_gap", self.merge_gap)  # a layout may hold other ranks' items closer
                 ranges.sort()
                 lo, hi = ranges[0]
@@ -246,8 +254,15 @@ class ChunkReader:
         if item.nbytes == 0:
             return
         try:
-            src = narrow(self.chunk(item, out.dtype, advise), item.src_offsets, item.lengths)
-            copy_box(narrow(out, item.dest_offsets, item.lengths), src, os.path.join(self.directory, item.file))
+            f = self._file(item.file)
+            if (type(f) is SafetensorsFile and not self.cast and out.device.type == "cpu"
+                    and (not self.verify or not item.checksum or (f.path, item.key) in self._verified)):
+                # the common case in one call: no tensor views, no per-item torch calls
+                f.copy_box(item.key, dtype_name(out.dtype), item.chunk_lengths, item.src_offsets, item.lengths,
+                           out.data_ptr(), item.dest_offsets, out.stride(), tuple(out.shape), advise)
+            else:
+                src = narrow(self.chunk(item, out.dtype, advise), item.src_offsets, item.lengths)
+                copy_box(narrow(out, item.dest_offsets, item.lengths), src, os.path.join(self.directory, item.file))
         except (CheckpointFormatError, ReadError):
             raise
         except OSError as e:

@@ -798,3 +798,59 @@ def test_cache_threads(tmp_path):
     cache.close()
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_copy_box_matches_torch_for_random_boxes_and_refuses_what_does_not_fit(tmp_path):
+    """The reader's fast path copies exactly what ``dst.narrow(...).copy_(src.narrow(...))`` copies,
+    into contiguous and strided destinations, and checks every box against both tensors first."""
+    rng = random.Random(7)
+    gen = torch.Generator().manual_seed(7)
+    tensors = {
+        "a": torch.randn(37, 11, 5, generator=gen),
+        "b": torch.randint(-99, 99, (64, 3), generator=gen, dtype=torch.int16),
+        "s": torch.tensor(2.5, dtype=torch.float64),
+    }
+    path = str(tmp_path / "t.safetensors")
+    torch_save_file(tensors, path)
+    names = {torch.float32: "F32", torch.int16: "I16", torch.float64: "F64"}
+    with SafetensorsFile(path) as f:
+        for _ in range(200):
+            key = rng.choice("ab")
+            t = tensors[key]
+            offs = tuple(rng.randrange(n) for n in t.shape)
+            lens = tuple(rng.randint(0, n - o) for n, o in zip(t.shape, offs))
+            big = torch.zeros([n + rng.randrange(4) for n in lens], dtype=t.dtype)
+            dst = big.transpose(0, 1) if rng.random() < 0.3 and big.shape[0] == big.shape[1] else big
+            doffs = tuple(rng.randrange(dn - n + 1) for dn, n in zip(dst.shape, lens))
+            want = dst.clone()
+            region = want
+            src = t
+            for d, (o, do, n) in enumerate(zip(offs, doffs, lens)):
+                region, src = region.narrow(d, do, n), src.narrow(d, o, n)
+            region.copy_(src)
+            got = f.copy_box(key, names[t.dtype], tuple(t.shape), offs, lens, dst.data_ptr(), doffs,
+                             dst.stride(), tuple(dst.shape), rng.random() < 0.5)
+            assert got == src.nbytes
+            assert torch.equal(dst, want), (key, offs, lens, doffs)
+        out = torch.zeros((), dtype=torch.float64)
+        assert f.copy_box("s", "F64", (), (), (), out.data_ptr(), (), (), ()) == 8 and out.item() == 2.5
+
+        dst = torch.full((64, 3), 7, dtype=torch.int16)
+        ptr = dst.data_ptr()
+        with pytest.raises(CheckpointFormatError, match=r"t.safetensors: tensor 'b' is I16 \[64, 3\], the metadata says F32"):
+            f.copy_box("b", "F32", (64, 3), (0, 0), (64, 3), ptr, (0, 0), (3, 1), (64, 3))
+        with pytest.raises(CheckpointFormatError, match=r"is I16 \[64, 3\], the metadata says I16 \[64, 4\]"):
+            f.copy_box("b", "I16", (64, 4), (0, 0), (64, 3), ptr, (0, 0), (3, 1), (64, 3))
+        for offs, lens, doffs in [((1, 0), (64, 3), (0, 0)),       # past the chunk's end
+                                  ((0, 0), (64, 3), (1, 0)),       # past the destination's end
+                                  ((-1, 0), (2, 3), (0, 0)),       # negative offset
+                                  ((0, 0), (-2, 3), (0, 0))]:      # negative length
+            with pytest.raises(ValueError, match="does not fit"):
+                f.copy_box("b", "I16", (64, 3), offs, lens, ptr, doffs, (3, 1), (64, 3))
+        with pytest.raises(ValueError, match="box of 1 dims"):
+            f.copy_box("b", "I16", (64, 3), (0,), (64,), ptr, (0,), (1,), (64,))
+        with pytest.raises(TensorNotFoundError, match="no tensor named 'zz'"):
+            f.copy_box("zz", "I16", (1,), (0,), (1,), ptr, (0,), (1,), (1,))
+        assert torch.equal(dst, torch.full((64, 3), 7, dtype=torch.int16))  # nothing refused was copied
+    with pytest.raises(ValueError, match="closed"):
+        f.copy_box("b", "I16", (64, 3), (0, 0), (64, 3), ptr, (0, 0), (3, 1), (64, 3))

@@ -80,6 +80,11 @@ def test_guarded_copy_turns_sigbus_into_read_error(tmp_path):
         copy_box(dst.view(1024, -1)[::2], src.view(1024, -1)[::2], data_file)
     # the thread still works, and copies below the cut succeed
     copy_box(dst[:4096], src[:4096], data_file)
+    # the reader's one-call path (SafetensorsFile.copy_box) is guarded alike, and names the tensor
+    n = src.numel() // 4  # float32 elements
+    with pytest.raises(ReadError, match="bus error while copying tensor 'w'"):
+        f.copy_box("w", "F32", (n,), (0,), (n,), dst.data_ptr(), (0,), (1,), (n,))
+    assert f.copy_box("w", "F32", (n,), (0,), (1024,), dst.data_ptr(), (0,), (1,), (n,)) == 4096
     f.close()
 
 
