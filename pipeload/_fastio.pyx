@@ -21,7 +21,7 @@ from cpython.dict cimport PyDict_SetDefault
 from cpython.memoryview cimport PyMemoryView_FromObject
 from cpython.ref cimport PyObject
 from cpython.unicode cimport PyUnicode_DecodeUTF8
-from libc.errno cimport ENOMEM, errno
+from libc.errno cimport EINTR, ENOMEM, errno
 from libc.math cimport isinf
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort, realloc
@@ -44,6 +44,8 @@ from posix.mman cimport (
 from posix.stat cimport S_ISDIR, S_ISREG, fstat, struct_stat
 from posix.unistd cimport close as c_close
 from posix.unistd cimport _SC_PAGESIZE, sysconf
+from posix.types cimport off_t
+from posix.unistd cimport pread
 
 # --------------------------------------------------------------------------------------------------
 # dtypes: the 22 names safetensors 0.8 accepts, in its enum order, with their size in bits.
@@ -99,18 +101,29 @@ cdef extern from "_guard.h" nogil:
 
 # Test hook: pretend a writable private mapping is refused (as under vm.overcommit_memory=2).
 cdef bint _force_readonly = False
-cdef volatile uint8_t _sink  # where _touch() puts the bytes it reads, so the reads are not optimised away
 
 
-cdef void _touch(const uint8_t* p, size_t n) noexcept nogil:
-    """Fault in every page of ``[p, p + n)`` (called without the GIL: on a busy or throttled device a
-    fault waits behind every read queued before it, and the process's other threads must run meanwhile)."""
-    cdef size_t off = 0
-    while off < n:
-        _sink = p[off]
-        off += _PAGE
-    if n:
-        _sink = p[n - 1]
+cdef int _pread_all(int fd, uint8_t* buf, size_t n, uint64_t offset, str path) except -1:
+    """Read exactly ``n`` bytes at ``offset`` without the GIL; ReadError on an I/O error or a short file."""
+    cdef ssize_t got
+    cdef size_t done = 0
+    cdef int err = 0
+    with nogil:
+        while done < n:
+            got = pread(fd, buf + done, n - done, <off_t>(offset + done))
+            if got < 0:
+                err = errno
+                if err == EINTR:
+                    continue
+                break
+            if got == 0:
+                break
+            done += <size_t>got
+    if done < n:
+        if err:
+            raise ReadError(f"{path}: cannot read the header: {os.strerror(err)}")
+        raise ReadError(f"{path}: file ended while its header was read (it shrank after it was opened)")
+    return 0
 
 
 def _set_force_readonly(bint value):
@@ -1374,7 +1387,8 @@ cdef class SafetensorsFile:
         cdef struct_stat st
         cdef void* addr
         cdef _Mapping m
-        cdef const uint8_t* base
+        cdef uint8_t head[8]
+        cdef uint8_t* hbuf
         cdef uint64_t hlen = 0
         cdef int k
         cdef int err = 0
@@ -1413,11 +1427,13 @@ cdef class SafetensorsFile:
         # never want (another rank's share of the file). Only the header is requested, whole; callers
         # ask for their ranges with advise("willneed") or turn readahead back on ("normal").
         madvise(addr, <size_t>self.size, MADV_RANDOM)
-        base = <const uint8_t*>addr
-        with nogil:  # the header's pages are read from storage here, never while holding the GIL
-            _touch(base, 8)
+        # The header is read with pread() into a buffer of its own, never by faulting the mapping's
+        # pages: on a busy or throttled device the read waits behind every request queued before it
+        # (measured: seconds), and a page fault taken while this thread holds the GIL stalls every
+        # other thread of the process for that long, however the fault is wrapped.
+        _pread_all(self._fd, head, 8, 0, self.path)
         for k in range(8):
-            hlen |= (<uint64_t>base[k]) << (8 * k)
+            hlen |= (<uint64_t>head[k]) << (8 * k)
         if hlen > MAX_HEADER:
             # The length is the file's first 8 bytes: never echoed (the file may not be ours).
             raise HeaderError(
@@ -1428,10 +1444,14 @@ cdef class SafetensorsFile:
                 f"{self.path}: header length runs past the end of the file "
                 f"({self.size} bytes; not a safetensors file?)")
         self.data_offset = 8 + <Py_ssize_t>hlen
-        with nogil:
-            madvise(addr, <size_t>(8 + hlen), MADV_WILLNEED)
-            _touch(base, <size_t>(8 + hlen))
-        self._parse(base + 8, <size_t>hlen)
+        hbuf = <uint8_t*>malloc(<size_t>hlen if hlen else 1)
+        if hbuf == NULL:
+            raise MemoryError()
+        try:
+            _pread_all(self._fd, hbuf, <size_t>hlen, 8, self.path)
+            self._parse(hbuf, <size_t>hlen)
+        finally:
+            free(hbuf)
 
     cdef _parse(self, const uint8_t* hp, size_t hn):
         cdef Scan s

@@ -126,6 +126,68 @@ def test_truncated_during_load_raises_not_sigbus(tmp_path):
     assert "loaded" not in outcomes, outcomes
 
 
+# -- a slow device -----------------------------------------------------------------------------------------
+
+_SLOW_OPEN_CHILD = textwrap.dedent(
+    """
+    import os, subprocess, sys, threading, time
+    import numpy as np
+    from safetensors.numpy import save_file
+    from pipeload import bench
+    from pipeload._fastio import SafetensorsFile
+    d = {d!r}
+    path, big = os.path.join(d, "t.safetensors"), os.path.join(d, "big.bin")
+    save_file({{f"t{{i}}": np.zeros(256, np.float32) for i in range(2000)}}, path)  # a 100 KiB header
+    with open(big, "wb") as f:
+        f.write(os.urandom(24 << 20))
+    for p in (path, big):
+        fd = os.open(p, os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
+    th = bench.setup_throttle(d, 8)
+    if not th.get("ok"):
+        print("SKIP", th.get("reason")); sys.exit(0)
+    try:
+        bench._join_cgroup(th["procs"])
+        # another process fills the device's queue: 24 MiB at 8 MiB/s, ahead of the header read
+        hog = subprocess.Popen([sys.executable, "-c", "import mmap, os; fd = os.open(%r, os.O_RDONLY); "
+                                "m = mmap.mmap(fd, 0, prot=mmap.PROT_READ); "
+                                "[m.madvise(mmap.MADV_WILLNEED, o, 1 << 20) for o in range(0, len(m), 1 << 20)]; "
+                                "import time; time.sleep(30)" % big])
+        time.sleep(0.5)
+        gaps, stop = [0.0], []
+        def spin():
+            last = time.perf_counter()
+            while not stop:
+                sum(range(200))
+                now = time.perf_counter(); gaps.append(now - last); last = now
+        t = threading.Thread(target=spin); t.start()
+        time.sleep(0.05)
+        a = time.perf_counter()
+        f = SafetensorsFile(path)
+        opened = time.perf_counter() - a
+        stop.append(1); t.join(); hog.kill()
+        assert len(f) == 2000
+        print(repr((opened, max(gaps))))
+    finally:
+        bench._join_cgroup(th["leave"]); bench.teardown_throttle(th)
+    """
+)
+
+
+def test_opening_a_file_behind_a_busy_device_does_not_stall_other_threads(tmp_path):
+    """The header is read without the GIL: while a file opens behind a queue of other reads (a
+    throttled device, another process's 24 MiB ahead of it), the process's other threads keep running.
+    Real processes and a real cgroup read limit; skipped where no cgroup can be written."""
+    r = subprocess.run([sys.executable, "-c", _SLOW_OPEN_CHILD.format(d=str(tmp_path))], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.strip().splitlines()[-1]
+    if out.startswith("SKIP"):
+        pytest.skip(f"no writable cgroup to throttle reads: {out[5:]}")
+    opened, gap = eval(out)  # noqa: S307 - our own child's repr
+    assert opened > 0.5, f"the open did not wait behind the queue ({opened:.2f} s): the test proves nothing"
+    assert gap < 0.2, f"another thread stalled {gap:.2f} s while a file opened in {opened:.2f} s"
+
+
 # -- hostile files ---------------------------------------------------------------------------------------
 
 
