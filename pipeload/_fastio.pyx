@@ -44,6 +44,7 @@ from posix.mman cimport (
 from posix.stat cimport S_ISDIR, S_ISREG, fstat, struct_stat
 from posix.unistd cimport close as c_close
 from posix.unistd cimport _SC_PAGESIZE, sysconf
+from posix.fcntl cimport POSIX_FADV_RANDOM, posix_fadvise
 from posix.types cimport off_t
 from posix.unistd cimport pread
 
@@ -1431,6 +1432,9 @@ cdef class SafetensorsFile:
         # pages: on a busy or throttled device the read waits behind every request queued before it
         # (measured: seconds), and a page fault taken while this thread holds the GIL stalls every
         # other thread of the process for that long, however the fault is wrapped.
+        # Readahead off for the descriptor too: a read of the header must not pull in the next
+        # megabytes of tensors (another rank's share of the file, on shared storage).
+        posix_fadvise(self._fd, 0, 0, POSIX_FADV_RANDOM)
         _pread_all(self._fd, head, 8, 0, self.path)
         for k in range(8):
             hlen |= (<uint64_t>head[k]) << (8 * k)

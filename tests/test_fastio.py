@@ -854,3 +854,19 @@ def test_copy_box_matches_torch_for_random_boxes_and_refuses_what_does_not_fit(t
         assert torch.equal(dst, torch.full((64, 3), 7, dtype=torch.int16))  # nothing refused was copied
     with pytest.raises(ValueError, match="closed"):
         f.copy_box("b", "I16", (64, 3), (0, 0), (64, 3), ptr, (0, 0), (3, 1), (64, 3))
+
+
+def test_opening_a_cold_file_reads_its_header_and_nothing_else(tmp_path):
+    """Opening reads the header only: no readahead into the tensors (on shared storage those bytes are
+    other ranks' shares). Residency in the page cache, after dropping the file, counts what was read."""
+    from pipeload.bench import drop_cache, resident_bytes
+
+    path = str(tmp_path / "cold.safetensors")
+    np_save_file({f"t{i:04d}": np.full(4096, i, np.float32) for i in range(512)}, path)  # 8 MiB of tensors
+    drop_cache([path])
+    if resident_bytes(path)[0] > 0:
+        pytest.skip("the page cache keeps this file (it cannot be dropped here)")
+    with SafetensorsFile(path) as f:
+        cached = resident_bytes(path)[0]
+        assert len(f) == 512
+        assert cached <= f.data_offset + 2 * 4096, f"opening read {cached} bytes for a {f.data_offset}-byte header"
