@@ -21,8 +21,8 @@ import torch
 
 from .exchange import encode_record, padded
 from .globalplan import ShardKey
-from .metadata import ChunkMeta, Metadata, ObjectMeta, chunk_key, dtype_name
-from .statedict import Box, Leaf, is_tensor, tensor_box, untracked
+from .metadata import _NAMES_BY_DTYPE, ChunkMeta, Metadata, ObjectMeta, chunk_key
+from .statedict import Box, Leaf, tensor_box, untracked
 
 
 class ReadItem(NamedTuple):
@@ -110,10 +110,11 @@ def local_plan(
     plan = LocalPlan()
     boxes: dict = {}  # meshes stay alive through this call, so their ids are stable keys
     todo = []  # (fqn, value, box, numel) of the tensors to resolve into reads
+    info = md.tensor_info
     for fqn in sorted(leaves):
         leaf = leaves[fqn]
         value = leaf.value
-        if not is_tensor(value):
+        if not isinstance(value, torch.Tensor):
             if fqn in md.objects:
                 plan.objects.append(ObjectRead(fqn, index[fqn], leaf, md.objects[fqn]))
             elif fqn in md.tensors:
@@ -123,7 +124,7 @@ def local_plan(
             else:
                 plan.missing.append(fqn)
             continue
-        tmeta = md.tensor_info(fqn)
+        tmeta = info(fqn)
         if tmeta is None:
             if fqn in md.objects:
                 plan.problems.append(f"{fqn!r}: the checkpoint holds a Python object, the state dict a tensor")
@@ -135,10 +136,7 @@ def local_plan(
         except ValueError as e:
             plan.problems.append(str(e))
             continue
-        try:
-            have = dtype_name(value.dtype)
-        except KeyError:
-            have = str(value.dtype)
+        have = _NAMES_BY_DTYPE.get(value.dtype) or str(value.dtype)
         if have != tmeta[0] or box.global_shape != tmeta[1]:
             plan.problems.append(
                 f"{fqn!r}: the state dict has dtype {have} shape {list(box.global_shape)}, "
@@ -150,13 +148,18 @@ def local_plan(
             todo.append((fqn, value, box, numel))
     # Loaded as saved, each box is one stored chunk: found for all boxes at once; others box by box.
     exact = md.exact_chunks([t[0] for t in todo], [t[2].offsets for t in todo], [t[2].lengths for t in todo])
+    zeros = {}
     for (fqn, value, box, numel), hit in zip(todo, exact):
         itemsize = value.element_size()
+        local = box.local
         if hit is not None:
-            zero = (0,) * len(box.offsets)
+            zero = zeros.get(len(box.offsets))
+            if zero is None:
+                zero = zeros[len(box.offsets)] = (0,) * len(box.offsets)
             file, checksum = hit
-            key = chunk_key(fqn, box.offsets, box.lengths == box.global_shape)
+            key = fqn if box.lengths == box.global_shape else chunk_key(fqn, box.offsets, False)
             reads = [ReadItem(file, key, checksum, box.lengths, zero, zero, box.lengths, numel * itemsize)]
+            affinity = writer_of(file) if writer_of is not None else -1
         else:
             reads = []
             for chunk in md.chunks_for(fqn, box.offsets, box.lengths):
@@ -165,19 +168,11 @@ def local_plan(
                     src, dst, ln = hit
                     reads.append(ReadItem(chunk.file, chunk.key, chunk.checksum, chunk.lengths, src, dst, ln,
                                           math.prod(ln) * itemsize))
-        plan.shards.append(
-            DestShard(
-                fqn=fqn,
-                key=(index[fqn], box.offsets, box.lengths),
-                dtype=value.dtype,
-                nbytes=numel * itemsize,
-                reads=reads,
-                dest=untracked(box.local),  # same storage
-                broadcastable=broadcastable(box.local),
-                affinity=writer_of(reads[0].file) if writer_of is not None and reads and all(
-                    r.file == reads[0].file for r in reads) else -1,
-            )
-        )
+            affinity = writer_of(reads[0].file) if writer_of is not None and reads and all(
+                r.file == reads[0].file for r in reads) else -1
+        # positional (a dataclass built per leaf): fqn, key, dtype, nbytes, reads, dest (same storage), ...
+        plan.shards.append(DestShard(fqn, (index[fqn], box.offsets, box.lengths), value.dtype, numel * itemsize,
+                                     reads, untracked(local), broadcastable(local), affinity))
     if strict and plan.missing:
         plan.problems += [f"{fqn!r}: missing from the checkpoint" for fqn in plan.missing]
     return plan

@@ -8,6 +8,8 @@ the path is the fqn stored in the checkpoint, so save and load flatten alike by 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -81,10 +83,7 @@ class Box(NamedTuple):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for x in self.lengths:
-            n *= x
-        return n
+        return math.prod(self.lengths)
 
 
 def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
@@ -99,25 +98,32 @@ def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
     if isinstance(value, DTensor):
         spec = getattr(value, "_spec", None)  # the attributes behind DTensor's properties, read once
         mesh = spec.mesh if spec is not None else value.device_mesh
-        placements = tuple(spec.placements if spec is not None else value.placements)
+        placements = spec.placements if spec is not None else value.placements
+        if type(placements) is not tuple:
+            placements = tuple(placements)
         # The local tensor itself (to_local() goes through autograd, ~50 us a call on 3,000 tensors).
         local = getattr(value, "_local_tensor", None)
         if local is None:
             local = value.to_local()
-        shape = tuple(value.shape)
+        shape = value.shape
         key = (shape, id(mesh), placements)
         hit = cache.get(key) if cache is not None else None
-        if hit is None:
+        if hit is not None:  # the common case: a box of this (shape, mesh, placements) was resolved already
+            lengths, offsets, shape = hit
+            if lengths is not None and local.shape == lengths:
+                return Box(shape, offsets, lengths, local)
+        else:
+            shape = tuple(shape)
             for p in placements:
                 if type(p) is not Shard and type(p) is not Replicate:
                     raise ValueError(
                         f"{fqn!r}: DTensor placement {p} cannot be stored; use Shard or Replicate "
                         f"(redistribute Partial placements first)"
                     )
-            hit = _local_box(shape, mesh, key[2])
+            hit = (*_local_box(shape, mesh, placements), shape)
             if cache is not None:
                 cache[key] = hit
-        lengths, offsets = hit
+        lengths, offsets, shape = hit
         if lengths is None:  # this rank is outside the mesh
             return Box(shape, tuple(0 for _ in shape), tuple(0 for _ in shape), None)
         if tuple(local.shape) != lengths:
