@@ -201,6 +201,7 @@ class ChunkReader:
         Asynchronous: the reads proceed while this rank copies what is already there.
         """
         spans: dict[str, list[tuple[int, int]]] = {}
+        whole: dict[str, list[str]] = {}  # safetensors files: names of chunks read whole (merged in C)
         files: dict[str, Any] = {}
         try:
             for item in items:
@@ -209,13 +210,15 @@ class ChunkReader:
                 f = files.get(item.file)
                 if f is None:
                     f = files[item.file] = self._file(item.file)
-                start = f.entry(item.key)[2]
-                if item.lengths == item.chunk_lengths:  # the whole chunk (a load in the saved layout)
-                    spans.setdefault(item.file, []).append((start, start + item.nbytes))
+                if item.lengths == item.chunk_lengths and type(f) is SafetensorsFile:  # a load in the saved layout
+                    whole.setdefault(item.file, []).append(item.key)
                     continue
+                start = f.entry(item.key)[2]
                 itemsize = item.nbytes // math.prod(item.lengths)
                 lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, itemsize)
                 spans.setdefault(item.file, []).append((start + lo, start + hi))
+            for name, keys in whole.items():
+                files[name].willneed_tensors(keys, self.merge_gap)
             for name, ranges in spans.items():
                 f = files[name]
                 gap = getattr(f, "merge_gap", self.merge_gap)  # a layout may hold other ranks' items closer

@@ -870,3 +870,29 @@ def test_opening_a_cold_file_reads_its_header_and_nothing_else(tmp_path):
         cached = resident_bytes(path)[0]
         assert len(f) == 512
         assert cached <= f.data_offset + 2 * 4096, f"opening read {cached} bytes for a {f.data_offset}-byte header"
+
+
+def test_willneed_tensors_requests_exactly_the_named_ranges_merged(tmp_path):
+    from pipeload.bench import drop_cache, resident_bytes
+
+    path = str(tmp_path / "w.safetensors")
+    np_save_file({f"t{i:02d}": np.full(16384, i, np.float32) for i in range(64)}, path)  # 64 KiB each
+    with SafetensorsFile(path) as f:
+        names = [f"t{i:02d}" for i in range(0, 64, 4)]
+        random.Random(3).shuffle(names)
+        assert f.willneed_tensors([], 0) == 0
+        with pytest.raises(TensorNotFoundError, match="no tensor named 'nope'"):
+            f.willneed_tensors([*names, "nope"], 0)
+        # apart by 192 KiB: merged only when the gap allows
+        assert f.willneed_tensors(names, 0) == 16 * 65536
+        assert f.willneed_tensors(names, 1 << 20) == f.entry("t60")[3] - f.entry("t00")[2]
+        assert f.willneed_tensors(["t05", "t05", "t06"], 0) == 2 * 65536  # duplicates and neighbours: one range
+        drop_cache([path])
+        if resident_bytes(path)[0] > 0:
+            pytest.skip("the page cache keeps this file (it cannot be dropped here)")
+        f.willneed_tensors(names, 0)
+        deadline = time.monotonic() + 10
+        while resident_bytes(path)[0] < 16 * 65536 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cached = resident_bytes(path)[0]
+        assert 16 * 65536 <= cached <= 16 * 65536 + 32 * 4096, cached  # the named tensors (page-rounded)
