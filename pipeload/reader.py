@@ -170,7 +170,8 @@ class ChunkReader:
             self.cache.close()
             self.cache = FileCache(self.cache.capacity, opener=ckpt.opener)
 
-    def _file(self, name: str) -> SafetensorsFile:
+    def file(self, name: str) -> SafetensorsFile:
+        """The open data file ``name`` of the attached checkpoint, checked unchanged since it was opened."""
         # Files open with readahead off (see _fastio); every range is requested exactly
         # (MADV_WILLNEED) before it is copied. Sequential reads run as fast as with readahead;
         # scattered ones (another rank's file, resharding) no longer pull in neighbours nobody on this
@@ -209,7 +210,7 @@ class ChunkReader:
                     continue
                 f = files.get(item.file)
                 if f is None:
-                    f = files[item.file] = self._file(item.file)
+                    f = files[item.file] = self.file(item.file)
                 if item.lengths == item.chunk_lengths and type(f) is SafetensorsFile:  # a load in the saved layout
                     whole.setdefault(item.file, []).append(item.key)
                     continue
@@ -235,7 +236,7 @@ class ChunkReader:
 
     def chunk(self, item: ReadItem, dtype: torch.dtype, advise: bool = True) -> torch.Tensor:
         """A zero-copy tensor view of the whole stored chunk ``item`` reads from."""
-        f = self._file(item.file)
+        f = self.file(item.file)
         stored_dtype, shape, start, _ = f.entry(item.key)
         if self.cast and stored_dtype in _STORED:
             dtype = _STORED[stored_dtype]  # copy_box converts into the destination's dtype
@@ -252,12 +253,16 @@ class ChunkReader:
             f.advise("willneed", start + lo, start + hi)
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(item.chunk_lengths)
 
-    def read_into(self, item: ReadItem, out: torch.Tensor, advise: bool = True) -> None:
-        """Copy ``item``'s box into ``out`` (the destination shard, or its staging view)."""
+    def read_into(self, item: ReadItem, out: torch.Tensor, advise: bool = True, file=None) -> None:
+        """Copy ``item``'s box into ``out`` (the destination shard, or its staging view).
+
+        ``file``: ``item.file`` as :meth:`file` returned it moments ago (a caller copying many items of
+        one file checks it once); otherwise it is looked up and checked here.
+        """
         if item.nbytes == 0:
             return
         try:
-            f = self._file(item.file)
+            f = file if file is not None else self.file(item.file)
             if (type(f) is SafetensorsFile and not self.cast and out.device.type == "cpu"
                     and (not self.verify or not item.checksum or (f.path, item.key) in self._verified)):
                 # the common case in one call: no tensor views, no per-item torch calls
@@ -274,7 +279,7 @@ class ChunkReader:
 
     def read_object(self, meta: ObjectMeta) -> Any:
         """A Python object, decoded with ``torch.load(weights_only=True)``: it cannot execute code."""
-        f = self._file(meta.file)
+        f = self.file(meta.file)
         stored_dtype, _, start, end = f.entry(meta.key)
         if stored_dtype != "U8":
             raise CheckpointFormatError(f"{f.path}: object {meta.key!r} is stored as {stored_dtype}, not U8")

@@ -250,6 +250,7 @@ def read_private(
     for i, window in enumerate(windows):
         if i + 1 < len(windows):  # storage works on the next window while this one is copied
             _prefetch(reader, windows[i + 1])
+        name, f = None, None  # the file being copied from (work is file-major), checked once per window
         for file, _, _, target, item in window:
             if id(target) in failed:
                 continue
@@ -258,7 +259,10 @@ def read_private(
                 if item is None:
                     decoded.append((target, reader.read_object(target.meta)))
                 else:
-                    reader.read_into(item, target.dest, advise=False)
+                    if file != name:  # (a file that fails to open is tried again for its next item)
+                        f = reader.file(file)
+                        name = file
+                    reader.read_into(item, target.dest, advise=False, file=f)
             except Exception as e:  # noqa: BLE001 - gathered and raised on every rank by the loader
                 failed.add(id(target))
                 counters.fail(target.fqn, file, e)
