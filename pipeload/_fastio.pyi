@@ -79,7 +79,9 @@ class SafetensorsFile:
         """Copy the box (src_offsets, lengths) of tensor ``name`` to address ``dst`` (element 0 of a host
         tensor of ``dst_shape`` / ``dst_strides`` in elements), at ``dst_offsets`` there; returns bytes copied.
 
-        One call, no views: the reader's fast path. Checks first, copying nothing on failure: the stored
+        One call, no views: the reader's fast path. A contiguous box of at least 16 KiB is pread()
+        into the destination (a file cut meanwhile: ReadError "file ended while tensor ... was read");
+        others are copied from the mapping. Checks first, copying nothing on failure: the stored
         dtype and shape are ``dtype`` / ``chunk_shape`` (CheckpointFormatError naming file and tensor),
         both boxes fit their tensors (ValueError). The copy runs without the GIL under the SIGBUS guard
         (ReadError "bus error while copying tensor ..."; the box then holds partial bytes).

@@ -800,9 +800,19 @@ def test_cache_threads(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
-def test_copy_box_matches_torch_for_random_boxes_and_refuses_what_does_not_fit(tmp_path):
+@pytest.mark.parametrize("pread_min", [1, 1 << 62], ids=["pread", "mapping"])
+def test_copy_box_matches_torch_for_random_boxes_and_refuses_what_does_not_fit(tmp_path, pread_min):
     """The reader's fast path copies exactly what ``dst.narrow(...).copy_(src.narrow(...))`` copies,
-    into contiguous and strided destinations, and checks every box against both tensors first."""
+    into contiguous and strided destinations, and checks every box against both tensors first.
+    Contiguous boxes are pread() (``pread_min`` 1: all of them) or copied from the mapping."""
+    old_min = _fastio._set_pread_min(pread_min)
+    try:
+        _copy_box_cases(tmp_path)
+    finally:
+        _fastio._set_pread_min(old_min)
+
+
+def _copy_box_cases(tmp_path):
     rng = random.Random(7)
     gen = torch.Generator().manual_seed(7)
     tensors = {
@@ -834,6 +844,12 @@ def test_copy_box_matches_torch_for_random_boxes_and_refuses_what_does_not_fit(t
             assert torch.equal(dst, want), (key, offs, lens, doffs)
         out = torch.zeros((), dtype=torch.float64)
         assert f.copy_box("s", "F64", (), (), (), out.data_ptr(), (), (), ()) == 8 and out.item() == 2.5
+        a = tensors["a"]
+        for lo, rows in [(0, 37), (5, 9), (36, 1)]:  # row ranges: one contiguous run on both sides
+            dst = torch.zeros(40, 11, 5)
+            f.copy_box("a", "F32", (37, 11, 5), (lo, 0, 0), (rows, 11, 5), dst.data_ptr(), (2, 0, 0),
+                       dst.stride(), tuple(dst.shape))
+            assert torch.equal(dst[2 : 2 + rows], a[lo : lo + rows]) and not dst[:2].any() and not dst[2 + rows :].any()
 
         dst = torch.full((64, 3), 7, dtype=torch.int16)
         ptr = dst.data_ptr()
