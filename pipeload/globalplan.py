@@ -359,12 +359,10 @@ def global_plan(
 
     # (key, weight, set id) of the shared shards it plans; rows converted to Python in one call each
     first_rows = order[starts[candidates[in_mine]]]
-    piece_sets: list[tuple[ShardKey, int, int]] = [
-        ((i, tuple(o[:n]), tuple(ln[:n])), w, sid)
-        for i, n, o, ln, w, sid in zip(index[first_rows].tolist(), ndim[index[first_rows]].tolist(),
-                                       offsets[first_rows].tolist(), lengths[first_rows].tolist(),
-                                       weights[first_rows].tolist(), sid_of[in_mine].tolist())
-    ]
+    nd = ndim[index[first_rows]]
+    keys = zip(index[first_rows].tolist(), _row_tuples(offsets[first_rows], nd), _row_tuples(lengths[first_rows], nd))
+    piece_sets: list[tuple[ShardKey, int, int]] = list(zip(keys, weights[first_rows].tolist(),
+                                                           sid_of[in_mine].tolist()))
     prefer: dict[ShardKey, int] = {}  # the shards whose layout names a writer (see affinity)
     if affinity is not None:
         prefer = {p[0]: a for p, a in zip(piece_sets, affinity[first_rows].tolist()) if a >= 0}
@@ -477,6 +475,20 @@ def _affinity_caps(by_set: dict, sets: dict, loads: list[int], component) -> dic
         ranks.setdefault(c, set()).update(sets[sid].members)
         total[c] = total.get(c, 0) + sum(w for _, w in shards)
     return {c: (total[c] + sum(loads[r] for r in rs)) * 11 // (10 * len(rs)) for c, rs in ranks.items()}
+
+
+def _row_tuples(a: np.ndarray, nd: np.ndarray) -> list[tuple[int, ...]]:
+    """Row j of ``a`` cut to its first ``nd[j]`` columns, as a tuple of ints: one C conversion per
+    distinct width (a shard key's offsets and lengths, built for every shared shard of a component)."""
+    widths = np.unique(nd).tolist()
+    if len(widths) == 1:
+        return list(map(tuple, a[:, : widths[0]].tolist()))
+    out: list = [None] * len(a)
+    for n in widths:
+        pos = np.flatnonzero(nd == n)
+        for p, t in zip(pos.tolist(), map(tuple, a[pos, :n].tolist())):
+            out[p] = t
+    return out
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -183,10 +183,12 @@ class Metadata:
         hit = rows >= 0
         r = rows[hit]
         files = t.index.a["chunk_file"][r].tolist()
-        sums = t.index.a["chunk_checksum"][r].tolist()
+        # every checksum as 16 hex digits in one conversion (big-endian bytes -> one hex string)
+        sums = t.index.a["chunk_checksum"][r].astype(">u8").tobytes().hex()
+        names = t.files
         out: list = [None] * len(fqns)
-        for j, f, c in zip(np.flatnonzero(hit).tolist(), files, sums):
-            out[j] = (t.files[f], f"{c:016x}")
+        for k, (j, f) in enumerate(zip(np.flatnonzero(hit).tolist(), files)):
+            out[j] = (names[f], sums[16 * k : 16 * k + 16])
         return out
 
     def key_arrays(self, names: list[str]):
