@@ -1861,12 +1861,7 @@ cdef class SafetensorsFile:
                 _willneed(m.addr, e.start + first, e.start + last + isz)
         with nogil:
             rc = pl_copy_nd(out, ds, base, ss, sh, n, isz, &fault)
-        if rc == -1:
-            raise ReadError(
-                f"{self.path}: bus error while copying tensor {name!r} from the mapped file (it was "
-                f"truncated or its storage failed during the read)")
-        if rc != 0:
-            raise ReadError(f"{self.path}: cannot install the SIGBUS guard for a mapped copy")
+        _guarded_result(rc, self.path, f" tensor {name!r}")
         return nbytes
 
 
@@ -2196,9 +2191,16 @@ def guarded_copy(size_t dst, dst_strides, size_t src, src_strides, shape, size_t
         sh[k] = shape[k]
     with nogil:
         rc = pl_copy_nd(<char*>dst, ds, <const char*>src, ss, sh, n, itemsize, &fault)
+    _guarded_result(rc, source, "")
+
+
+cdef int _guarded_result(int rc, source, str what) except -1:
+    """ReadError for a pl_copy_nd() that failed (-1: a SIGBUS in the copy; else: no guard), naming
+    ``source`` and, when given, `` tensor 'name'``."""
     if rc == -1:
         raise ReadError(
-            f"{source}: bus error while copying from the mapped file (it was truncated or its "
+            f"{source}: bus error while copying{what} from the mapped file (it was truncated or its "
             f"storage failed during the read)")
     if rc != 0:
         raise ReadError(f"{source}: cannot install the SIGBUS guard for a mapped copy")
+    return 0
