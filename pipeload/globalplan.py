@@ -390,13 +390,12 @@ def global_plan(
         if stripe and share >= min_stripe and 2 * max(w for _, w in shards) > share:
             cut.append(sid)
     if piece_sets:  # largest first, ties by key: one lexsort over the rows the keys were built from
-        width = offsets.shape[1]
         fr_o, fr_l = offsets[first_rows], lengths[first_rows]
-        order = np.lexsort([*(fr_l[:, k] for k in reversed(range(width))),
-                            *(fr_o[:, k] for k in reversed(range(width))),
-                            index[first_rows], -weights[first_rows]])
+        by_size = np.lexsort([*(fr_l[:, k] for k in reversed(range(width))),
+                              *(fr_o[:, k] for k in reversed(range(width))),
+                              index[first_rows], -weights[first_rows]])
         uncut = set(by_set) - set(cut)
-        greedy = [(p[0], p[1], p[2], p[0]) for p in map(piece_sets.__getitem__, order.tolist()) if p[2] in uncut]
+        greedy = [(p[0], p[1], p[2], p[0]) for p in map(piece_sets.__getitem__, by_size.tolist()) if p[2] in uncut]
     if prefer:  # affinity first, within each component's cap; the greedy places the rest
         cap = _affinity_caps(by_set, sets, loads, lambda sid: find(members_of[sid][0]))
         rest = []

@@ -9,7 +9,6 @@ the path is the fqn stored in the checkpoint, so save and load flatten alike by 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
