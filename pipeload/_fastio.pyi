@@ -123,6 +123,11 @@ class RawFile:
         Raises ValueError for a negative offset/length or a closed file; ReadError past the end."""
     def check_unchanged(self) -> None:
         """As SafetensorsFile.check_unchanged()."""
+    def copy_box(self, name: str, start: int, itemsize: int, chunk_shape: tuple[int, ...],
+                 src_offsets: tuple[int, ...], lengths: tuple[int, ...], dst: int, dst_offsets: tuple[int, ...],
+                 dst_strides: tuple[int, ...], dst_shape: tuple[int, ...], willneed: bool = False) -> int:
+        """SafetensorsFile.copy_box for a C-contiguous chunk of ``chunk_shape`` x ``itemsize`` bytes stored at
+        byte ``start`` (``name`` only names it in errors). ReadError if it runs past the end of the file."""
     def willneed(self, start: int, end: int) -> None:
         """Hint: MADV_WILLNEED over [start, end) clipped to the file, in 1 MiB pieces; never raises."""
     def close(self) -> None:

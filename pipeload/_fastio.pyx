@@ -1799,19 +1799,8 @@ cdef class SafetensorsFile:
         """
         cdef size_t i = self._find(name)
         cdef Entry* e = &self._ents[i]
-        cdef int n = len(lengths)
-        cdef int k, rc
-        cdef int64_t ds[64]
-        cdef int64_t ss[64]
-        cdef int64_t sh[64]
-        cdef int64_t o, d, ln, dim, stride
-        cdef size_t isz, nbytes
-        cdef int64_t first = 0, last = 0
-        cdef char* base
-        cdef char* out = <char*>dst
-        cdef void* fault = NULL
-        cdef _Mapping m = self._map
-        if self.closed or m is None:
+        cdef int k
+        if self.closed or self._map is None:
             raise ValueError(f"{self.path}: file is closed")
         stored = _DT_NAMES[e.dtype]
         if stored != dtype or <int>e.ndim != len(chunk_shape) or _dt_bits[e.dtype] % 8 != 0 or any(
@@ -1819,50 +1808,8 @@ cdef class SafetensorsFile:
             shape = [self._dims[e.dims_at + k] for k in range(e.ndim)]
             raise CheckpointFormatError(f"{self.path}: tensor {name!r} is {stored} {shape}, "
                                         f"the metadata says {dtype} {list(chunk_shape)}")
-        if n > 64 or len(src_offsets) != n or n != <int>e.ndim or len(dst_offsets) != n \
-                or len(dst_strides) != n or len(dst_shape) != n:
-            raise ValueError(f"{self.path}: tensor {name!r}: box of {n} dims into a {e.ndim}-dim chunk "
-                             f"and a {len(dst_shape)}-dim destination")
-        isz = _dt_bits[e.dtype] // 8
-        base = m.addr + e.start
-        nbytes = isz
-        stride = <int64_t>isz
-        for k in range(n - 1, -1, -1):
-            o = src_offsets[k]
-            ln = lengths[k]
-            d = dst_offsets[k]
-            dim = <int64_t>self._dims[e.dims_at + k]
-            if o < 0 or ln < 0 or d < 0 or o > dim - ln or d > <int64_t>dst_shape[k] - ln:
-                raise ValueError(f"{self.path}: tensor {name!r}: box at {list(src_offsets)} of {list(lengths)} "
-                                 f"does not fit chunk {list(chunk_shape)} or destination {list(dst_shape)} "
-                                 f"at {list(dst_offsets)}")
-            ss[k] = stride
-            sh[k] = ln
-            ds[k] = <int64_t>dst_strides[k] * <int64_t>isz
-            base += o * stride
-            out += d * ds[k]
-            first += o * stride
-            last += (o + ln - 1) * stride
-            nbytes *= <size_t>ln
-            stride *= dim
-        if nbytes == 0:
-            return 0
-        if nbytes >= _PREAD_MIN and self._fd >= 0 and _c_order(ds, sh, n, isz) and _c_order(ss, sh, n, isz):
-            # One contiguous range into one contiguous region: pread() it straight into the destination.
-            # Still one copy per byte, but no page-table entries to fault in and tear down, and no shared
-            # page mapcounts for the ranks of one host to bounce between them (measured: 4 processes
-            # copying 257 MiB each out of a hot page cache, 0.15-0.49 s through mappings, 0.05-0.08 s
-            # with pread). A short read (the file cut meanwhile) or an I/O error raises ReadError.
-            _pread_all(self._fd, <uint8_t*>out, nbytes, e.start + <uint64_t>first, self.path,
-                       f"tensor {name!r}")
-            return nbytes
-        if willneed:
-            with nogil:
-                _willneed(m.addr, e.start + first, e.start + last + isz)
-        with nogil:
-            rc = pl_copy_nd(out, ds, base, ss, sh, n, isz, &fault)
-        _guarded_result(rc, self.path, f" tensor {name!r}")
-        return nbytes
+        return _copy_box(self.path, self._map, self._fd, e.start, _dt_bits[e.dtype] // 8, name, chunk_shape,
+                         src_offsets, lengths, dst, dst_offsets, dst_strides, dst_shape, willneed)
 
 
     def willneed_tensors(self, names, size_t merge_gap=1 << 20):
@@ -2037,6 +1984,23 @@ cdef class RawFile:
             raise ValueError(f"{self.path}: file is closed")
         _check_unchanged(self.path, self._fd, self.size, self._st_dev, self._st_ino, self._mtime_s, self._mtime_ns)
 
+    def copy_box(self, name, Py_ssize_t start, size_t itemsize, tuple chunk_shape, tuple src_offsets,
+                 tuple lengths, size_t dst, tuple dst_offsets, tuple dst_strides, tuple dst_shape,
+                 bint willneed=False):
+        """``SafetensorsFile.copy_box`` for a C-contiguous chunk of ``chunk_shape`` elements of ``itemsize``
+        bytes stored at byte ``start`` of this file (the layout's reader knows where; ``name`` only
+        names it in errors). ReadError if those bytes run past the end of the file."""
+        cdef Py_ssize_t nbytes = <Py_ssize_t>itemsize
+        if self.closed or self._map is None:
+            raise ValueError(f"{self.path}: file is closed")
+        for x in chunk_shape:
+            nbytes *= <Py_ssize_t>x
+        if start < 0 or itemsize == 0 or nbytes < 0 or start + nbytes > self.size:
+            raise ReadError(f"{self.path}: item {name!r} of {list(chunk_shape)} x {itemsize} bytes at {start} "
+                            f"runs past the end of the file ({self.size} bytes)")
+        return _copy_box(self.path, self._map, self._fd, <uint64_t>start, itemsize, name, chunk_shape,
+                         src_offsets, lengths, dst, dst_offsets, dst_strides, dst_shape, willneed)
+
     def willneed(self, Py_ssize_t start, Py_ssize_t end):
         """Ask the kernel for bytes [start, end) now (MADV_WILLNEED in 1 MiB pieces, no GIL).
 
@@ -2204,3 +2168,63 @@ cdef int _guarded_result(int rc, source, str what) except -1:
     if rc != 0:
         raise ReadError(f"{source}: cannot install the SIGBUS guard for a mapped copy")
     return 0
+
+
+cdef object _copy_box(str path, _Mapping m, int fd, uint64_t start, size_t isz, name, tuple chunk_shape,
+                      tuple src_offsets, tuple lengths, size_t dst, tuple dst_offsets, tuple dst_strides,
+                      tuple dst_shape, bint willneed):
+    """``copy_box`` of a C-contiguous chunk of ``chunk_shape`` stored at ``start`` of mapping ``m`` (its file
+    open as ``fd``), after the caller checked that the chunk really is that. Returns the bytes copied."""
+    cdef int n = len(lengths)
+    cdef int k, rc
+    cdef int64_t ds[64]
+    cdef int64_t ss[64]
+    cdef int64_t sh[64]
+    cdef int64_t o, d, ln, dim, stride
+    cdef size_t nbytes
+    cdef int64_t first = 0, last = 0
+    cdef char* base
+    cdef char* out = <char*>dst
+    cdef void* fault = NULL
+    if n > 64 or len(src_offsets) != n or len(chunk_shape) != n or len(dst_offsets) != n \
+            or len(dst_strides) != n or len(dst_shape) != n:
+        raise ValueError(f"{path}: tensor {name!r}: box of {n} dims into a {len(chunk_shape)}-dim chunk "
+                         f"and a {len(dst_shape)}-dim destination")
+    base = m.addr + start
+    nbytes = isz
+    stride = <int64_t>isz
+    for k in range(n - 1, -1, -1):
+        o = src_offsets[k]
+        ln = lengths[k]
+        d = dst_offsets[k]
+        dim = chunk_shape[k]
+        if o < 0 or ln < 0 or d < 0 or o > dim - ln or d > <int64_t>dst_shape[k] - ln:
+            raise ValueError(f"{path}: tensor {name!r}: box at {list(src_offsets)} of {list(lengths)} "
+                             f"does not fit chunk {list(chunk_shape)} or destination {list(dst_shape)} "
+                             f"at {list(dst_offsets)}")
+        ss[k] = stride
+        sh[k] = ln
+        ds[k] = <int64_t>dst_strides[k] * <int64_t>isz
+        base += o * stride
+        out += d * ds[k]
+        first += o * stride
+        last += (o + ln - 1) * stride
+        nbytes *= <size_t>ln
+        stride *= dim
+    if nbytes == 0:
+        return 0
+    if nbytes >= _PREAD_MIN and fd >= 0 and _c_order(ds, sh, n, isz) and _c_order(ss, sh, n, isz):
+        # One contiguous range into one contiguous region: pread() it straight into the destination.
+        # Still one copy per byte, but no page-table entries to fault in and tear down, and no shared
+        # page mapcounts for the ranks of one host to bounce between them (measured: 4 processes
+        # copying 257 MiB each out of a hot page cache, 0.15-0.49 s through mappings, 0.05-0.08 s
+        # with pread). A short read (the file cut meanwhile) or an I/O error raises ReadError.
+        _pread_all(fd, <uint8_t*>out, nbytes, start + <uint64_t>first, path, f"tensor {name!r}")
+        return nbytes
+    if willneed:
+        with nogil:
+            _willneed(m.addr, start + first, start + last + isz)
+    with nogil:
+        rc = pl_copy_nd(out, ds, base, ss, sh, n, isz, &fault)
+    _guarded_result(rc, path, f" tensor {name!r}")
+    return nbytes

@@ -263,12 +263,13 @@ class ChunkReader:
             return
         try:
             f = file if file is not None else self.file(item.file)
-            if (type(f) is SafetensorsFile and not self.cast and out.device.type == "cpu"
+            done = NotImplemented
+            if (not self.cast and out.device.type == "cpu" and hasattr(f, "copy_box")
                     and (not self.verify or not item.checksum or (f.path, item.key) in self._verified)):
                 # the common case in one call: no tensor views, no per-item torch calls
-                f.copy_box(item.key, dtype_name(out.dtype), item.chunk_lengths, item.src_offsets, item.lengths,
-                           out.data_ptr(), item.dest_offsets, out.stride(), tuple(out.shape), advise)
-            else:
+                done = f.copy_box(item.key, dtype_name(out.dtype), item.chunk_lengths, item.src_offsets, item.lengths,
+                                  out.data_ptr(), item.dest_offsets, out.stride(), tuple(out.shape), advise)
+            if done is NotImplemented:
                 src = narrow(self.chunk(item, out.dtype, advise), item.src_offsets, item.lengths)
                 copy_box(narrow(out, item.dest_offsets, item.lengths), src, os.path.join(self.directory, item.file))
         except (CheckpointFormatError, ReadError):

@@ -912,3 +912,30 @@ def test_willneed_tensors_requests_exactly_the_named_ranges_merged(tmp_path):
             time.sleep(0.01)
         cached = resident_bytes(path)[0]
         assert 16 * 65536 <= cached <= 16 * 65536 + 32 * 4096, cached  # the named tensors (page-rounded)
+
+
+def test_raw_file_copy_box_reads_a_chunk_at_an_offset_and_refuses_one_past_the_end(tmp_path):
+    """``RawFile.copy_box`` (DCP's items read in place): the chunk is where the layout says, checked
+    against the file's size before anything is copied."""
+    from pipeload._fastio import RawFile
+
+    t = torch.arange(6 * 4096, dtype=torch.float32).reshape(6, 4096)
+    path = str(tmp_path / "raw.bin")
+    with open(path, "wb") as fh:
+        fh.write(b"x" * 100 + t.numpy().tobytes() + b"tail")
+    with RawFile(path) as f:
+        for pread_min in (1, 1 << 62):
+            old = _fastio._set_pread_min(pread_min)
+            try:
+                dst = torch.zeros(3, 4096)
+                assert f.copy_box("t", 100, 4, (6, 4096), (2, 0), (3, 4096), dst.data_ptr(), (0, 0),
+                                  dst.stride(), tuple(dst.shape)) == 3 * 4096 * 4
+                assert torch.equal(dst, t[2:5])
+            finally:
+                _fastio._set_pread_min(old)
+        with pytest.raises(ReadError, match="item 't' of \\[7, 4096\\] x 4 bytes at 100 runs past the end"):
+            f.copy_box("t", 100, 4, (7, 4096), (0, 0), (1, 4096), dst.data_ptr(), (0, 0), dst.stride(), tuple(dst.shape))
+        with pytest.raises(ValueError, match="does not fit"):
+            f.copy_box("t", 100, 4, (6, 4096), (4, 0), (3, 4096), dst.data_ptr(), (0, 0), dst.stride(), tuple(dst.shape))
+    with pytest.raises(ValueError, match="closed"):
+        f.copy_box("t", 100, 4, (6, 4096), (0, 0), (1, 4096), dst.data_ptr(), (0, 0), dst.stride(), tuple(dst.shape))

@@ -470,6 +470,19 @@ class DistcpFile:
         kind, dtype, lengths, off, ln, _ = info
         return dtype, lengths, off, off + ln
 
+    def copy_box(self, key: str, dtype: str, chunk_shape: tuple, src_offsets: tuple, lengths: tuple, dst: int,
+                 dst_offsets: tuple, dst_strides: tuple, dst_shape: tuple, willneed: bool = False):
+        """The reader's one-call copy (see ``SafetensorsFile.copy_box``) of an item stored in place;
+        ``NotImplemented`` for one decoded by torch.load (the reader then copies from ``buffer()``)."""
+        stored, lengths_, start, end, decoded = self._resolve(key)
+        if decoded is not None:
+            return NotImplemented
+        if stored != dtype or tuple(lengths_) != chunk_shape:
+            raise CheckpointFormatError(f"{self.path}: item {key!r} is {stored} {list(lengths_)}, "
+                                        f"the metadata says {dtype} {list(chunk_shape)}")
+        return self.raw.copy_box(key, start, _torch_dtype(dtype).itemsize, chunk_shape, src_offsets, lengths, dst,
+                                 dst_offsets, dst_strides, dst_shape, willneed)
+
     def buffer(self, key: str) -> memoryview:
         _, _, start, end, decoded = self._resolve(key)
         if decoded is not None:
