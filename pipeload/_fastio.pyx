@@ -104,13 +104,20 @@ cdef extern from "_guard.h" nogil:
 cdef bint _force_readonly = False
 
 
-cdef void _willneed(char* addr, uint64_t start, uint64_t stop) noexcept nogil:
-    """madvise(WILLNEED) [start, stop) of a mapping at ``addr`` in 1 MiB pieces (see advise()); a hint:
-    errors are ignored."""
+cdef int _willneed(char* addr, uint64_t start, uint64_t stop) noexcept nogil:
+    """madvise(WILLNEED) [start, stop) of a mapping at ``addr`` (start widened to its page) in 1 MiB
+    pieces: the kernel caps one WILLNEED at the readahead window (8 MiB here, 128 KiB on many disks) and
+    silently drops the rest (measured on a cold 134 MiB file: one call for the whole range 1.16 s, 1 MiB
+    pieces 0.12 s, default readahead 0.18 s). Returns 0, or the errno of the first piece refused (the
+    rest is then not asked for); callers that treat it as a hint ignore it."""
     cdef size_t a0 = <size_t>start & ~(_PAGE - 1)
+    cdef size_t ln
     while a0 < <size_t>stop:
-        madvise(addr + a0, min(<size_t>_WILLNEED_PIECE, <size_t>stop - a0), MADV_WILLNEED)
-        a0 += _WILLNEED_PIECE
+        ln = min(<size_t>_WILLNEED_PIECE, <size_t>stop - a0)
+        if madvise(addr + a0, ln, MADV_WILLNEED) != 0:
+            return errno
+        a0 += ln
+    return 0
 
 
 cdef size_t _PREAD_MIN = 16384  # boxes at least this large and contiguous are pread(), not copied from the mapping
@@ -1760,20 +1767,10 @@ cdef class SafetensorsFile:
         a0 = <size_t>start & ~(_PAGE - 1)
         addr = self._map.addr  # the mapping outlives this call: self holds it
         if adv == MADV_WILLNEED:
-            # The kernel caps one WILLNEED at the readahead window (8 MiB here, 128 KiB on many
-            # disks) and silently drops the rest; asking in 1 MiB pieces queues all of it. Measured
-            # on a cold 134 MiB file: one call for the whole range 1.16 s (page-by-page faults after
-            # the first window), 1 MiB pieces 0.12 s, default readahead 0.18 s.
             # Without the GIL: under a throttled device queueing the reads blocks, and the caller's
             # other threads (the event loop, planning) must keep running meanwhile.
-            err = 0
             with nogil:
-                while a0 < <size_t>stop:
-                    ln = min(<size_t>_WILLNEED_PIECE, <size_t>stop - a0)
-                    if madvise(addr + a0, ln, adv) != 0:
-                        err = errno
-                        break
-                    a0 += ln
+                err = _willneed(addr, <uint64_t>start, <uint64_t>stop)
             if err:
                 raise OSError(err, os.strerror(err), self.path)
             return
@@ -1810,7 +1807,6 @@ cdef class SafetensorsFile:
                                         f"the metadata says {dtype} {list(chunk_shape)}")
         return _copy_box(self.path, self._map, self._fd, e.start, _dt_bits[e.dtype] // 8, name, chunk_shape,
                          src_offsets, lengths, dst, dst_offsets, dst_strides, dst_shape, willneed)
-
 
     def willneed_tensors(self, names, size_t merge_gap=1 << 20):
         """madvise(WILLNEED) the bytes of the named tensors: sorted, ranges closer than ``merge_gap``
@@ -2005,7 +2001,6 @@ cdef class RawFile:
         """Ask the kernel for bytes [start, end) now (MADV_WILLNEED in 1 MiB pieces, no GIL).
 
         The range is clipped to the file; a hint only: errors are ignored."""
-        cdef size_t a0, stop, ln
         cdef char* addr
         if self.closed or self.size == 0:
             return
@@ -2015,15 +2010,9 @@ cdef class RawFile:
             end = self.size
         if end <= start:
             return
-        a0 = <size_t>start & ~(_PAGE - 1)
-        stop = <size_t>end
         addr = self._map.addr
         with nogil:
-            while a0 < stop:
-                ln = min(<size_t>_WILLNEED_PIECE, stop - a0)
-                if madvise(addr + a0, ln, MADV_WILLNEED) != 0:
-                    break
-                a0 += ln
+            _willneed(addr, <uint64_t>start, <uint64_t>end)
 
     def close(self):
         """Close the descriptor. Views handed out stay valid: the mapping goes with the last one."""
