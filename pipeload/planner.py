@@ -21,7 +21,7 @@ import torch
 
 from .exchange import encode_record, padded
 from .globalplan import ShardKey
-from .metadata import _NAMES_BY_DTYPE, ChunkMeta, Metadata, ObjectMeta, chunk_key
+from .metadata import ChunkMeta, Metadata, ObjectMeta, chunk_key, dtype_name
 from .statedict import Box, Leaf, tensor_box, untracked
 
 
@@ -136,7 +136,10 @@ def local_plan(
         except ValueError as e:
             plan.problems.append(str(e))
             continue
-        have = _NAMES_BY_DTYPE.get(value.dtype) or str(value.dtype)
+        try:
+            have = dtype_name(value.dtype)
+        except KeyError:
+            have = str(value.dtype)
         if have != tmeta[0] or box.global_shape != tmeta[1]:
             plan.problems.append(
                 f"{fqn!r}: the state dict has dtype {have} shape {list(box.global_shape)}, "
@@ -148,16 +151,13 @@ def local_plan(
             todo.append((fqn, value, box, numel))
     # Loaded as saved, each box is one stored chunk: found for all boxes at once; others box by box.
     exact = md.exact_chunks([t[0] for t in todo], [t[2].offsets for t in todo], [t[2].lengths for t in todo])
-    zeros = {}
     for (fqn, value, box, numel), hit in zip(todo, exact):
         itemsize = value.element_size()
         local = box.local
         if hit is not None:
-            zero = zeros.get(len(box.offsets))
-            if zero is None:
-                zero = zeros[len(box.offsets)] = (0,) * len(box.offsets)
+            zero = (0,) * len(box.offsets)
             file, checksum = hit
-            key = fqn if box.lengths == box.global_shape else chunk_key(fqn, box.offsets, False)
+            key = chunk_key(fqn, box.offsets, box.lengths == box.global_shape)
             reads = [ReadItem(file, key, checksum, box.lengths, zero, zero, box.lengths, numel * itemsize)]
             affinity = writer_of(file) if writer_of is not None else -1
         else:

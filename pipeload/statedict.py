@@ -107,11 +107,7 @@ def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
         shape = value.shape
         key = (shape, id(mesh), placements)
         hit = cache.get(key) if cache is not None else None
-        if hit is not None:  # the common case: a box of this (shape, mesh, placements) was resolved already
-            lengths, offsets, shape = hit
-            if lengths is not None and local.shape == lengths:
-                return Box(shape, offsets, lengths, local)
-        else:
+        if hit is None:
             shape = tuple(shape)
             for p in placements:
                 if type(p) is not Shard and type(p) is not Replicate:
@@ -125,7 +121,7 @@ def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
         lengths, offsets, shape = hit
         if lengths is None:  # this rank is outside the mesh
             return Box(shape, tuple(0 for _ in shape), tuple(0 for _ in shape), None)
-        if tuple(local.shape) != lengths:
+        if local.shape != lengths:  # (torch.Size compares equal to the tuple of its sizes)
             raise ValueError(
                 f"{fqn!r}: DTensor local shard has shape {list(local.shape)}, its placements say {list(lengths)}"
             )
