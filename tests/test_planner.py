@@ -250,6 +250,27 @@ def _md(tensors: dict[str, TensorMeta]) -> Metadata:
     return Metadata(save_id="0" * 16, world_size=2, tensors=tensors)
 
 
+def test_row_helpers_match_numpy_row_semantics():
+    """The global plan's row helpers: _unique_rows is numpy's row-wise unique (first index, inverse; set ids
+    follow its order), _row_tuples cuts each row to its own width, as Python ints."""
+    from pipeload.globalplan import _row_tuples, _unique_rows
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n, k = int(rng.integers(1, 120)), int(rng.integers(1, 4))
+        hi = int(rng.choice([2, 7, 2**62]))
+        a = rng.integers(-hi, hi, (n, k)).astype(np.int64)
+        _, first, inverse = np.unique(a, axis=0, return_index=True, return_inverse=True)
+        got_first, got_inverse = _unique_rows(a)
+        assert np.array_equal(got_first, first) and np.array_equal(got_inverse, inverse.ravel())
+        nd = rng.integers(0, k + 1, n)
+        rows = _row_tuples(a, nd)
+        assert rows == [tuple(int(x) for x in a[i, : nd[i]]) for i in range(n)]
+        assert all(type(x) is int for r in rows for x in r)
+    assert _row_tuples(np.zeros((3, 2), np.int64), np.zeros(3, np.int64)) == [(), (), ()]
+    assert _row_tuples(np.zeros((0, 2), np.int64), np.zeros(0, np.int64)) == []
+
+
 def test_local_plan_reshards_into_exact_read_items():
     # Stored as 3 uneven row chunks, loaded as a column shard: every element exactly once.
     chunks = tuple(
