@@ -136,23 +136,24 @@ def local_plan(
         except ValueError as e:
             plan.problems.append(str(e))
             continue
+        dtype = value.dtype
         try:
-            have = dtype_name(value.dtype)
+            have = dtype_name(dtype)
         except KeyError:
-            have = str(value.dtype)
+            have = str(dtype)
         if have != tmeta[0] or box.global_shape != tmeta[1]:
             plan.problems.append(
                 f"{fqn!r}: the state dict has dtype {have} shape {list(box.global_shape)}, "
                 f"the checkpoint {tmeta[0]} {list(tmeta[1])}"
             )
             continue
-        numel = box.numel
-        if box.local is not None and numel:
-            todo.append((fqn, value, box, numel))
+        if box.local is not None and 0 not in box.lengths:
+            todo.append((fqn, dtype, box))
     # Loaded as saved, each box is one stored chunk: found for all boxes at once; others box by box.
     exact = md.exact_chunks([t[0] for t in todo], [t[2].offsets for t in todo], [t[2].lengths for t in todo])
-    for (fqn, value, box, numel), hit in zip(todo, exact):
-        itemsize = value.element_size()
+    for (fqn, dtype, box), hit in zip(todo, exact):
+        itemsize = dtype.itemsize
+        numel = box.numel
         local = box.local
         if hit is not None:
             zero = (0,) * len(box.offsets)
@@ -171,7 +172,7 @@ def local_plan(
             affinity = writer_of(reads[0].file) if writer_of is not None and reads and all(
                 r.file == reads[0].file for r in reads) else -1
         # positional (a dataclass built per leaf): fqn, key, dtype, nbytes, reads, dest (same storage), ...
-        plan.shards.append(DestShard(fqn, (index[fqn], box.offsets, box.lengths), value.dtype, numel * itemsize,
+        plan.shards.append(DestShard(fqn, (index[fqn], box.offsets, box.lengths), dtype, numel * itemsize,
                                      reads, untracked(local), broadcastable(local), affinity))
     if strict and plan.missing:
         plan.problems += [f"{fqn!r}: missing from the checkpoint" for fqn in plan.missing]

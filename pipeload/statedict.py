@@ -96,15 +96,17 @@ def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
     """
     if isinstance(value, DTensor):
         spec = getattr(value, "_spec", None)  # the attributes behind DTensor's properties, read once
-        mesh = spec.mesh if spec is not None else value.device_mesh
-        placements = spec.placements if spec is not None else value.placements
+        if spec is not None:  # (DTensor.shape goes through Python: 4x the spec's tensor_meta)
+            mesh, placements, meta = spec.mesh, spec.placements, spec.tensor_meta
+            shape = meta.shape if meta is not None else value.shape
+        else:
+            mesh, placements, shape = value.device_mesh, value.placements, value.shape
         if type(placements) is not tuple:
             placements = tuple(placements)
         # The local tensor itself (to_local() goes through autograd, ~50 us a call on 3,000 tensors).
         local = getattr(value, "_local_tensor", None)
         if local is None:
             local = value.to_local()
-        shape = value.shape
         key = (shape, id(mesh), placements)
         hit = cache.get(key) if cache is not None else None
         if hit is None:
