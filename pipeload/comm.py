@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -161,15 +161,34 @@ class Comm:
 
     def gather_rows(self, row: np.ndarray, what: str = "pipeload", call: str = "all-gather of plan rows") -> np.ndarray:
         """Every rank's fixed-size int64 row, stacked (one all-gather of ``W x len(row)`` words)."""
+        return self.start_gather_rows(row, what, call)()
+
+    def start_gather_rows(self, row: np.ndarray, what: str = "pipeload",
+                          call: str = "all-gather of plan rows") -> Callable[[], np.ndarray]:
+        """:meth:`gather_rows`, issued now and completed by calling the function it returns.
+
+        The collective is in flight (in the backend's own thread) while this rank does other work: its
+        place in the group's order of collectives is where it was issued. The returned function must be
+        called before the next collective of the group; a failure is raised there.
+        """
         if self.size == 1:
-            return row.reshape(1, -1).copy()
+            rows = row.reshape(1, -1).copy()
+            return lambda: rows
         mine = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)).to(self.broadcast_device)
         out = torch.empty(self.size * len(row), dtype=torch.int64, device=self.broadcast_device)
         try:
-            _all_gather_single(out, mine, group=self.pg)
+            work = _all_gather_single(out, mine, group=self.pg, async_op=True)
         except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
             raise self._fail(what, call, e) from e
-        return out.cpu().numpy().reshape(self.size, len(row))
+
+        def finish() -> np.ndarray:
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
+                raise self._fail(what, call, e) from e
+            return out.cpu().numpy().reshape(self.size, len(row))
+
+        return finish
 
     def union(self, flags: np.ndarray, what: str = "pipeload") -> np.ndarray:
         """Element-wise maximum of every rank's ``flags`` (uint8): one all-reduce of ``len(flags)`` bytes."""

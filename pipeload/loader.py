@@ -191,14 +191,15 @@ async def _load(
                 # decides which shards are broadcast, and PIPELOAD_HOST_ID may change between loads
                 cache_key = plancache.key(comm.global_ranks, directory, (*options, host))
                 entry, leaves = _cached(cache_key, comm, directory, state_dict)
-            if entry is not None:  # before the gather: waiting for the other ranks is the time to do it
-                _rebind(entry.state, leaves)
-            clock.lap("plan")
             offer = _CONTENDED if contended else entry.token if entry is not None else 0
             tokens = None
             try:
-                first = comm.gather_rows(np.array([offer, host, hash64(repr(agreed).encode())],
-                                                  dtype=np.int64), what)
+                gathered = comm.start_gather_rows(np.array([offer, host, hash64(repr(agreed).encode())],
+                                                           dtype=np.int64), what)
+                if entry is not None:  # while the other ranks' words arrive
+                    _rebind(entry.state, leaves)
+                clock.lap("plan")
+                first = gathered()
                 tokens = first[:, 0]
             finally:
                 reuse = tokens is not None and offer != 0 and bool(np.all(tokens == offer))
