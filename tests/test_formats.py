@@ -163,11 +163,18 @@ def _saved(t, **kw) -> bytes:
     return b.getvalue()
 
 
+def _with_comment(blob: bytes, comment: bytes) -> bytes:
+    """A torch.save zip with an archive comment: its end record is no longer the last 22 bytes."""
+    assert blob[-22:-18] == b"PK\x05\x06" and blob[-2:] == b"\x00\x00"
+    return blob[:-2] + len(comment).to_bytes(2, "little") + comment
+
+
 def test_dcp_unexpected_blobs_fall_back_to_torch_load(tmp_path):
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     wide = torch.arange(40, dtype=torch.int32)
     blobs = {
         "plain": (base, _saved(base)),
+        "commented": (base * 3, _with_comment(_saved(base * 3), b"an archive comment")),
         "transposed": (base.t(), _saved(base.t())),  # strided: not read in place
         "legacy": (base + 1, _saved(base + 1, _use_new_zipfile_serialization=False)),  # not a zip
         "view": (wide[10:20], _saved(wide[10:20])),  # a view: the whole storage is saved, offset 10
@@ -183,7 +190,7 @@ def test_dcp_unexpected_blobs_fall_back_to_torch_load(tmp_path):
     assert isinstance(f, DistcpFile)
     for k in blobs:
         f.buffer(f"{k}@" + ",".join(["0"] * blobs[k][0].dim()))
-    assert f.fallbacks == 2  # transposed and legacy; plain and view were read in place
+    assert f.fallbacks == 2  # transposed and legacy; plain, commented and view were read in place
     f.close()
     # a blob that is no tensor at all: an error naming the file and the item, on load and on verify
     path2 = str(tmp_path / "broken")

@@ -253,24 +253,33 @@ _EOCD64 = 0x06064B50
 _LOC64 = 0x07064B50
 _CDIR = 0x02014B50
 _LOCAL = 0x04034B50
+_EOCD_REC = struct.Struct("<IHHHHIIH")  # end of central directory (22 bytes, then the archive comment)
+_CDIR_REC = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory entry (46 bytes, then name/extra/comment)
+_LOCAL_REC = struct.Struct("<I22xHH")  # local header: signature ... name and extra lengths (30 bytes)
 
 
 def zip_members(blob: memoryview) -> dict[str, tuple[int, int]]:
-    """{member name: (data start, size)} of an uncompressed zip held in ``blob`` (offsets in blob).
+    """{member name: (local header offset, size)} of an uncompressed zip held in ``blob`` (offsets in
+    blob); :func:`zip_member` finds where a member's data starts.
 
-    Reads the end-of-central-directory record (zip64 too), the central directory, and each member's
-    local header (for its own name/extra lengths). Raises _Unexpected for anything but stored
-    (method 0) members inside the blob.
+    Reads the end-of-central-directory record (zip64 too) and the central directory. Raises
+    _Unexpected for anything but stored (method 0) members.
+
+    torch.save writes no archive comment, so the end record is the blob's last 22 bytes: only the pages
+    of the records are touched (searching the last 64 KiB for it, as a general reader must, cost
+    ~30 us an item and faulted that much of every cold blob in). Other archives are searched for it.
     """
     n = len(blob)
-    lo = max(0, n - 22 - 65535)
-    tail = bytes(blob[lo:])
-    at = tail.rfind(struct.pack("<I", _EOCD))
-    if at < 0 or at + 22 > len(tail):
-        raise _Unexpected("no end of central directory")
-    _, _, _, _, count, cd_size, cd_off, _ = struct.unpack_from("<IHHHHIIH", tail, at)
+    at = n - 22
+    if at < 0 or _EOCD_REC.unpack_from(blob, at)[0] != _EOCD:
+        lo = max(0, n - 22 - 65535)
+        found = bytes(blob[lo:]).rfind(struct.pack("<I", _EOCD))
+        if found < 0 or lo + found + 22 > n:
+            raise _Unexpected("no end of central directory")
+        at = lo + found
+    _, _, _, _, count, cd_size, cd_off, _ = _EOCD_REC.unpack_from(blob, at)
     if count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_off == 0xFFFFFFFF:
-        loc = lo + at - 20
+        loc = at - 20
         if loc < 0 or struct.unpack_from("<I", blob, loc)[0] != _LOC64:
             raise _Unexpected("no zip64 locator")
         e64 = struct.unpack_from("<Q", blob, loc + 8)[0]
@@ -282,18 +291,14 @@ def zip_members(blob: memoryview) -> dict[str, tuple[int, int]]:
     out = {}
     p = cd_off
     for _ in range(count):
-        if p + 46 > n or struct.unpack_from("<I", blob, p)[0] != _CDIR:
+        if p + 46 > n:
             raise _Unexpected("bad central directory entry")
-        (method, csize, usize, nlen, elen, clen, lho) = (
-            struct.unpack_from("<H", blob, p + 10)[0],
-            *struct.unpack_from("<II", blob, p + 20),
-            *struct.unpack_from("<HHH", blob, p + 28),
-            struct.unpack_from("<I", blob, p + 42)[0],
-        )
+        sig, _, _, _, method, _, _, _, csize, usize, nlen, elen, clen, _, _, _, lho = _CDIR_REC.unpack_from(blob, p)
+        if sig != _CDIR:
+            raise _Unexpected("bad central directory entry")
         name = bytes(blob[p + 46 : p + 46 + nlen]).decode("utf-8", "replace")
-        extra = bytes(blob[p + 46 + nlen : p + 46 + nlen + elen])
         if 0xFFFFFFFF in (csize, usize, lho):
-            vals = _zip64_extra(extra)
+            vals = _zip64_extra(bytes(blob[p + 46 + nlen : p + 46 + nlen + elen]))
             if usize == 0xFFFFFFFF:
                 usize = vals.pop(0)
             if csize == 0xFFFFFFFF:
@@ -302,15 +307,31 @@ def zip_members(blob: memoryview) -> dict[str, tuple[int, int]]:
                 lho = vals.pop(0)
         if method != 0 or csize != usize:
             raise _Unexpected(f"member {name} is compressed")
-        if lho + 30 > n or struct.unpack_from("<I", blob, lho)[0] != _LOCAL:
-            raise _Unexpected("bad local header")
-        lnlen, lelen = struct.unpack_from("<HH", blob, lho + 26)
-        start = lho + 30 + lnlen + lelen
-        if start + usize > n:
-            raise _Unexpected(f"member {name} runs past the blob")
-        out[name] = (start, usize)
+        out[name] = (lho, usize)
         p += 46 + nlen + elen + clen
     return out
+
+
+def zip_member(blob: memoryview, members: dict[str, tuple[int, int]], name: str) -> tuple[int, int] | None:
+    """(data start, size) in ``blob`` of member ``name`` of :func:`zip_members`, or None if there is none.
+
+    Reads the member's local header (its own name/extra lengths: only the members a reader uses are
+    looked at). Raises _Unexpected when the header or the data lie outside the blob.
+    """
+    hit = members.get(name)
+    if hit is None:
+        return None
+    lho, size = hit
+    n = len(blob)
+    if lho + 30 > n:
+        raise _Unexpected("bad local header")
+    sig, nlen, elen = _LOCAL_REC.unpack_from(blob, lho)
+    if sig != _LOCAL:
+        raise _Unexpected("bad local header")
+    start = lho + 30 + nlen + elen
+    if start + size > n:
+        raise _Unexpected(f"member {name} runs past the blob")
+    return start, size
 
 
 def _zip64_extra(extra: bytes) -> list[int]:
@@ -334,10 +355,10 @@ def locate_tensor(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]
     if len(pkl) != 1:
         raise _Unexpected("no data.pkl")
     prefix = pkl[0][: -len("data.pkl")]
-    order = members.get(prefix + "byteorder")
+    order = zip_member(blob, members, prefix + "byteorder")
     if order is not None and bytes(blob[order[0] : order[0] + order[1]]) != b"little":
         raise _Unexpected("big-endian")
-    s, n = members[pkl[0]]
+    s, n = zip_member(blob, members, pkl[0])
     try:
         got = _TensorPickle(io.BytesIO(bytes(blob[s : s + n]))).load()
     except _Unexpected:
@@ -355,7 +376,7 @@ def locate_tensor(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]
             raise _Unexpected("not contiguous")
         expect *= size[dim]
         numel *= size[dim]
-    rec = members.get(f"{prefix}data/{skey}")
+    rec = zip_member(blob, members, f"{prefix}data/{skey}")
     if rec is None or rec[1] != snumel * dtype.itemsize or offset + numel > snumel:
         raise _Unexpected("storage record size")
     start = rec[0] + offset * dtype.itemsize
