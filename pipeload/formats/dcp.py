@@ -133,12 +133,17 @@ def from_payload(path: str, data: bytes):
     sid = getattr(getattr(dmd, "storage_meta", None), "save_id", None)
     md = Metadata(save_id=str(sid or ""), world_size=0)
     items: dict[tuple[str, str], tuple] = {}  # (file, key) -> (kind, dtype, lengths, offset, length, transforms)
+    files: dict[Any, str] = {}  # relative_path -> the checked file name (a checkpoint has a few files)
 
     def where_of(fqn: str, offsets) -> tuple[str, int, int, tuple]:
         info = storage.get((fqn, offsets))
         if info is None:
             raise CheckpointFormatError(f"{source}: no storage entry for {fqn!r} at {list(offsets or [])}")
-        f = plain_file_name(getattr(info, "relative_path", None), f"{source}: {fqn!r}")
+        rel = getattr(info, "relative_path", None)
+        f = files.get(rel) if type(rel) is str else None
+        if f is None:
+            f = plain_file_name(rel, f"{source}: {fqn!r}")
+            files[rel] = f
         off, ln = getattr(info, "offset", None), getattr(info, "length", None)
         if type(off) is not int or type(ln) is not int or off < 0 or ln < 0:
             raise CheckpointFormatError(f"{source}: {fqn!r} has a bad byte range ({off!r}, {ln!r})")
@@ -156,12 +161,12 @@ def from_payload(path: str, data: bytes):
                 raise CheckpointFormatError(f"{source}: tensor {fqn!r} has dtype {m.properties.dtype}, which safetensors names do not cover") from None
             chunks = []
             for c in m.chunks:
-                offsets, lengths = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+                offsets, lengths = tuple(map(int, c.offsets)), tuple(map(int, c.sizes))
                 f, off, ln, tr = where_of(fqn, offsets)
                 key = chunk_key(fqn, offsets)
                 items[(f, key)] = ("tensor", dtype, lengths, off, ln, tr)
                 chunks.append(ChunkMeta(offsets, lengths, f, key, ""))
-            md.tensors[fqn] = TensorMeta(dtype, tuple(int(x) for x in m.size), tuple(chunks))
+            md.tensors[fqn] = TensorMeta(dtype, tuple(map(int, m.size)), tuple(chunks))
         else:
             raise CheckpointFormatError(f"{source}: {fqn!r} has unknown metadata {type(m).__name__}")
     md.validate_geometry(source)
