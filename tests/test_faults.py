@@ -108,7 +108,9 @@ _TRUNCATE_CHILD = textwrap.dedent(
         t = _truncate_when_copy_starts(dst["w"], data_file, done)
         try:
             pipeload.load(dst, ckpt)
-            outcomes.append("loaded")
+            # the cut came after the last byte was read (the watcher was not scheduled in time): the
+            # load must then hold the whole checkpoint (zeros), never a part of it
+            outcomes.append("loaded" if bool((dst["w"] == 0).all()) else "loaded wrong data")
         except PipeloadError as e:
             outcomes.append(str(e))
         done.set()
@@ -130,7 +132,7 @@ def test_truncated_during_load_raises_not_sigbus(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"rc {r.returncode}\n{r.stderr[-2000:]}"
     outcomes = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's repr
-    assert "loaded" not in outcomes, outcomes
+    assert "loaded wrong data" not in outcomes, outcomes
     assert any("was truncated after it was opened" in o for o in outcomes[:3]), outcomes
     assert any("bus error" in o for o in outcomes[3:]), outcomes
 
@@ -540,7 +542,7 @@ def world2_concurrency(rank: int, world: int, root: str) -> dict:
     size = os.path.getsize(data_file)
     dist.barrier()
     outcomes = []
-    for _ in range(2):
+    for _ in range(3):
         if rank == 0:
             os.truncate(data_file, size)
         dist.barrier()
@@ -550,7 +552,7 @@ def world2_concurrency(rank: int, world: int, root: str) -> dict:
         t0 = time.monotonic()
         try:
             pipeload.load(dst, big)
-            outcomes.append("loaded")
+            outcomes.append("loaded" if bool((dst["w"] == 0).all()) else "loaded wrong data")  # cut too late
         except DistributedError as e:
             outcomes.append((str(e), sorted(e.failures), time.monotonic() - t0))
         done.set()
@@ -568,12 +570,15 @@ def test_world2_concurrent_use_and_truncation(tmp_path):
             assert r[name] < 10, f"{name} took {r[name]:.1f} s"
     for r in res:
         for o in r["truncate"]:
-            assert o != "loaded", r["truncate"]
+            assert o != "loaded wrong data", r["truncate"]
+            if o == "loaded":  # the cut came after the copy (a busy machine): nothing to check
+                continue
             msg, failed, took = o
             assert "bus error" in msg or "truncated" in msg, msg
             assert took < 30
     # both ranks saw the same failing ranks
-    assert [o[1] for o in res[0]["truncate"]] == [o[1] for o in res[1]["truncate"]]
+    assert [o if o == "loaded" else o[1] for o in res[0]["truncate"]] == [o if o == "loaded" else o[1]
+                                                                           for o in res[1]["truncate"]]
     assert any("bus error" in o[0] or "truncated" in o[0] for r in res for o in r["truncate"])
 
 
