@@ -1,4 +1,4 @@
-"""Build script: only the Cython extension lives here; everything else is in pyproject.toml."""
+"""Build script: only the Cython extensions live here; everything else is in pyproject.toml."""
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -8,7 +8,8 @@ extensions = [
         ["pipeload/_fastio.pyx"],
         depends=["pipeload/_guard.h"],
         extra_compile_args=["-O3"],
-    )
+    ),
+    Extension("pipeload._greedy", ["pipeload/_greedy.pyx"], extra_compile_args=["-O3"]),
 ]
 
 setup(

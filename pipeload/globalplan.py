@@ -12,8 +12,11 @@ shards per record and ``P`` shared pieces after striping:
   sort), the only step that stays ``O(W x S)`` when ``R = 1`` — and then nothing is shared, so it is
   also the last;
 - reader choice: ``O(P log R)`` with one heap per distinct holder set (a holder set is a union of
-  record classes, expanded to ranks once per distinct set); stream cutting is ``O(P + R)`` per set;
-- this rank's broadcasts: ``O(P_mine log P_mine)``, the pieces whose holder set contains it.
+  record classes, expanded to ranks once per distinct set), over arrays in :mod:`pipeload._greedy`;
+  stream cutting is ``O(P + R)`` per set;
+- this rank's broadcasts: ``O(P_mine log P_mine)``, the pieces whose holder set contains it. Python
+  objects (shard keys) are built only for those and for cut sets; ``GlobalPlan.readers`` (every piece
+  of the component) is built when first read.
 
 Rules (DESIGN.md, "Global plan"):
 
@@ -48,13 +51,13 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import heapq
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Callable, Sequence
 
 import numpy as np
 
+from ._greedy import assign_readers
 from .exchange import F_GROUPS, F_HOST, F_NGROUPS, Classes, Record, group_digest
 
 ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -88,9 +91,20 @@ class GlobalPlan:
     pieces: dict[ShardKey, list[ShardKey]]  # this rank's shared shards -> their pieces (one if not striped)
     sets: dict[int, HolderSet]  # every holder set some broadcast uses (FULL: the load's group)
     requested: np.ndarray  # checkpoint key indices some rank asked for
-    readers: dict[ShardKey, int]  # every piece of this rank's component (all with everything=True) -> reader
+    _readers: dict[ShardKey, int] | Callable[[], dict[ShardKey, int]]  # see readers
     loads: list[int]  # bytes each rank reads (exact for the ranks of this rank's component)
     bound: int  # the largest unsplittable read: no plan's busiest reader reads less
+
+    @property
+    def readers(self) -> dict[ShardKey, int]:
+        """Every piece of this rank's component (all with ``everything=True``) -> its reader.
+
+        Built on first use: a load needs only its own broadcasts (``ops``), and building a key per piece
+        of the component cost more than choosing the readers.
+        """
+        if callable(self._readers):
+            self._readers = self._readers()
+        return self._readers
 
     @property
     def creates(self) -> list[tuple[int, ...]]:
@@ -357,15 +371,18 @@ def global_plan(
                                   for x in range(len(ok))], dtype=bool)
         in_mine = good & set_in_mine[sid_of] if len(candidates) else good
 
-    # (key, weight, set id) of the shared shards it plans; rows converted to Python in one call each
+    # the shared shards it plans, as arrays over their rows: weight and holder set of each. Python keys
+    # are built only for the shards this rank broadcasts and those of cut sets; the readers of the
+    # others, on demand (GlobalPlan.readers)
     first_rows = order[starts[candidates[in_mine]]]
-    nd = ndim[index[first_rows]]
-    keys = zip(index[first_rows].tolist(), _row_tuples(offsets[first_rows], nd), _row_tuples(lengths[first_rows], nd))
-    piece_sets: list[tuple[ShardKey, int, int]] = list(zip(keys, weights[first_rows].tolist(),
-                                                           sid_of[in_mine].tolist()))
-    prefer: dict[ShardKey, int] = {}  # the shards whose layout names a writer (see affinity)
-    if affinity is not None:
-        prefer = {p[0]: a for p, a in zip(piece_sets, affinity[first_rows].tolist()) if a >= 0}
+    w_rows = weights[first_rows]
+    s_rows = sid_of[in_mine]
+
+    def keys_of(rows: np.ndarray) -> list[ShardKey]:
+        fr = first_rows[rows]
+        nd = ndim[index[fr]]
+        return list(zip(index[fr].tolist(), _row_tuples(offsets[fr], nd), _row_tuples(lengths[fr], nd)))
+
     # groups read by every holder: not broadcastable, or no usable group
     private_groups = np.concatenate([candidates[~good], shut])
     if len(private_groups):
@@ -375,78 +392,77 @@ def global_plan(
                                      minlength=len(records)).astype(np.int64)
     lap("holder sets")
 
-    # 3. readers: the greedy, then stream cutting of the sets the greedy cannot balance
-    by_set: dict[int, list[tuple[ShardKey, int]]] = {}
-    for key, w, sid in piece_sets:
-        by_set.setdefault(sid, []).append((key, w))
-    pieces: list[tuple[ShardKey, int, int, ShardKey]] = []  # (piece key, weight, set, shard key)
-    readers: dict[ShardKey, int] = {}
-    greedy: list[tuple[ShardKey, int, int, ShardKey]] = []
-    cut: list[int] = []
-    placed: list[tuple[ShardKey, int, int, ShardKey]] = []  # read by their writer (affinity)
-    for sid in sorted(by_set):
-        shards = by_set[sid]
-        share = sum(map(itemgetter(1), shards)) // len(sets[sid].members)
-        if stripe and share >= min_stripe and 2 * max(map(itemgetter(1), shards)) > share:
-            cut.append(sid)
-    if piece_sets:  # largest first, ties by key: one lexsort over the rows the keys were built from
+    # 3. readers: affinity, the greedy, then stream cutting of the sets the greedy cannot balance
+    n_sid = max(sets, default=-1) + 1
+    used = np.unique(s_rows).tolist()
+    total = np.zeros(n_sid, dtype=np.int64)
+    np.add.at(total, s_rows, w_rows)
+    largest = np.zeros(n_sid, dtype=np.int64)
+    np.maximum.at(largest, s_rows, w_rows)
+    cut = [sid for sid in used if stripe and _cuts(int(total[sid]), int(largest[sid]), len(sets[sid].members), min_stripe)]
+    is_cut = np.isin(s_rows, cut)
+    reader_of = np.full(len(first_rows), -1, dtype=np.int64)
+    if len(first_rows):  # largest first, ties by key: one lexsort over the rows the keys are built from
         fr_o, fr_l = offsets[first_rows], lengths[first_rows]
         by_size = np.lexsort([*(fr_l[:, k] for k in reversed(range(width))),
                               *(fr_o[:, k] for k in reversed(range(width))),
-                              index[first_rows], -weights[first_rows]])
-        uncut = set(by_set) - set(cut)
-        greedy = [(p[0], p[1], p[2], p[0]) for p in map(piece_sets.__getitem__, by_size.tolist()) if p[2] in uncut]
-    if prefer:  # affinity first, within each component's cap; the greedy places the rest
-        cap = _affinity_caps(by_set, sets, loads, lambda sid: find(members_of[sid][0]))
-        rest = []
-        for p in greedy:
-            h = prefer.get(p[0], -1)
-            sid = p[2]
-            if h >= 0 and contains(sets[sid].members, h) and loads[h] + p[1] <= cap[find(members_of[sid][0])]:
-                readers[p[0]] = h
-                loads[h] += p[1]
-                placed.append(p)
-            else:
-                rest.append(p)
-        greedy = rest
-    heaps: dict[int, list[tuple[int, int]]] = {}
-    for pk, pw, sid, _ in greedy:
-        heap = heaps.get(sid)
-        if heap is None:
-            heap = heaps[sid] = [(loads[r], r) for r in sets[sid].members]
-            heapq.heapify(heap)
-        while True:
-            lr, r = heap[0]
-            if lr == loads[r]:
-                break
-            heapq.heapreplace(heap, (loads[r], r))  # stale: this rank took bytes through another set
-        readers[pk] = r
-        loads[r] = lr + pw
-        heapq.heapreplace(heap, (loads[r], r))
-    pieces += greedy + placed
+                              index[first_rows], -w_rows])
+        greedy = by_size[~is_cut[by_size]]
+        prefer = (affinity[first_rows].astype(np.int64, copy=False) if affinity is not None
+                  else np.zeros(0, dtype=np.int64))
+        cap = np.zeros(n_sid, dtype=np.int64)
+        if np.any(prefer >= 0):  # a layout that names writers: within each component's cap (11/10 the mean)
+            component = {sid: find(members_of[sid][0]) for sid in used}
+            caps = _affinity_caps({sid: int(total[sid]) for sid in used}, sets, loads, component.__getitem__)
+            for sid in used:
+                cap[sid] = caps[component[sid]]
+        else:
+            prefer = np.zeros(0, dtype=np.int64)
+        set_start = np.zeros(n_sid, dtype=np.int64)
+        set_size = np.zeros(n_sid, dtype=np.int64)
+        at = 0
+        for sid in used:
+            set_start[sid], set_size[sid] = at, len(sets[sid].members)
+            at += len(sets[sid].members)
+        members = np.fromiter((r for sid in used for r in sets[sid].members), dtype=np.int64, count=at)
+        load_arr = np.asarray(loads, dtype=np.int64)
+        reader_of = assign_readers(greedy, w_rows, s_rows, prefer, cap, set_start, set_size, members, load_arr)
+        loads = load_arr.tolist()
+    cut_pieces: list[tuple[ShardKey, int, int, ShardKey, int]] = []  # (piece key, weight, set, shard key, reader)
     for sid in cut:  # after the greedy: each cut set evens out its members' loads
-        shards = sorted(by_set[sid])
-        members = sets[sid].members
-        sizes = _water_fill([loads[r] for r in members], sum(w for _, w in shards))
-        for pk, pw, r, key in _cut(shards, members, sizes):
-            pieces.append((pk, pw, sid, key))
-            readers[pk] = r
+        rows = np.flatnonzero(s_rows == sid)
+        shards = sorted(zip(keys_of(rows), w_rows[rows].tolist()))
+        members_ = sets[sid].members
+        sizes = _water_fill([loads[r] for r in members_], sum(w for _, w in shards))
+        for pk, pw, r, key in _cut(shards, members_, sizes):
+            cut_pieces.append((pk, pw, sid, key, r))
             loads[r] += pw
     for c in np.flatnonzero(extra_private):
         for r in cls.members[c]:
             loads[int(r)] += int(extra_private[c])
-    bound = max(0, max(map(itemgetter(1), pieces), default=0), *base)
+    whole = np.flatnonzero(~is_cut)
+    bound = max(0, int(w_rows[whole].max()) if len(whole) else 0, max(map(itemgetter(1), cut_pieces), default=0),
+                *base)
+
+    def all_readers() -> dict[ShardKey, int]:
+        out = dict(zip(keys_of(whole), reader_of[whole].tolist()))
+        out.update((p[0], p[4]) for p in cut_pieces)
+        return out
+
     lap("readers")
 
     # 4. this rank's broadcasts, in global order
     mine_sets = {sid for sid, s in sets.items() if contains(s.members, me)}
-    my_pieces = sorted((p for p in pieces if p[2] in mine_sets), key=itemgetter(0))
+    mine = whole[np.isin(s_rows[whole], list(mine_sets))]
+    mine_keys = keys_of(mine)
+    my_pieces = list(zip(mine_keys, w_rows[mine].tolist(), s_rows[mine].tolist(), mine_keys, reader_of[mine].tolist()))
+    my_pieces += [p for p in cut_pieces if p[2] in mine_sets]
+    my_pieces.sort(key=itemgetter(0))
     by_shard: dict[ShardKey, list[ShardKey]] = {}
     ops: list[Op] = []
     pending: dict[tuple[int, int], tuple[list[ShardKey], int]] = {}
-    for pk, pw, sid, key in my_pieces:
+    for pk, pw, sid, key, reader in my_pieces:
         by_shard.setdefault(key, []).append(pk)
-        reader = readers[pk]
         if pw >= batch_bytes:
             ops.append(Op(sid, reader, (pk,)))
             continue
@@ -462,21 +478,29 @@ def global_plan(
     for (sid, reader), (keys, _) in sorted(pending.items(), key=lambda kv: kv[1][0][0]):
         ops.append(Op(sid, reader, tuple(keys)))
     # every set some broadcast of the load uses, in any component: creating one is world-wide
-    used = set(sid_of[good].tolist()) if len(candidates) else set()
-    sets = {sid: s for sid, s in sets.items() if sid in used}
+    in_use = set(sid_of[good].tolist()) if len(candidates) else set()
+    sets = {sid: s for sid, s in sets.items() if sid in in_use}
     lap("ops")
-    return GlobalPlan(ops, by_shard, sets, requested, readers, loads, bound)
+    return GlobalPlan(ops, by_shard, sets, requested, all_readers, loads, bound)
 
 
-def _affinity_caps(by_set: dict, sets: dict, loads: list[int], component) -> dict[int, int]:
+def _cuts(total: int, largest: int, members: int, min_stripe: int) -> bool:
+    """Whether a holder set is stream-cut: its mean share is at least ``min_stripe`` and its largest
+    shard exceeds half of it (whole shards cannot balance it)."""
+    share = total // members
+    return share >= min_stripe and 2 * largest > share
+
+
+def _affinity_caps(totals: dict[int, int], sets: dict, loads: list[int], component) -> dict[int, int]:
     """Per connected component of holder sets: the bytes a rank may reach by reading what it wrote,
-    11/10 of the component's mean (its ranks' bytes so far plus every shared byte, over its ranks)."""
+    11/10 of the component's mean (its ranks' bytes so far plus every shared byte, over its ranks);
+    ``totals``: the shared bytes of each holder set."""
     ranks: dict[int, set] = {}
     total: dict[int, int] = {}
-    for sid, shards in by_set.items():
+    for sid, t in totals.items():
         c = component(sid)
         ranks.setdefault(c, set()).update(sets[sid].members)
-        total[c] = total.get(c, 0) + sum(w for _, w in shards)
+        total[c] = total.get(c, 0) + t
     return {c: (total[c] + sum(loads[r] for r in rs)) * 11 // (10 * len(rs)) for c, rs in ranks.items()}
 
 

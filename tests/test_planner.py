@@ -271,6 +271,50 @@ def test_row_helpers_match_numpy_row_semantics():
     assert _row_tuples(np.zeros((0, 2), np.int64), np.zeros(0, np.int64)) == []
 
 
+def _greedy_oracle(order, weight, sid, prefer, cap, members, loads):
+    """The reader rule written plainly: affinity within the cap, then each shard to the member with
+    the fewest bytes (lowest rank on ties), in ``order``."""
+    reader = [-1] * len(weight)
+    for i in order:
+        h = prefer[i] if len(prefer) else -1
+        if h >= 0 and h in members[sid[i]] and loads[h] + weight[i] <= cap[sid[i]]:
+            reader[i] = h
+            loads[h] += weight[i]
+    for i in order:
+        if reader[i] < 0:
+            r = min(members[sid[i]], key=lambda m: (loads[m], m))
+            reader[i] = r
+            loads[r] += weight[i]
+    return reader
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_assign_readers_is_the_plain_rule_over_overlapping_sets(seed):
+    """The array greedy (lazily refreshed heaps, one per holder set) against the rule written plainly,
+    on sets that share ranks (so heap entries go stale), with and without writers' affinity."""
+    from pipeload._greedy import assign_readers
+
+    rng = np.random.default_rng(seed)
+    world, n_sets, n = 12, 7, 400
+    members = [sorted(rng.choice(world, size=int(rng.integers(1, world + 1)), replace=False).tolist())
+               for _ in range(n_sets)]
+    weight = rng.choice([1, 2, 3, 1000, 5000, 5000], size=n).astype(np.int64)
+    sid = rng.integers(0, n_sets, size=n).astype(np.int64)
+    order = rng.permutation(n)[: n - 17].astype(np.int64)  # some shards are not the greedy's (cut sets)
+    base = rng.integers(0, 3000, size=world).astype(np.int64)
+    for prefer in (np.zeros(0, np.int64), rng.integers(-1, world, size=n).astype(np.int64)):
+        cap = rng.integers(2000, 60000, size=n_sets).astype(np.int64)
+        start = np.cumsum([0] + [len(m) for m in members[:-1]]).astype(np.int64)
+        size = np.asarray([len(m) for m in members], dtype=np.int64)
+        flat = np.asarray([r for m in members for r in m], dtype=np.int64)
+        loads = base.copy()
+        got = assign_readers(order, weight, sid, prefer, cap, start, size, flat, loads)
+        want_loads = base.tolist()
+        want = _greedy_oracle(order.tolist(), weight.tolist(), sid.tolist(), prefer.tolist(), cap.tolist(),
+                              members, want_loads)
+        assert got.tolist() == want and loads.tolist() == want_loads
+
+
 def test_local_plan_reshards_into_exact_read_items():
     # Stored as 3 uneven row chunks, loaded as a column shard: every element exactly once.
     chunks = tuple(

@@ -1,0 +1,108 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The reader choice of the global plan (:mod:`pipeload.globalplan`), over arrays.
+
+Every rank runs this on the same arrays, so every rank takes the same decisions. The rule is the
+design's greedy: shards in the given order (largest first, ties by key), each to the member of its
+holder set with the fewest bytes so far, ties to the lower rank. Sets share ranks, so a rank's bytes
+grow through every set it is in; each set keeps a heap of (bytes, rank) that is refreshed lazily: an
+entry whose bytes are out of date is re-keyed when it reaches the top. Bytes only grow, so the fresh
+top is always the member with the fewest bytes (then the lowest rank): the choice does not depend on
+the heap's layout.
+"""
+
+import numpy as np
+
+
+cdef inline bint _less(long long la, long long ra, long long lb, long long rb) noexcept nogil:
+    return la < lb or (la == lb and ra < rb)
+
+
+cdef void _sift_down(long long[:] hl, long long[:] hr, Py_ssize_t base, Py_ssize_t n, Py_ssize_t i) noexcept nogil:
+    cdef Py_ssize_t c
+    cdef long long l = hl[base + i], r = hr[base + i]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and _less(hl[base + c + 1], hr[base + c + 1], hl[base + c], hr[base + c]):
+            c += 1
+        if not _less(hl[base + c], hr[base + c], l, r):
+            break
+        hl[base + i] = hl[base + c]
+        hr[base + i] = hr[base + c]
+        i = c
+    hl[base + i] = l
+    hr[base + i] = r
+
+
+cdef bint _contains(const long long[:] members, Py_ssize_t lo, Py_ssize_t end, long long x) noexcept nogil:
+    """Whether ``x`` is in the ascending ``members[lo:end]`` (binary search)."""
+    cdef Py_ssize_t mid, hi = end
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if members[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo < end and members[lo] == x
+
+
+def assign_readers(const long long[:] order, const long long[:] weight, const long long[:] sid,
+                   const long long[:] prefer, const long long[:] cap, const long long[:] set_start,
+                   const long long[:] set_size, const long long[:] members, long long[:] loads):
+    """Readers of the shards ``order`` lists (indices into ``weight``/``sid``/``prefer``), in that order.
+
+    ``members[set_start[s] : set_start[s] + set_size[s]]`` are the ascending ranks of holder set ``s``;
+    ``loads`` (bytes per rank so far) is updated in place. First, in ``order``, a shard whose
+    ``prefer`` rank (its writer, >= 0) is a member of its set goes to it while that keeps the rank
+    within ``cap[s]``; then the greedy places the rest. Returns the reader of each index (-1 where
+    ``order`` does not list it).
+    """
+    cdef Py_ssize_t n = len(order), k, i, s, base, m, j
+    cdef long long h, w, r
+    reader_arr = np.full(len(weight), -1, dtype=np.int64)
+    cdef long long[:] reader = reader_arr
+    heap_l_arr = np.empty(len(members), dtype=np.int64)
+    heap_r_arr = np.empty(len(members), dtype=np.int64)
+    built_arr = np.zeros(len(set_start), dtype=np.uint8)
+    cdef long long[:] hl = heap_l_arr
+    cdef long long[:] hr = heap_r_arr
+    cdef unsigned char[:] built = built_arr
+    with nogil:
+        if len(prefer):
+            for k in range(n):
+                i = order[k]
+                h = prefer[i]
+                if h < 0:
+                    continue
+                s = sid[i]
+                if (_contains(members, set_start[s], set_start[s] + set_size[s], h)
+                        and loads[h] + weight[i] <= cap[s]):
+                    reader[i] = h
+                    loads[h] += weight[i]
+        for k in range(n):
+            i = order[k]
+            if reader[i] >= 0:
+                continue
+            s = sid[i]
+            base = set_start[s]
+            m = set_size[s]
+            if not built[s]:
+                for j in range(m):
+                    hl[base + j] = loads[members[base + j]]
+                    hr[base + j] = members[base + j]
+                j = m // 2 - 1
+                while j >= 0:
+                    _sift_down(hl, hr, base, m, j)
+                    j -= 1
+                built[s] = 1
+            while hl[base] != loads[hr[base]]:  # out of date: this rank took bytes through another set
+                hl[base] = loads[hr[base]]
+                _sift_down(hl, hr, base, m, 0)
+            r = hr[base]
+            w = weight[i]
+            reader[i] = r
+            loads[r] += w
+            hl[base] = loads[r]
+            _sift_down(hl, hr, base, m, 0)
+    return reader_arr
