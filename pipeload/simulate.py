@@ -305,11 +305,15 @@ class _Phases:
         self.last = now
 
 
-def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, phases: _Phases):
-    """One rank's path from the start of load() to its first data read; returns (plan, exchange)."""
+def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, phases: _Phases, state):
+    """One rank's path from the start of load() to its first data read; returns (plan, exchange).
+
+    ``state``: the rank's (state dict, boxes) from :meth:`Layout.state_dict`, built before the clock
+    starts — a trainer holds its state dict before it calls load().
+    """
     md = Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory), directory=directory)
     phases.lap("metadata")
-    sd, boxes = layout.state_dict(rank)
+    sd, boxes = state
     leaves = flatten(sd)
     plan = local_plan(leaves, md, lambda t: True, box_of=lambda fqn, v, cache: boxes[fqn])
     if plan.problems:
@@ -356,18 +360,19 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     sampled = sorted({0, world // 2 + 3 if world > 8 else world // 2, world - 1})[:max(1, samples)]
     results = []
     for rank in sampled:
+        state = lay.state_dict(rank)
         gc.collect()
         phases = _Phases()
         start = time.process_time()
         os.environ["PIPELOAD_HOST_ID"] = f"host-{rank // GPUS_PER_HOST}"
-        gp, ex, n_shards = _plan_rank(lay, directory, rows, cls, records, rank, phases)
+        gp, ex, n_shards = _plan_rank(lay, directory, rows, cls, records, rank, phases, state)
         cpu = time.process_time() - start
         peak = None
         if memory:
             del gp
             gc.collect()
             tracemalloc.start()
-            gp2, _, _ = _plan_rank(lay, directory, rows, cls, records, rank, _Phases())
+            gp2, _, _ = _plan_rank(lay, directory, rows, cls, records, rank, _Phases(), state)
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
             gp = gp2
