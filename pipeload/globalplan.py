@@ -380,8 +380,7 @@ def global_plan(
 
     def keys_of(rows: np.ndarray) -> list[ShardKey]:
         fr = first_rows[rows]
-        nd = ndim[index[fr]]
-        return list(zip(index[fr].tolist(), _row_tuples(offsets[fr], nd), _row_tuples(lengths[fr], nd)))
+        return _keys(index[fr], offsets[fr], lengths[fr], ndim[index[fr]])
 
     # groups read by every holder: not broadcastable, or no usable group
     private_groups = np.concatenate([candidates[~good], shut])
@@ -424,17 +423,17 @@ def global_plan(
         for sid in used:
             set_start[sid], set_size[sid] = at, len(sets[sid].members)
             at += len(sets[sid].members)
-        members = np.fromiter((r for sid in used for r in sets[sid].members), dtype=np.int64, count=at)
+        flat_members = np.fromiter((r for sid in used for r in sets[sid].members), dtype=np.int64, count=at)
         load_arr = np.asarray(loads, dtype=np.int64)
-        reader_of = assign_readers(greedy, w_rows, s_rows, prefer, cap, set_start, set_size, members, load_arr)
+        reader_of = assign_readers(greedy, w_rows, s_rows, prefer, cap, set_start, set_size, flat_members, load_arr)
         loads = load_arr.tolist()
     cut_pieces: list[tuple[ShardKey, int, int, ShardKey, int]] = []  # (piece key, weight, set, shard key, reader)
     for sid in cut:  # after the greedy: each cut set evens out its members' loads
         rows = np.flatnonzero(s_rows == sid)
         shards = sorted(zip(keys_of(rows), w_rows[rows].tolist()))
-        members_ = sets[sid].members
-        sizes = _water_fill([loads[r] for r in members_], sum(w for _, w in shards))
-        for pk, pw, r, key in _cut(shards, members_, sizes):
+        members = sets[sid].members
+        sizes = _water_fill([loads[r] for r in members], sum(w for _, w in shards))
+        for pk, pw, r, key in _cut(shards, members, sizes):
             cut_pieces.append((pk, pw, sid, key, r))
             loads[r] += pw
     for c in np.flatnonzero(extra_private):
@@ -444,9 +443,15 @@ def global_plan(
     bound = max(0, int(w_rows[whole].max()) if len(whole) else 0, max(map(itemgetter(1), cut_pieces), default=0),
                 *base)
 
+    # what GlobalPlan.readers is built from, if it is read: only the component's rows (a kept plan must
+    # not hold the W x S record rows of an R = 1 layout)
+    fr = first_rows[whole]
+    kept = (index[fr], offsets[fr], lengths[fr], ndim[index[fr]], reader_of[whole], [(p[0], p[4]) for p in cut_pieces])
+
     def all_readers() -> dict[ShardKey, int]:
-        out = dict(zip(keys_of(whole), reader_of[whole].tolist()))
-        out.update((p[0], p[4]) for p in cut_pieces)
+        idx, off, ln, nd, rd, cut_readers = kept
+        out = dict(zip(_keys(idx, off, ln, nd), rd.tolist()))
+        out.update(cut_readers)
         return out
 
     lap("readers")
@@ -502,6 +507,11 @@ def _affinity_caps(totals: dict[int, int], sets: dict, loads: list[int], compone
         ranks.setdefault(c, set()).update(sets[sid].members)
         total[c] = total.get(c, 0) + t
     return {c: (total[c] + sum(loads[r] for r in rs)) * 11 // (10 * len(rs)) for c, rs in ranks.items()}
+
+
+def _keys(index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, nd: np.ndarray) -> list[ShardKey]:
+    """Shard keys (fqn index, offsets, lengths) of record rows, each cut to its tensor's rank ``nd``."""
+    return list(zip(index.tolist(), _row_tuples(offsets, nd), _row_tuples(lengths, nd)))
 
 
 def _row_tuples(a: np.ndarray, nd: np.ndarray) -> list[tuple[int, ...]]:
