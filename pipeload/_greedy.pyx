@@ -106,3 +106,68 @@ def assign_readers(const long long[:] order, const long long[:] weight, const lo
             hl[base] = loads[r]
             _sift_down(hl, hr, base, m, 0)
     return reader_arr
+
+
+from libc.math cimport llrint
+
+
+def cut_stream(const long long[:] weight, const long long[:] rows, const long long[:] sizes):
+    """Stream cutting of a holder set whose shards the greedy cannot balance.
+
+    The set's shards, in key order, form one byte stream; it is cut at row boundaries of each shard's
+    first dimension into contiguous segments of ``sizes`` bytes, segment ``i`` read by member ``i``.
+    Every member reads one contiguous run of the stream, within a row of its size (a shard with no rows
+    to cut, or no bytes, goes whole to the segment it starts in); a segment's end is rounded to the
+    nearest row boundary (half to even), but each piece holds at least one row.
+
+    ``weight``/``rows``: bytes and first-dimension rows of the set's shards, in key order (rows < 1: a
+    shard that cannot be cut); ``sizes``: the bytes of each member's segment, in member order. Returns
+    (shard, first row, end row, segment) per piece, as int64 arrays: a piece is rows [first, end) of
+    its shard (first 0 and end its rows: the whole shard).
+    """
+    cdef Py_ssize_t n = len(sizes), s_count = len(weight), j, k = 0, seg = 0
+    cdef long long pos = 0, acc = 0, w, r_all, row, r0, r1, x
+    bounds_arr = np.zeros(max(n - 1, 0), dtype=np.int64)
+    cdef long long[:] bounds = bounds_arr
+    for j in range(n - 1):
+        acc += sizes[j]
+        bounds[j] = acc
+    cap = s_count + n + 1
+    out_arr = np.empty((4, cap), dtype=np.int64)
+    cdef long long[:, :] out = out_arr
+    with nogil:
+        for j in range(s_count):
+            w = weight[j]
+            r_all = rows[j]
+            if r_all < 1 or w == 0:
+                while seg < n - 1 and bounds[seg] <= pos:
+                    seg += 1
+                out[0, k] = j
+                out[1, k] = 0
+                out[2, k] = r_all
+                out[3, k] = seg
+                k += 1
+                pos += w
+                continue
+            row = w // r_all
+            r0 = 0
+            while r0 < r_all:
+                while seg < n - 1 and bounds[seg] <= pos + r0 * row:
+                    seg += 1
+                if seg == n - 1:
+                    r1 = r_all
+                else:
+                    x = llrint(<double>(bounds[seg] - pos) / <double>row)
+                    r1 = r0 + 1 if x < r0 + 1 else x
+                    if r1 > r_all:
+                        r1 = r_all
+                out[0, k] = j
+                out[1, k] = r0
+                out[2, k] = r1
+                out[3, k] = seg
+                k += 1
+                if r1 < r_all:
+                    seg += 1
+                r0 = r1
+            pos += w
+    return out_arr[:, :k]

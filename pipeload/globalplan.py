@@ -57,7 +57,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ._greedy import assign_readers
+from ._greedy import assign_readers, cut_stream
 from .exchange import F_GROUPS, F_HOST, F_NGROUPS, Classes, Record, group_digest
 
 ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -176,44 +176,43 @@ def _water_fill(loads: list[int], total: int) -> list[int]:
     return add
 
 
-def _cut(shards: list[tuple[ShardKey, int]], members: tuple[int, ...],
-         sizes: list[int]) -> list[tuple[ShardKey, int, int, ShardKey]]:
-    """Stream cutting: (piece, weight, reader, shard) for a holder set whose shards greedy cannot balance.
+class _CutSet:
+    """The shards of one stream-cut holder set (rows of the global plan's arrays, in key order) and,
+    once :meth:`cut`, its pieces as arrays: shard, row range, weight, reader
+    (:func:`pipeload._greedy.cut_stream`)."""
 
-    The set's shards, in key order, form one byte stream; it is cut at row boundaries of each shard's
-    first dimension into contiguous segments of ``sizes`` bytes, segment ``i`` read by ``members[i]``.
-    Every member reads one contiguous run of the stream, within a row of its size (a shard with no
-    rows to cut goes whole to the segment it starts in).
-    """
-    n = len(members)
-    bounds, acc = [], 0
-    for x in sizes[:-1]:
-        acc += x
-        bounds.append(acc)  # stream byte where segment i ends
-    out: list[tuple[ShardKey, int, int, ShardKey]] = []
-    pos, seg = 0, 0
-    for key, w in shards:
-        idx, off, ln = key
-        rows = ln[0] if ln else 0
-        if rows < 1 or w == 0:
-            while seg < n - 1 and bounds[seg] <= pos:
-                seg += 1
-            out.append((key, w, members[seg], key))
-            pos += w
-            continue
-        row = w // rows
-        r0 = 0
-        while r0 < rows:
-            while seg < n - 1 and bounds[seg] <= pos + r0 * row:
-                seg += 1
-            r1 = rows if seg == n - 1 else min(rows, max(r0 + 1, round((bounds[seg] - pos) / row)))
-            piece = key if (r0, r1) == (0, rows) else (idx, (off[0] + r0, *off[1:]), (r1 - r0, *ln[1:]))
-            out.append((piece, (r1 - r0) * row, members[seg], key))
-            if r1 < rows:
-                seg += 1
-            r0 = r1
-        pos += w
-    return out
+    def __init__(self, sid: int, rows: np.ndarray, first_rows, index, offsets, lengths, ndim, weights):
+        fr = first_rows[rows]
+        o, ln = offsets[fr], lengths[fr]
+        width = o.shape[1]
+        order = np.lexsort([*(ln[:, k] for k in reversed(range(width))), *(o[:, k] for k in reversed(range(width))),
+                            index[fr]])  # key order: (fqn index, offsets, lengths)
+        fr = fr[order]
+        self.sid = sid
+        self.index, self.offsets, self.lengths = index[fr], offsets[fr], lengths[fr]
+        self.ndim = ndim[self.index]
+        self.weight = weights[rows[order]].astype(np.int64, copy=False)
+        self.rows = (np.where(self.ndim > 0, self.lengths[:, 0], 0).astype(np.int64) if width
+                     else np.zeros(len(fr), dtype=np.int64))
+
+    def cut(self, members: np.ndarray, sizes: list[int]) -> None:
+        self.shard, self.r0, self.r1, seg = cut_stream(self.weight, self.rows, np.asarray(sizes, dtype=np.int64))
+        rows = self.rows[self.shard]
+        w = self.weight[self.shard]
+        self.whole = (self.r0 == 0) & (self.r1 == rows)
+        self.piece_weight = np.where(self.whole, w, (self.r1 - self.r0) * (w // np.maximum(rows, 1)))
+        self.reader = members[seg]
+
+    def pieces(self) -> list[tuple[ShardKey, int, int, ShardKey, int]]:
+        """(piece key, weight, set, shard key, reader) of every piece."""
+        keys = _keys(self.index, self.offsets, self.lengths, self.ndim)
+        out = []
+        for j, r0, r1, whole, pw, r in zip(self.shard.tolist(), self.r0.tolist(), self.r1.tolist(),
+                                           self.whole.tolist(), self.piece_weight.tolist(), self.reader.tolist()):
+            key = keys[j]
+            piece = key if whole else (key[0], (key[1][0] + r0, *key[1][1:]), (r1 - r0, *key[2][1:]))
+            out.append((piece, pw, self.sid, key, r))
+        return out
 
 
 def global_plan(
@@ -427,41 +426,46 @@ def global_plan(
         load_arr = np.asarray(loads, dtype=np.int64)
         reader_of = assign_readers(greedy, w_rows, s_rows, prefer, cap, set_start, set_size, flat_members, load_arr)
         loads = load_arr.tolist()
-    cut_pieces: list[tuple[ShardKey, int, int, ShardKey, int]] = []  # (piece key, weight, set, shard key, reader)
-    for sid in cut:  # after the greedy: each cut set evens out its members' loads
-        rows = np.flatnonzero(s_rows == sid)
-        shards = sorted(zip(keys_of(rows), w_rows[rows].tolist()))
-        members = sets[sid].members
-        sizes = _water_fill([loads[r] for r in members], sum(w for _, w in shards))
-        for pk, pw, r, key in _cut(shards, members, sizes):
-            cut_pieces.append((pk, pw, sid, key, r))
-            loads[r] += pw
+    # after the greedy: each cut set evens out its members' loads; its pieces as arrays (Python keys only
+    # for the sets this rank is in)
+    mine_sets = {sid for sid, s in sets.items() if contains(s.members, me)}
+    cut_sets = [_CutSet(sid, np.flatnonzero(s_rows == sid), first_rows, index, offsets, lengths, ndim, w_rows)
+                for sid in cut]
+    load_arr = np.asarray(loads, dtype=np.int64)
+    for cs in cut_sets:
+        members = np.asarray(sets[cs.sid].members, dtype=np.int64)
+        sizes = _water_fill(load_arr[members].tolist(), int(cs.weight.sum()))
+        cs.cut(members, sizes)
+        np.add.at(load_arr, cs.reader, cs.piece_weight)
+    loads = load_arr.tolist()
     for c in np.flatnonzero(extra_private):
         for r in cls.members[c]:
             loads[int(r)] += int(extra_private[c])
     whole = np.flatnonzero(~is_cut)
-    bound = max(0, int(w_rows[whole].max()) if len(whole) else 0, max(map(itemgetter(1), cut_pieces), default=0),
-                *base)
+    bound = max(0, int(w_rows[whole].max()) if len(whole) else 0,
+                max((int(cs.piece_weight.max()) for cs in cut_sets if len(cs.piece_weight)), default=0), *base)
 
     # what GlobalPlan.readers is built from, if it is read: only the component's rows (a kept plan must
     # not hold the W x S record rows of an R = 1 layout)
     fr = first_rows[whole]
-    kept = (index[fr], offsets[fr], lengths[fr], ndim[index[fr]], reader_of[whole], [(p[0], p[4]) for p in cut_pieces])
+    kept = (index[fr], offsets[fr], lengths[fr], ndim[index[fr]], reader_of[whole], cut_sets)
 
     def all_readers() -> dict[ShardKey, int]:
-        idx, off, ln, nd, rd, cut_readers = kept
+        idx, off, ln, nd, rd, cuts = kept
         out = dict(zip(_keys(idx, off, ln, nd), rd.tolist()))
-        out.update(cut_readers)
+        for c in cuts:
+            out.update((p[0], p[4]) for p in c.pieces())
         return out
 
     lap("readers")
 
     # 4. this rank's broadcasts, in global order
-    mine_sets = {sid for sid, s in sets.items() if contains(s.members, me)}
     mine = whole[np.isin(s_rows[whole], list(mine_sets))]
     mine_keys = keys_of(mine)
     my_pieces = list(zip(mine_keys, w_rows[mine].tolist(), s_rows[mine].tolist(), mine_keys, reader_of[mine].tolist()))
-    my_pieces += [p for p in cut_pieces if p[2] in mine_sets]
+    for cs in cut_sets:
+        if cs.sid in mine_sets:
+            my_pieces += cs.pieces()
     my_pieces.sort(key=itemgetter(0))
     by_shard: dict[ShardKey, list[ShardKey]] = {}
     ops: list[Op] = []

@@ -315,6 +315,55 @@ def test_assign_readers_is_the_plain_rule_over_overlapping_sets(seed):
         assert got.tolist() == want and loads.tolist() == want_loads
 
 
+def _cut_oracle(weight, rows, sizes):
+    """Stream cutting written plainly: (shard, first row, end row, segment) per piece."""
+    n = len(sizes)
+    bounds = [sum(sizes[: i + 1]) for i in range(n - 1)]  # stream byte where segment i ends
+    out, pos, seg = [], 0, 0
+    for j, (w, r_all) in enumerate(zip(weight, rows)):
+        if r_all < 1 or w == 0:
+            while seg < n - 1 and bounds[seg] <= pos:
+                seg += 1
+            out.append((j, 0, r_all, seg))
+            pos += w
+            continue
+        row, r0 = w // r_all, 0
+        while r0 < r_all:
+            while seg < n - 1 and bounds[seg] <= pos + r0 * row:
+                seg += 1
+            r1 = r_all if seg == n - 1 else min(r_all, max(r0 + 1, round((bounds[seg] - pos) / row)))
+            out.append((j, r0, r1, seg))
+            if r1 < r_all:
+                seg += 1
+            r0 = r1
+        pos += w
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cut_stream_is_the_rule_written_plainly(seed):
+    """Stream cutting over arrays against the rule written plainly: shards that cannot be cut (no rows,
+    no bytes), segment ends that fall on half a row (rounded half to even), empty segments."""
+    from pipeload._greedy import cut_stream
+
+    rng = np.random.default_rng(seed)
+    n_shards, members = int(rng.integers(1, 60)), int(rng.integers(1, 20))
+    rows = rng.choice([0, 1, 2, 3, 7, 64, 1000], size=n_shards).astype(np.int64)
+    row_bytes = rng.choice([2, 4, 6, 8, 1024], size=n_shards)
+    weight = (np.maximum(rows, 1) * row_bytes).astype(np.int64)
+    weight[rng.random(n_shards) < 0.05] = 0
+    total = int(weight.sum())
+    cuts = np.sort(rng.integers(0, total + 1, size=members - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int64)
+    got = cut_stream(weight, rows, sizes)
+    want = _cut_oracle(weight.tolist(), rows.tolist(), sizes.tolist())
+    assert [tuple(c) for c in got.T.tolist()] == want
+    # every shard's rows are covered once, in order, by consecutive pieces
+    for j in range(n_shards):
+        mine = [(r0, r1) for jj, r0, r1, _ in want if jj == j]
+        assert mine[0][0] == 0 and mine[-1][1] == rows[j] and all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
+
+
 def test_local_plan_reshards_into_exact_read_items():
     # Stored as 3 uneven row chunks, loaded as a column shard: every element exactly once.
     chunks = tuple(
