@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The reader choice of the global plan (:mod:`pipeload.globalplan`), over arrays.
+"""The reader choice of the global plan (:mod:`pipeload.globalplan`), over arrays: the greedy
+(:func:`assign_readers`) and the stream cutting of sets it cannot balance (:func:`cut_stream`).
 
 Every rank runs this on the same arrays, so every rank takes the same decisions. The rule is the
 design's greedy: shards in the given order (largest first, ties by key), each to the member of its
