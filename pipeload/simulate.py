@@ -49,6 +49,7 @@ import torch
 
 from .exchange import (Classes, Transfer, classes, encode_record, group_digest, hash64, make_row, padded,
                        received_bytes, record_digest)
+from ._gcpause import paused_gc
 from .loader import exchange_and_plan
 from .chunkindex import ARRAYS, build_arrays, index_file_name
 from .metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, TensorMeta, chunk_key, metadata_path,
@@ -309,24 +310,26 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
     """One rank's path from the start of load() to its first data read; returns (plan, exchange).
 
     ``state``: the rank's (state dict, boxes) from :meth:`Layout.state_dict`, built before the clock
-    starts — a trainer holds its state dict before it calls load().
+    starts — a trainer holds its state dict before it calls load(). The cyclic GC is paused, as
+    load_async() pauses it for all of this.
     """
-    md = Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory), directory=directory)
-    phases.lap("metadata")
-    sd, boxes = state
-    leaves = flatten(sd)
-    plan = local_plan(leaves, md, lambda t: True, box_of=lambda fqn, v, cache: boxes[fqn])
-    if plan.problems:
-        raise AssertionError(f"rank {rank}: local plan problems: {plan.problems[:3]}")
-    names = list(fqn_index(md))
-    record = plan_record(plan, md.width())
-    phases.lap("local plan")
-    ex = SimExchange(rows, cls, records, rank)
-    groups = layout.group_digests(rank, {})
-    gp = exchange_and_plan(ex, rank, layout.world, md, names, record, [], groups, directory="<simulated>",
-                           broadcast=True, batch_bytes=6 << 20, can_create=True, clock=phases,
-                           on_phase=lambda name: phases.lap(f"global plan: {name}"))
-    phases.lap("global plan")
+    with paused_gc():
+        md = Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory), directory=directory)
+        phases.lap("metadata")
+        sd, boxes = state
+        leaves = flatten(sd)
+        plan = local_plan(leaves, md, lambda t: True, box_of=lambda fqn, v, cache: boxes[fqn])
+        if plan.problems:
+            raise AssertionError(f"rank {rank}: local plan problems: {plan.problems[:3]}")
+        names = list(fqn_index(md))
+        record = plan_record(plan, md.width())
+        phases.lap("local plan")
+        ex = SimExchange(rows, cls, records, rank)
+        groups = layout.group_digests(rank, {})
+        gp = exchange_and_plan(ex, rank, layout.world, md, names, record, [], groups, directory="<simulated>",
+                               broadcast=True, batch_bytes=6 << 20, can_create=True, clock=phases,
+                               on_phase=lambda name: phases.lap(f"global plan: {name}"))
+        phases.lap("global plan")
     return gp, ex, len(plan.shards)
 
 
