@@ -77,6 +77,7 @@ def assign_readers(const long long[:] order, const long long[:] weight, const lo
                 if h < 0:
                     continue
                 s = sid[i]
+                # membership first: a writer rank read from a file name is used only when it is a holder
                 if (_contains(members, set_start[s], set_start[s] + set_size[s], h)
                         and loads[h] + weight[i] <= cap[s]):
                     reader[i] = h
@@ -128,6 +129,11 @@ def cut_stream(const long long[:] weight, const long long[:] rows, const long lo
     """
     cdef Py_ssize_t n = len(sizes), s_count = len(weight), j, k = 0, seg = 0
     cdef long long pos = 0, acc = 0, w, r_all, row, r0, r1, x
+    if n < 1 or len(rows) != s_count:
+        raise ValueError("cut_stream: no segments, or rows and weights of different lengths")
+    for j in range(s_count):
+        if rows[j] >= 1 and 0 < weight[j] < rows[j]:
+            raise ValueError(f"cut_stream: shard {j} has {rows[j]} rows but {weight[j]} bytes")
     bounds_arr = np.zeros(max(n - 1, 0), dtype=np.int64)
     cdef long long[:] bounds = bounds_arr
     for j in range(n - 1):

@@ -302,7 +302,9 @@ def test_assign_readers_is_the_plain_rule_over_overlapping_sets(seed):
     sid = rng.integers(0, n_sets, size=n).astype(np.int64)
     order = rng.permutation(n)[: n - 17].astype(np.int64)  # some shards are not the greedy's (cut sets)
     base = rng.integers(0, 3000, size=world).astype(np.int64)
-    for prefer in (np.zeros(0, np.int64), rng.integers(-1, world, size=n).astype(np.int64)):
+    # writers may name ranks outside the world (a hostile file name): never chosen, never indexed
+    for prefer in (np.zeros(0, np.int64), rng.integers(-1, world + 1000, size=n).astype(np.int64),
+                   rng.integers(-1, world, size=n).astype(np.int64)):
         cap = rng.integers(2000, 60000, size=n_sets).astype(np.int64)
         start = np.cumsum([0] + [len(m) for m in members[:-1]]).astype(np.int64)
         size = np.asarray([len(m) for m in members], dtype=np.int64)
