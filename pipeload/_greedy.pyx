@@ -11,6 +11,8 @@ top is always the member with the fewest bytes (then the lowest rank): the choic
 the heap's layout.
 """
 
+from libc.math cimport llrint
+
 import numpy as np
 
 
@@ -109,8 +111,6 @@ def assign_readers(const long long[:] order, const long long[:] weight, const lo
             _sift_down(hl, hr, base, m, 0)
     return reader_arr
 
-
-from libc.math cimport llrint
 
 
 def cut_stream(const long long[:] weight, const long long[:] rows, const long long[:] sizes):

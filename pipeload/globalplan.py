@@ -183,10 +183,8 @@ class _CutSet:
 
     def __init__(self, sid: int, rows: np.ndarray, first_rows, index, offsets, lengths, ndim, weights):
         fr = first_rows[rows]
-        o, ln = offsets[fr], lengths[fr]
-        width = o.shape[1]
-        order = np.lexsort([*(ln[:, k] for k in reversed(range(width))), *(o[:, k] for k in reversed(range(width))),
-                            index[fr]])  # key order: (fqn index, offsets, lengths)
+        width = offsets.shape[1]
+        order = np.lexsort(_key_columns(index[fr], offsets[fr], lengths[fr]))
         fr = fr[order]
         self.sid = sid
         self.index, self.offsets, self.lengths = index[fr], offsets[fr], lengths[fr]
@@ -400,11 +398,9 @@ def global_plan(
     cut = [sid for sid in used if stripe and _cuts(int(total[sid]), int(largest[sid]), len(sets[sid].members), min_stripe)]
     is_cut = np.isin(s_rows, cut)
     reader_of = np.full(len(first_rows), -1, dtype=np.int64)
+    load_arr = np.asarray(loads, dtype=np.int64)  # bytes per rank, updated by the greedy and the cuts
     if len(first_rows):  # largest first, ties by key: one lexsort over the rows the keys are built from
-        fr_o, fr_l = offsets[first_rows], lengths[first_rows]
-        by_size = np.lexsort([*(fr_l[:, k] for k in reversed(range(width))),
-                              *(fr_o[:, k] for k in reversed(range(width))),
-                              index[first_rows], -w_rows])
+        by_size = np.lexsort([*_key_columns(index[first_rows], offsets[first_rows], lengths[first_rows]), -w_rows])
         greedy = by_size[~is_cut[by_size]]
         prefer = (affinity[first_rows].astype(np.int64, copy=False) if affinity is not None
                   else np.zeros(0, dtype=np.int64))
@@ -423,15 +419,12 @@ def global_plan(
             set_start[sid], set_size[sid] = at, len(sets[sid].members)
             at += len(sets[sid].members)
         flat_members = np.fromiter((r for sid in used for r in sets[sid].members), dtype=np.int64, count=at)
-        load_arr = np.asarray(loads, dtype=np.int64)
         reader_of = assign_readers(greedy, w_rows, s_rows, prefer, cap, set_start, set_size, flat_members, load_arr)
-        loads = load_arr.tolist()
     # after the greedy: each cut set evens out its members' loads; its pieces as arrays (Python keys only
     # for the sets this rank is in)
     mine_sets = {sid for sid, s in sets.items() if contains(s.members, me)}
     cut_sets = [_CutSet(sid, np.flatnonzero(s_rows == sid), first_rows, index, offsets, lengths, ndim, w_rows)
                 for sid in cut]
-    load_arr = np.asarray(loads, dtype=np.int64)
     for cs in cut_sets:
         members = np.asarray(sets[cs.sid].members, dtype=np.int64)
         sizes = _water_fill(load_arr[members].tolist(), int(cs.weight.sum()))
@@ -511,6 +504,13 @@ def _affinity_caps(totals: dict[int, int], sets: dict, loads: list[int], compone
         ranks.setdefault(c, set()).update(sets[sid].members)
         total[c] = total.get(c, 0) + t
     return {c: (total[c] + sum(loads[r] for r in rs)) * 11 // (10 * len(rs)) for c, rs in ranks.items()}
+
+
+def _key_columns(index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """The columns of record rows for ``np.lexsort`` (last one primary) in shard-key order: fqn index,
+    then offsets, then lengths — the order of the keys' tuples (rows of one tensor share its rank)."""
+    width = offsets.shape[1]
+    return [*(lengths[:, k] for k in reversed(range(width))), *(offsets[:, k] for k in reversed(range(width))), index]
 
 
 def _keys(index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, nd: np.ndarray) -> list[ShardKey]:

@@ -109,7 +109,7 @@ def local_plan(
     index = fqn_index(md)
     plan = LocalPlan()
     boxes: dict = {}  # meshes stay alive through this call, so their ids are stable keys
-    todo = []  # (fqn, value, box, numel) of the tensors to resolve into reads
+    todo = []  # (fqn, dtype, box) of the tensors to resolve into reads
     info = md.tensor_info
     for fqn in sorted(leaves):
         leaf = leaves[fqn]
