@@ -41,7 +41,7 @@ from .planner import fqn_index, local_plan, piece_shard, plan_record
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
-from .statedict import flatten, mesh_groups, untracked
+from .statedict import flatten, mesh_groups
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
@@ -87,13 +87,21 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     the ranks are still planning. Otherwise this is a guess that can only be partly wrong: only bytes
     this rank needs, from one file.
     """
-    items, total = [], 0
-    for it in (it for s in plan.shards for it in s.reads if it.file == own_file):
+    whole, items, total = [], [], 0
+    for s in plan.shards:
         if total >= SPECULATIVE_PREFETCH:
             break
-        items.append(it)
-        total += it.nbytes
-    reader.prefetch(items)
+        exact = s.exact()
+        if exact is not None:  # the usual case: no ReadItem is built for it before it is read
+            if exact[0] == own_file:
+                whole.append(exact[1])
+                total += s.nbytes
+            continue
+        for it in s.reads:
+            if it.file == own_file:
+                items.append(it)
+                total += it.nbytes
+    reader.prefetch(items, whole={own_file: whole} if whole else None)
 
 
 def _progress_bar(enabled: bool, rank: int, total: int):
@@ -286,7 +294,7 @@ def _rebind(prep: _Prepared, leaves: dict) -> None:
     """Point a kept plan at this load's tensors and containers (same keys, boxes, dtypes: the signature)."""
     for shard in prep.plan.shards:  # the signature matched: each leaf's local tensor is the whole box
         v = leaves[shard.fqn].value
-        shard.dest = untracked(getattr(v, "_local_tensor", v))
+        shard.dest = getattr(v, "_local_tensor", v)  # (detached when first used)
     for piece, shard in prep.cut:
         piece.dest = shard.dest.narrow(0, piece.key[1][0] - shard.key[1][0], piece.key[2][0])
     for obj in prep.plan.objects:

@@ -22,7 +22,7 @@ import torch
 from .exchange import encode_record, padded
 from .globalplan import ShardKey
 from .metadata import ChunkMeta, Metadata, ObjectMeta, chunk_key, dtype_name
-from .statedict import Box, Leaf, tensor_box, untracked
+from .statedict import Box, Leaf, tensor_box
 
 
 class ReadItem(NamedTuple):
@@ -38,18 +38,61 @@ class ReadItem(NamedTuple):
     nbytes: int
 
 
-@dataclass(slots=True)
 class DestShard:
-    """What this rank needs of one tensor: a box of the global tensor, and where it goes."""
+    """What this rank needs of one tensor: a box of the global tensor, and where it goes.
 
-    fqn: str
-    key: ShardKey
-    dtype: torch.dtype
-    nbytes: int
-    reads: list[ReadItem]
-    dest: torch.Tensor  # this rank's tensor holding the box (copied into in place)
-    broadcastable: bool
-    affinity: int = -1  # the rank the layout names as writer of the file holding it, or -1
+    Built for every tensor leaf before the exchange, so what only the reads need is built when they
+    run (in the worker thread, overlapping the broadcasts): a box loaded as saved keeps its one stored
+    chunk as ``(file, checksum, whole)`` until :attr:`reads` is first asked for, and :attr:`dest` is
+    detached from autograd when first used, not at planning.
+    """
+
+    __slots__ = ("fqn", "key", "dtype", "nbytes", "_reads", "_dest", "broadcastable", "affinity")
+
+    def __init__(self, fqn: str, key: ShardKey, dtype: torch.dtype, nbytes: int, reads, dest, broadcastable: bool,
+                 affinity: int = -1):
+        self.fqn = fqn
+        self.key = key
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self._reads = reads  # list[ReadItem], or (file, checksum, whole) of the one chunk that is the box
+        self._dest = dest  # this rank's tensor holding the box (copied into in place)
+        self.broadcastable = broadcastable
+        self.affinity = affinity  # the rank the layout names as writer of the file holding it, or -1
+
+    @property
+    def reads(self) -> list[ReadItem]:
+        r = self._reads
+        if type(r) is tuple:
+            file, checksum, whole = r
+            offsets, lengths = self.key[1], self.key[2]
+            zero = (0,) * len(lengths)
+            r = self._reads = [ReadItem(file, chunk_key(self.fqn, offsets, whole), checksum, lengths, zero, zero,
+                                        lengths, self.nbytes)]
+        return r
+
+    def exact(self) -> tuple[str, str] | None:
+        """(file, safetensors key) when the box is one whole stored chunk, without building its reads."""
+        r = self._reads
+        if type(r) is tuple:
+            return r[0], chunk_key(self.fqn, self.key[1], r[2])
+        if len(r) == 1 and r[0].lengths == r[0].chunk_lengths:
+            return r[0].file, r[0].key
+        return None
+
+    @property
+    def dest(self) -> torch.Tensor:
+        d = self._dest
+        if d is not None and d.requires_grad:  # a load's copies into parameters must not be recorded
+            d = self._dest = d.detach()
+        return d
+
+    @dest.setter
+    def dest(self, value: torch.Tensor | None) -> None:
+        self._dest = value
+
+    def __repr__(self) -> str:
+        return f"DestShard({self.fqn!r}, {self.key}, {self.dtype}, {self.nbytes})"
 
 
 @dataclass
@@ -156,10 +199,8 @@ def local_plan(
         numel = box.numel
         local = box.local
         if hit is not None:
-            zero = (0,) * len(box.offsets)
             file, checksum = hit
-            key = chunk_key(fqn, box.offsets, box.lengths == box.global_shape)
-            reads = [ReadItem(file, key, checksum, box.lengths, zero, zero, box.lengths, numel * itemsize)]
+            reads = (file, checksum, box.lengths == box.global_shape)  # its ReadItem: DestShard.reads
             affinity = writer_of(file) if writer_of is not None else -1
         else:
             reads = []
@@ -171,9 +212,8 @@ def local_plan(
                                           math.prod(ln) * itemsize))
             affinity = writer_of(reads[0].file) if writer_of is not None and reads and all(
                 r.file == reads[0].file for r in reads) else -1
-        # positional (a dataclass built per leaf): fqn, key, dtype, nbytes, reads, dest (same storage), ...
         plan.shards.append(DestShard(fqn, (index[fqn], box.offsets, box.lengths), dtype, numel * itemsize,
-                                     reads, untracked(local), broadcastable(local), affinity))
+                                     reads, local, broadcastable(local), affinity))
     if strict and plan.missing:
         plan.problems += [f"{fqn!r}: missing from the checkpoint" for fqn in plan.missing]
     return plan

@@ -196,15 +196,21 @@ class ChunkReader:
             self._verified.add((f.path, key))
         return buf
 
-    def prefetch(self, items: Iterable[ReadItem]) -> None:
+    def prefetch(self, items: Iterable[ReadItem], whole: dict[str, list[str]] | None = None) -> None:
         """Ask the kernel for the bytes of ``items`` now, as few large requests (adjacent ranges merged).
 
-        Asynchronous: the reads proceed while this rank copies what is already there.
+        ``whole``: file -> names of stored chunks wanted whole, besides ``items`` (a plan's exact boxes,
+        named without building their ReadItems). Asynchronous: the reads proceed while this rank copies
+        what is already there.
         """
         spans: dict[str, list[tuple[int, int]]] = {}
-        whole: dict[str, list[str]] = {}  # safetensors files: names of chunks read whole (merged in C)
+        whole = {k: list(v) for k, v in whole.items()} if whole else {}  # names of chunks read whole
         files: dict[str, Any] = {}
         try:
+            for name in whole:
+                f = files[name] = self.file(name)
+                if type(f) is not SafetensorsFile:
+                    raise TypeError(f"{name}: whole chunks are prefetched from safetensors files only")
             for item in items:
                 if item.nbytes == 0:
                     continue

@@ -59,12 +59,6 @@ def _is_node(x: Any) -> bool:
     return isinstance(x, (dict, list, torch.Tensor))
 
 
-def untracked(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or a detached view when autograd tracks it: a load's in-place copies into parameters
-    must not be recorded (detaching every leaf would cost a tensor object each)."""
-    return t.detach() if t.requires_grad else t
-
-
 def is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
