@@ -92,13 +92,13 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     this rank needs, from one file.
     """
     whole, items, total = [], [], 0
-    for s in plan.shards:
+    for s in plan.shards:  # (in the worker, holding the GIL the planning thread needs: no key built in vain)
         if total >= SPECULATIVE_PREFETCH:
             break
-        exact = s.exact()
-        if exact is not None:  # the usual case: no ReadItem is built for it before it is read
-            if exact[0] == own_file:
-                whole.append(exact[1])
+        file = s.exact_file
+        if file is not None:  # the usual case: no ReadItem is built for it before it is read
+            if file == own_file:
+                whole.append(s.exact_key())
                 total += s.nbytes
             continue
         for it in s.reads:
@@ -359,15 +359,18 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
             f"pipeload.load from {directory}: keys in the checkpoint that no rank loads (strict=True)", unexpected
         )
     shared, private, cut = {}, [], []
+    pieces_of = gp.pieces
     for s in plan.shards:
-        pieces = gp.pieces.get(s.key)
+        pieces = pieces_of.get(s.key)
         if pieces is None:
             private.append(s)
-            continue
-        for pk in pieces:
-            piece = shared[pk] = piece_shard(s, pk)
-            if piece is not s:
-                cut.append((piece, s))
+        elif len(pieces) == 1 and pieces[0] == s.key:  # not striped: the piece is the shard
+            shared[s.key] = s
+        else:
+            for pk in pieces:
+                piece = shared[pk] = piece_shard(s, pk)
+                if piece is not s:
+                    cut.append((piece, s))
     clock.lap("plan")
 
     # 4. groups

@@ -168,18 +168,18 @@ class Metadata:
             return t.index.overlapping(i, fqn, t.ndims[i], t.files, offsets, lengths)
         return self.tensors[fqn].chunks
 
-    def exact_chunks(self, fqns: list[str], offsets: list[tuple], lengths: list[tuple]) -> list:
+    def exact_chunks(self, fqns: list[str], offsets, lengths) -> list:
         """Per box of tensor ``fqns[j]``: ``(file, checksum)`` of the one stored chunk that is exactly that box
-        (format 2, looked up for all boxes at once), or None: resolve it with :meth:`chunks_for`."""
+        (format 2, looked up for all boxes at once), or None: resolve it with :meth:`chunks_for`.
+
+        ``offsets``/``lengths``: a tuple per box, or the boxes as n x k int64 arrays, zero-padded."""
         if not self.indexed or not fqns:
             return [None] * len(fqns)
         import numpy as np
 
-        from .exchange import padded
-
         t = self.tensors
         pos = np.fromiter((t.pos[f] for f in fqns), dtype=np.int64, count=len(fqns))
-        rows = t.index.exact(pos, padded(offsets, t.index.width), padded(lengths, t.index.width))
+        rows = t.index.exact(pos, _at_width(offsets, t.index.width), _at_width(lengths, t.index.width))
         hit = rows >= 0
         r = rows[hit]
         files = t.index.a["chunk_file"][r].tolist()
@@ -415,6 +415,28 @@ def _checksum(v: Any, where: str) -> str:
     if type(v) is not str or not _HEX16.fullmatch(v):
         raise CheckpointFormatError(f"{where}: checksum must be 16 lowercase hex digits")
     return v
+
+
+def _at_width(boxes, width: int):
+    """Boxes (a tuple each, or an n x k zero-padded array) as an n x ``width`` int64 array.
+
+    A box of more dimensions than ``width`` keeps them as a non-zero column would: it then matches no
+    stored chunk (those columns are zero there), never one of a lower rank."""
+    import numpy as np
+
+    from .exchange import padded
+
+    if not isinstance(boxes, np.ndarray):
+        return padded(boxes, width)
+    k = boxes.shape[1]
+    if k == width:
+        return boxes
+    if k < width:
+        return np.pad(boxes, ((0, 0), (0, width - k)))
+    extra = np.any(boxes[:, width:] != 0, axis=1)
+    out = boxes[:, :width].copy()
+    out[extra] = -1  # no stored chunk has a negative offset or length
+    return out
 
 
 def chunk_key(fqn: str, offsets: tuple[int, ...], whole: bool) -> str:

@@ -71,14 +71,15 @@ class DestShard:
                                         lengths, self.nbytes)]
         return r
 
-    def exact(self) -> tuple[str, str] | None:
-        """(file, safetensors key) when the box is one whole stored chunk, without building its reads."""
+    @property
+    def exact_file(self) -> str | None:
+        """The file of the stored chunk that is exactly this box, when its reads were not built yet."""
         r = self._reads
-        if type(r) is tuple:
-            return r[0], chunk_key(self.fqn, self.key[1], r[2])
-        if len(r) == 1 and r[0].lengths == r[0].chunk_lengths:
-            return r[0].file, r[0].key
-        return None
+        return r[0] if type(r) is tuple else None
+
+    def exact_key(self) -> str:
+        """The safetensors name of that chunk (only when :attr:`exact_file` is not None)."""
+        return chunk_key(self.fqn, self.key[1], self._reads[2])
 
     @property
     def dest(self) -> torch.Tensor:
@@ -109,6 +110,7 @@ class LocalPlan:
     objects: list[ObjectRead] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # validation failures (raise before any write)
     missing: list[str] = field(default_factory=list)  # state dict keys absent from the checkpoint
+    boxes: tuple | None = None  # (offsets, lengths) of ``shards`` as n x width arrays, when local_plan built them
 
 
 def fqn_index(md: Metadata) -> dict[str, int]:
@@ -193,11 +195,13 @@ def local_plan(
         if box.local is not None and 0 not in box.lengths:
             todo.append((fqn, dtype, box))
     # Loaded as saved, each box is one stored chunk: found for all boxes at once; others box by box.
-    exact = md.exact_chunks([t[0] for t in todo], [t[2].offsets for t in todo], [t[2].lengths for t in todo])
+    width = md.width()  # the exchange record's: padded once, for the lookup and the record
+    offsets, lengths = padded([t[2].offsets for t in todo], width), padded([t[2].lengths for t in todo], width)
+    exact = md.exact_chunks([t[0] for t in todo], offsets, lengths)
     for (fqn, dtype, box), hit in zip(todo, exact):
         itemsize = dtype.itemsize
-        numel = box.numel
         local = box.local
+        numel = local.numel()  # (the box's: a C call, where Box.numel multiplies in Python)
         if hit is not None:
             file, checksum = hit
             reads = (file, checksum, box.lengths == box.global_shape)  # its ReadItem: DestShard.reads
@@ -214,6 +218,7 @@ def local_plan(
                 r.file == reads[0].file for r in reads) else -1
         plan.shards.append(DestShard(fqn, (index[fqn], box.offsets, box.lengths), dtype, numel * itemsize,
                                      reads, local, broadcastable(local), affinity))
+    plan.boxes = (offsets, lengths)  # one shard per box, in order
     if strict and plan.missing:
         plan.problems += [f"{fqn!r}: missing from the checkpoint" for fqn in plan.missing]
     return plan
@@ -228,10 +233,14 @@ def plan_record(plan: LocalPlan, width: int) -> bytes:
     Replicas with the same destination shards produce byte-identical records: shards are in fqn order
     and carry no rank-specific field.
     """
+    shards = plan.shards
+    if plan.boxes is not None and plan.boxes[0].shape == (len(shards), width):
+        offsets, lengths = plan.boxes
+    else:
+        offsets, lengths = padded([s.key[1] for s in shards], width), padded([s.key[2] for s in shards], width)
     return encode_record(
-        [s.key[0] for s in plan.shards], [s.broadcastable for s in plan.shards],
-        padded([s.key[1] for s in plan.shards], width), padded([s.key[2] for s in plan.shards], width),
-        [o.index for o in plan.objects], width, [s.affinity for s in plan.shards],
+        [s.key[0] for s in shards], [s.broadcastable for s in shards], offsets, lengths,
+        [o.index for o in plan.objects], width, [s.affinity for s in shards],
     )
 
 

@@ -121,9 +121,12 @@ def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
             raise ValueError(
                 f"{fqn!r}: DTensor local shard has shape {list(local.shape)}, its placements say {list(lengths)}"
             )
-        return Box(shape, offsets, lengths, local)
+        return _box(Box, (shape, offsets, lengths, local))
     shape = tuple(value.shape)
-    return Box(shape, tuple(0 for _ in shape), shape, value)
+    return _box(Box, (shape, (0,) * len(shape), shape, value))
+
+
+_box = tuple.__new__  # Box(...) without the NamedTuple's Python-level __new__ (one per tensor leaf per load)
 
 
 def _local_box(shape: tuple[int, ...], mesh, placements: tuple) -> tuple:
