@@ -178,3 +178,57 @@ def cut_stream(const long long[:] weight, const long long[:] rows, const long lo
                 r0 = r1
             pos += w
     return out_arr[:, :k]
+
+
+def batch_ops(const long long[:] group, const long long[:] weight, long long batch_bytes, long long align):
+    """The broadcasts of one rank's pieces: which op each piece joins, ops numbered in the global order.
+
+    ``group``: per piece (in key order) its (holder set, reader) pair as a small integer; ``weight``: its
+    bytes. A piece of ``batch_bytes`` or more is an op of its own; smaller ones join the open batch of
+    their pair, which closes (becomes the next op) once its bytes, each piece rounded up to ``align``,
+    reach ``batch_bytes``. Batches still open at the end follow, in the order of their first piece.
+    Returns the op index of every piece (int64).
+    """
+    cdef Py_ssize_t n = len(group), i, b, nb = 0
+    cdef long long g, n_groups = 0, next_op = 0
+    if len(weight) != n or align < 1:
+        raise ValueError("batch_ops: groups and weights of different lengths, or no alignment")
+    for i in range(n):
+        if group[i] < 0:
+            raise ValueError("batch_ops: negative group")
+        if group[i] + 1 > n_groups:
+            n_groups = group[i] + 1
+    label_arr = np.empty(n, dtype=np.int64)
+    op_of_label_arr = np.full(n, -1, dtype=np.int64)
+    open_arr = np.full(n_groups, -1, dtype=np.int64)
+    size_arr = np.zeros(n_groups, dtype=np.int64)
+    out_arr = np.empty(n, dtype=np.int64)
+    cdef long long[:] label = label_arr, op_of_label = op_of_label_arr, open_ = open_arr, size = size_arr
+    cdef long long[:] out = out_arr
+    with nogil:
+        for i in range(n):
+            if weight[i] >= batch_bytes:
+                label[i] = nb
+                op_of_label[nb] = next_op
+                next_op += 1
+                nb += 1
+                continue
+            g = group[i]
+            if open_[g] < 0:
+                open_[g] = nb
+                size[g] = 0
+                nb += 1
+            b = open_[g]
+            label[i] = b
+            size[g] += (weight[i] + align - 1) // align * align
+            if size[g] >= batch_bytes:
+                op_of_label[b] = next_op
+                next_op += 1
+                open_[g] = -1
+        for b in range(nb):  # labels open in the order of their first piece
+            if op_of_label[b] < 0:
+                op_of_label[b] = next_op
+                next_op += 1
+        for i in range(n):
+            out[i] = op_of_label[label[i]]
+    return out_arr

@@ -57,7 +57,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ._greedy import assign_readers, cut_stream
+from ._greedy import assign_readers, batch_ops, cut_stream
 from .exchange import F_GROUPS, F_HOST, F_NGROUPS, Classes, Record, group_digest
 
 ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -452,38 +452,38 @@ def global_plan(
 
     lap("readers")
 
-    # 4. this rank's broadcasts, in global order
+    # 4. this rank's broadcasts, in global order: its pieces in key order, batched per (set, reader)
     mine = whole[np.isin(s_rows[whole], list(mine_sets))]
+    fm = first_rows[mine]
+    mine = mine[np.lexsort(_key_columns(index[fm], offsets[fm], lengths[fm]))]
     mine_keys = keys_of(mine)
-    my_pieces = list(zip(mine_keys, w_rows[mine].tolist(), s_rows[mine].tolist(), mine_keys, reader_of[mine].tolist()))
-    for cs in cut_sets:
-        if cs.sid in mine_sets:
-            my_pieces += cs.pieces()
-    my_pieces.sort(key=itemgetter(0))
-    by_shard: dict[ShardKey, list[ShardKey]] = {}
+    pieces: dict[ShardKey, list[ShardKey]] = {k: [k] for k in mine_keys}
+    p_keys, p_weight, p_set, p_reader = mine_keys, w_rows[mine], s_rows[mine], reader_of[mine]
+    my_cut = [p for cs in cut_sets if cs.sid in mine_sets for p in cs.pieces()]
+    if my_cut:  # (pk, weight, set, shard key, reader) of each piece, merged with the whole shards by key
+        for pk, _, _, key, _ in my_cut:  # (a shard's pieces come in row order: key order)
+            pieces.setdefault(key, []).append(pk)
+        merged = sorted([*zip(mine_keys, p_weight.tolist(), p_set.tolist(), p_reader.tolist()),
+                         *((pk, pw, sid, reader) for pk, pw, sid, _, reader in my_cut)], key=itemgetter(0))
+        p_keys, *cols = zip(*merged)
+        p_weight, p_set, p_reader = (np.array(c, dtype=np.int64) for c in cols)
     ops: list[Op] = []
-    pending: dict[tuple[int, int], tuple[list[ShardKey], int]] = {}
-    for pk, pw, sid, key, reader in my_pieces:
-        by_shard.setdefault(key, []).append(pk)
-        if pw >= batch_bytes:
-            ops.append(Op(sid, reader, (pk,)))
-            continue
-        gk = (sid, reader)
-        keys, size = pending.get(gk, ([], 0))
-        keys.append(pk)
-        size += aligned(pw)
-        if size >= batch_bytes:
-            ops.append(Op(sid, reader, tuple(keys)))
-            pending.pop(gk, None)
-        else:
-            pending[gk] = (keys, size)
-    for (sid, reader), (keys, _) in sorted(pending.items(), key=lambda kv: kv[1][0][0]):
-        ops.append(Op(sid, reader, tuple(keys)))
+    if p_keys:
+        _, pair = _unique_rows(np.column_stack([p_set, p_reader]))
+        op_of = batch_ops(pair.ravel().astype(np.int64), p_weight.astype(np.int64), batch_bytes, STAGING_ALIGN)
+        by_op = np.argsort(op_of, kind="stable")  # pieces of each op together, in key order
+        ends = np.cumsum(np.bincount(op_of)).tolist()
+        keys_by_op = [p_keys[i] for i in by_op.tolist()]
+        firsts = by_op[[0, *ends[:-1]]]
+        at = 0
+        for end, sid, reader in zip(ends, p_set[firsts].tolist(), p_reader[firsts].tolist()):
+            ops.append(Op(sid, reader, tuple(keys_by_op[at:end])))
+            at = end
     # every set some broadcast of the load uses, in any component: creating one is world-wide
     in_use = set(sid_of[good].tolist()) if len(candidates) else set()
     sets = {sid: s for sid, s in sets.items() if sid in in_use}
     lap("ops")
-    return GlobalPlan(ops, by_shard, sets, requested, all_readers, loads, bound)
+    return GlobalPlan(ops, pieces, sets, requested, all_readers, loads, bound)
 
 
 def _cuts(total: int, largest: int, members: int, min_stripe: int) -> bool:

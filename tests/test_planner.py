@@ -366,6 +366,43 @@ def test_cut_stream_is_the_rule_written_plainly(seed):
         assert mine[0][0] == 0 and mine[-1][1] == rows[j] and all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
 
 
+def _batch_oracle(groups: list[int], weights: list[int], batch: int, align: int) -> list[list[int]]:
+    """The batching rule written plainly: the pieces of each op, ops in the order they are created."""
+    ops, pending = [], {}
+    for i, (g, w) in enumerate(zip(groups, weights)):
+        if w >= batch:
+            ops.append([i])
+            continue
+        members, size = pending.get(g, ([], 0))
+        members.append(i)
+        size += -(-w // align) * align
+        if size >= batch:
+            ops.append(members)
+            pending.pop(g, None)
+        else:
+            pending[g] = (members, size)
+    ops += [m for m, _ in sorted(pending.values(), key=lambda v: v[0][0])]
+    return ops
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_ops_is_the_rule_written_plainly(seed):
+    """Batching over arrays against the plain rule: pieces at or over the batch size alone, batches that
+    close on the piece crossing it (each piece rounded up to the alignment), open ones last by first piece."""
+    from pipeload._greedy import batch_ops
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 400))
+    groups = rng.integers(0, int(rng.integers(1, 12)), size=n).astype(np.int64)
+    weights = rng.choice([0, 1, 63, 64, 65, 1000, 4096, 10_000, 70_000], size=n).astype(np.int64)
+    batch = int(rng.choice([0, 64, 4096, 65_536]))
+    op_of = batch_ops(groups, weights, batch, 64)
+    got = [np.flatnonzero(op_of == k).tolist() for k in range(int(op_of.max()) + 1 if n else 0)]
+    assert got == _batch_oracle(groups.tolist(), weights.tolist(), batch, 64)
+    with pytest.raises(ValueError):
+        batch_ops(np.array([-1], dtype=np.int64), np.array([1], dtype=np.int64), 64, 64)
+
+
 def test_local_plan_reshards_into_exact_read_items():
     # Stored as 3 uneven row chunks, loaded as a column shard: every element exactly once.
     chunks = tuple(
