@@ -37,11 +37,11 @@ from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, e
 from .globalplan import GlobalPlan, global_plan
 from . import formats
 from .metadata import Metadata
-from .planner import fqn_index, local_plan, piece_shard, plan_record
+from .planner import fqn_index, local_plan, piece_shard, plan_record, point_at
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
-from .statedict import flatten, mesh_groups
+from .statedict import Leaf, flatten, mesh_groups
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
@@ -140,6 +140,8 @@ class _Prepared:
     stat: tuple = ()  # of the checkpoint's metadata file(s) when they were read
     ckpt: Any = None  # the formats.Checkpoint the reader serves
     signature: tuple = ()  # plancache.signature of the state dict it was planned for (when it may be kept)
+    shard_pos: list = field(default_factory=list)  # each shard's leaf among the signature's leaves
+    object_pos: list = field(default_factory=list)  # each object's
     cut: list = field(default_factory=list)  # (piece, its shard) of every shared shard cut into pieces
 
 
@@ -197,19 +199,19 @@ async def _load(
         # no shard will be broadcast).
         prep, cache_key, private_only = None, None, broadcast_replicated_tensors is False
         if collective:
-            entry, leaves = None, {}
+            entry, slots = None, []
             if reuse_plan and not contended:
                 # this rank's host is part of the key (not of the token, which all ranks share): it
                 # decides which shards are broadcast, and PIPELOAD_HOST_ID may change between loads
                 cache_key = plancache.key(comm.global_ranks, directory, (*options, host))
-                entry, leaves = _cached(cache_key, comm, directory, state_dict)
+                entry, slots = _cached(cache_key, comm, directory, state_dict)
             offer = _CONTENDED if contended else entry.token if entry is not None else 0
             tokens = None
             try:
                 gathered = comm.start_gather_rows(np.array([offer, host, hash64(repr(agreed).encode())],
                                                            dtype=np.int64), what)
                 if entry is not None:  # while the other ranks' words arrive
-                    _rebind(entry.state, leaves)
+                    _rebind(entry.state, slots)
                 clock.lap("plan")
                 first = gathered()
                 tokens = first[:, 0]
@@ -294,30 +296,28 @@ def _strip(prep: _Prepared) -> None:
         obj.leaf = None
 
 
-def _rebind(prep: _Prepared, leaves: dict) -> None:
-    """Point a kept plan at this load's tensors and containers (same keys, boxes, dtypes: the signature)."""
-    for shard in prep.plan.shards:  # the signature matched: each leaf's local tensor is the whole box
-        v = leaves[shard.fqn].value
-        shard.dest = getattr(v, "_local_tensor", v)  # (detached when first used)
+def _rebind(prep: _Prepared, slots: list[tuple]) -> None:
+    """Point a kept plan at this load's tensors and containers: ``slots`` are the leaves of a state dict
+    whose signature matched (same containers, keys, boxes, dtypes), so each leaf is where it was."""
+    point_at(prep.plan.shards, [slots[i][2] for i in prep.shard_pos])
     for piece, shard in prep.cut:
         piece.dest = shard.dest.narrow(0, piece.key[1][0] - shard.key[1][0], piece.key[2][0])
-    for obj in prep.plan.objects:
-        obj.leaf = leaves[obj.fqn]
+    for obj, i in zip(prep.plan.objects, prep.object_pos):
+        obj.leaf = Leaf(obj.fqn, *slots[i])
 
 
 _CONTENDED = -1  # the first word of a rank whose load overlaps another on its process (tokens are never -1)
 
 
 def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
-    """(the cached plan this rank may offer or None, the state dict's leaves)."""
+    """(the cached plan this rank may offer or None, the state dict's leaves as plancache.signature's)."""
     if not plancache.holds(cache_key):  # nothing to offer: the full path flattens the state dict itself
-        return None, {}
+        return None, []
     try:
-        leaves = flatten(state_dict)
-        sig = plancache.signature(leaves)
+        sig, slots = plancache.signature(state_dict)
     except Exception:  # noqa: BLE001 - the full path reports what is wrong with the state dict
-        return None, {}
-    return plancache.lookup(cache_key, comm.pg, plancache.checkpoint_stat(directory), sig), leaves
+        return None, []
+    return plancache.lookup(cache_key, comm.pg, plancache.checkpoint_stat(directory), sig), slots
 
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
@@ -376,10 +376,13 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     # 4. groups
     groups, created = comm.make_groups(gp.sets, reusable) if collective else ({}, [])
     clock.lap("groups")
-    # objects are keyed by name only in the signature: their values being replaced later changes nothing
-    return _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
-                     rows_seen[0] if rows_seen else None, stat, ckpt,
-                     plancache.signature(leaves) if keepable else (), cut)
+    prep = _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
+                     rows_seen[0] if rows_seen else None, stat, ckpt, cut=cut)
+    if keepable:  # taken now, as planned: an object a later load replaces is a leaf in it either way
+        prep.signature = plancache.signature(state_dict)[0]
+        prep.shard_pos = plancache.leaf_positions(leaves, [s.fqn for s in plan.shards])
+        prep.object_pos = plancache.leaf_positions(leaves, [o.fqn for o in plan.objects])
+    return prep
 
 
 def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool, reader, request):

@@ -26,7 +26,7 @@ import numpy as np
 
 from torch import Tensor
 
-from .statedict import Leaf
+from .statedict import Leaf, _is_node
 
 CAPACITY = 2
 
@@ -70,27 +70,54 @@ def checkpoint_stat(path: str) -> tuple:
     return tuple((n, *_stat(os.path.join(path, n))) for n in names) if names else ()
 
 
-def signature(leaves: dict[str, Leaf]) -> tuple:
-    """What a local plan is computed from: the keys in the order :func:`~pipeload.statedict.flatten` found
-    them (a state dict built in another order does not reuse the plan: conservative, and no sort), and
-    per leaf its facts: a DTensor's spec (mesh, placements, global shape, stride, dtype: its box on this
-    rank and its device follow from them), a plain tensor's shape, dtype and device type, nothing for an
-    object (objects are replaced in whatever container holds them at load time).
+def signature(state_dict: dict) -> tuple[tuple, list[tuple]]:
+    """(what a local plan is computed from, the leaves as ``(container, key, value)`` in flatten order).
+
+    The first part is compared between loads: the containers as :func:`~pipeload.statedict.flatten`
+    visits them (a dict's keys with their types, a list's length; a state dict built in another order
+    does not reuse the plan: conservative, and no sort), and per leaf its facts: a DTensor's spec
+    (mesh, placements, global shape, stride, dtype: its box on this rank and its device follow from
+    them), a plain tensor's shape, dtype and device type, nothing for an object (objects are replaced in
+    whatever container holds them at load time). Equal containers name every leaf alike, so the leaves
+    are not named here: a plan kept with :func:`leaf_positions` finds its tensors by position.
 
     Tensor identities are not part of it: a kept plan holds no reference to the state dict and is
     pointed at the tensors of the load that reuses it. The DTensors of one layout share their spec
     objects, so comparing the same state dict's signature again costs an identity check per leaf; a
     rebuilt state dict compares specs by value.
     """
-    facts = []
-    for leaf in leaves.values():
-        v = leaf.value
-        if isinstance(v, Tensor):
-            spec = getattr(v, "_spec", None)
-            facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type))
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    nodes: list = []
+    slots: list[tuple] = []
+    facts: list = []
+    stack = [state_dict]
+    while stack:  # flatten's traversal and leaf rule, without building names
+        node = stack.pop()
+        if isinstance(node, dict):
+            keys = tuple(node)
+            nodes.append((keys, tuple(map(type, keys))))  # (1 and True are equal keys, named differently)
+            items = node.items()
         else:
-            facts.append(None)
-    return tuple(leaves), tuple(facts)
+            nodes.append(len(node))
+            items = enumerate(node)
+        for k, v in items:
+            if isinstance(v, Tensor):
+                spec = getattr(v, "_spec", None)
+                facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type))
+            elif isinstance(v, dict) or (isinstance(v, list) and any(_is_node(x) for x in v)):
+                stack.append(v)
+                continue
+            else:
+                facts.append(None)
+            slots.append((node, k, v))
+    return (tuple(nodes), tuple(facts)), slots
+
+
+def leaf_positions(leaves: dict[str, Leaf], fqns) -> list[int]:
+    """Where each of ``fqns`` lies among ``leaves`` (flatten's order: that of :func:`signature`'s leaves)."""
+    at = {fqn: i for i, fqn in enumerate(leaves)}
+    return [at[f] for f in fqns]
 
 
 def token_of(rows: np.ndarray, options: tuple) -> int:

@@ -96,6 +96,13 @@ class DestShard:
         return f"DestShard({self.fqn!r}, {self.key}, {self.dtype}, {self.nbytes})"
 
 
+def point_at(shards: list[DestShard], values: list) -> None:
+    """Point each shard at its leaf's value in a new state dict of the same layout (a DTensor's local
+    tensor: the whole box), as a kept plan is reused; each is detached when first used."""
+    for shard, v in zip(shards, values):
+        shard._dest = getattr(v, "_local_tensor", v)
+
+
 @dataclass
 class ObjectRead:
     fqn: str

@@ -543,3 +543,35 @@ def test_same_host_replicas_read_from_the_page_cache_under_the_host_aware_policy
     assert all(p.ops == [] and p.pieces == {} for p in one)  # one host: everyone reads, page cache shared
     forced = plan_all(per_rank, hosts=[1, 1, 1, 1], same_host_private=False)
     assert all(p.ops for p in forced)
+
+
+def test_plan_signature_names_no_leaf_but_tells_every_layout_apart():
+    """plancache.signature walks the state dict as flatten does: leaves in flatten's order, and a
+    signature that changes with any container's keys (their types too), order, nesting or any tensor's
+    facts, and not with object values or tensor identities."""
+    from pipeload import plancache
+
+    def sd(**over):
+        d = {"a": torch.zeros(2, 3), "opt": {"step": 1, "groups": [{"lr": 0.1, "params": [0, 1]}],
+                                           "state": {0: {"m": torch.zeros(4)}, 1: {"m": torch.zeros(4)}}}}
+        d.update(over)
+        return d
+
+    sig, slots = plancache.signature(sd())
+    leaves = flatten(sd())
+    assert [(c is not None, k, type(v)) for c, k, v in slots] == [(True, lf.key, type(lf.value)) for lf in leaves.values()]
+    assert plancache.leaf_positions(leaves, ["opt.state.1.m", "a"]) == [list(leaves).index("opt.state.1.m"), 0]
+    assert plancache.signature(sd())[0] == sig  # new tensors, same layout
+    assert plancache.signature(sd(opt={**sd()["opt"], "step": 99}))[0] == sig  # an object's value
+    changed = [
+        sd(a=torch.zeros(3, 2)),  # a tensor's shape
+        sd(a=torch.zeros(2, 3, dtype=torch.float64)),  # dtype
+        {"opt": sd()["opt"], "a": torch.zeros(2, 3)},  # key order
+        sd(opt={**sd()["opt"], "state": {0: {"m": torch.zeros(4)}, True: {"m": torch.zeros(4)}}}),  # 1 -> True
+        sd(opt={**sd()["opt"], "groups": [{"lr": 0.1, "params": [0, torch.zeros(1)]}]}),  # a leaf list -> a node
+        sd(opt={**sd()["opt"], "step": {"n": 1}}),  # an object -> a container
+        sd(b=torch.zeros(1)),  # one more key
+    ]
+    assert all(plancache.signature(c)[0] != sig for c in changed)
+    with pytest.raises(TypeError):
+        plancache.signature([torch.zeros(1)])

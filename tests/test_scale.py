@@ -106,6 +106,21 @@ def world8(rank: int, world: int, root: str) -> dict:
     fewer = {k: v for k, v in sd.items() if k != "norm"} if rank == 3 else sd  # one rank's keys differ
     out["mixed"] = pipeload.load(fewer, ckpt)
     _check(fewer)
+    # Nested containers and Python objects: a reused plan finds each tensor by position and puts each
+    # object into the container of the load that reuses it.
+    nested_ckpt = os.path.join(root, "nested")
+
+    def nested(fill: bool) -> dict:
+        return {"model": _state(mesh, fill),
+                "optim": {"step": 7 if fill else 0, "groups": [{"lr": 0.5 if fill else 0.0, "params": [0, 1]}]}}
+
+    pipeload.save(nested(True), nested_ckpt)
+    first = nested(False)
+    out["nested_first"] = pipeload.load(first, nested_ckpt)
+    second = nested(False)
+    out["nested_reused"] = pipeload.load(second, nested_ckpt)
+    _check(second["model"])
+    out["nested_objects"] = [(d["optim"]["step"], d["optim"]["groups"][0]["lr"]) for d in (first, second)]
     pipeload.save(_state(mesh, True), ckpt)  # a new save: the cached plan's .metadata is gone
     out["resaved"] = pipeload.load(sd, ckpt)
     _check(sd)
@@ -167,6 +182,8 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     assert [r["nobody_lax"] for r in res] == [["norm"]] * 8
     assert [r["mixed"].plan_reused for r in res] == [False] * 8
     assert [r["resaved"].plan_reused for r in res] == [False] * 8
+    assert [(r["nested_first"].plan_reused, r["nested_reused"].plan_reused) for r in res] == [(False, True)] * 8
+    assert [r["nested_objects"] for r in res] == [[(7, 0.5), (7, 0.5)]] * 8
     assert all(r["one_host"].broadcasts == 0 and r["one_host"].bytes_received == 0 for r in res)
     local = [r["one_host"].bytes_read for r in res]
     assert all(x > 16 << 20 for x in local)  # every replica read the whole replicated tensor itself
