@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from itertools import repeat
+from operator import itemgetter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -140,7 +142,7 @@ class _Prepared:
     stat: tuple = ()  # of the checkpoint's metadata file(s) when they were read
     ckpt: Any = None  # the formats.Checkpoint the reader serves
     signature: tuple = ()  # plancache.signature of the state dict it was planned for (when it may be kept)
-    shard_pos: list = field(default_factory=list)  # each shard's leaf among the signature's leaves
+    shard_pos: Any = None  # values -> each shard's leaf value (an itemgetter over the signature's leaves)
     object_pos: list = field(default_factory=list)  # each object's
     cut: list = field(default_factory=list)  # (piece, its shard) of every shared shard cut into pieces
 
@@ -199,19 +201,19 @@ async def _load(
         # no shard will be broadcast).
         prep, cache_key, private_only = None, None, broadcast_replicated_tensors is False
         if collective:
-            entry, slots = None, []
+            entry, found = None, None
             if reuse_plan and not contended:
                 # this rank's host is part of the key (not of the token, which all ranks share): it
                 # decides which shards are broadcast, and PIPELOAD_HOST_ID may change between loads
                 cache_key = plancache.key(comm.global_ranks, directory, (*options, host))
-                entry, slots = _cached(cache_key, comm, directory, state_dict)
+                entry, found = _cached(cache_key, comm, directory, state_dict)
             offer = _CONTENDED if contended else entry.token if entry is not None else 0
             tokens = None
             try:
                 gathered = comm.start_gather_rows(np.array([offer, host, hash64(repr(agreed).encode())],
                                                            dtype=np.int64), what)
                 if entry is not None:  # while the other ranks' words arrive
-                    _rebind(entry.state, slots)
+                    _rebind(entry.state, *found)
                 clock.lap("plan")
                 first = gathered()
                 tokens = first[:, 0]
@@ -288,36 +290,36 @@ def _strip(prep: _Prepared) -> None:
     The shared pieces stay: an uncut one is its shard itself, a cut one is listed with its shard in
     ``prep.cut``, so that :func:`_rebind` only points it at the new tensor's rows.
     """
-    for shard in prep.plan.shards:
-        shard.dest = None
+    point_at(prep.plan.shards, repeat(None))
     for piece, _ in prep.cut:
         piece.dest = None
     for obj in prep.plan.objects:
         obj.leaf = None
 
 
-def _rebind(prep: _Prepared, slots: list[tuple]) -> None:
-    """Point a kept plan at this load's tensors and containers: ``slots`` are the leaves of a state dict
-    whose signature matched (same containers, keys, boxes, dtypes), so each leaf is where it was."""
-    point_at(prep.plan.shards, [slots[i][2] for i in prep.shard_pos])
+def _rebind(prep: _Prepared, values: list, homes: dict) -> None:
+    """Point a kept plan at this load's tensors and containers: ``values``/``homes`` are the leaves of a
+    state dict whose signature matched (same containers, keys, boxes, dtypes), so each is where it was."""
+    point_at(prep.plan.shards, prep.shard_pos(values) if prep.plan.shards else ())
     for piece, shard in prep.cut:
         piece.dest = shard.dest.narrow(0, piece.key[1][0] - shard.key[1][0], piece.key[2][0])
     for obj, i in zip(prep.plan.objects, prep.object_pos):
-        obj.leaf = Leaf(obj.fqn, *slots[i])
+        obj.leaf = Leaf(obj.fqn, *homes[i], values[i])
 
 
 _CONTENDED = -1  # the first word of a rank whose load overlaps another on its process (tokens are never -1)
 
 
 def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
-    """(the cached plan this rank may offer or None, the state dict's leaves as plancache.signature's)."""
+    """(the cached plan this rank may offer or None, the state dict's leaves: plancache.signature's values
+    and homes)."""
     if not plancache.holds(cache_key):  # nothing to offer: the full path flattens the state dict itself
-        return None, []
+        return None, None
     try:
-        sig, slots = plancache.signature(state_dict)
+        sig, *found = plancache.signature(state_dict)
     except Exception:  # noqa: BLE001 - the full path reports what is wrong with the state dict
-        return None, []
-    return plancache.lookup(cache_key, comm.pg, plancache.checkpoint_stat(directory), sig), slots
+        return None, None
+    return plancache.lookup(cache_key, comm.pg, plancache.checkpoint_stat(directory), sig), found
 
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
@@ -380,7 +382,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                      rows_seen[0] if rows_seen else None, stat, ckpt, cut=cut)
     if keepable:  # taken now, as planned: an object a later load replaces is a leaf in it either way
         prep.signature = plancache.signature(state_dict)[0]
-        prep.shard_pos = plancache.leaf_positions(leaves, [s.fqn for s in plan.shards])
+        # (one C call per reuse; the extra 0 makes one shard a tuple too: point_at stops at the shards)
+        prep.shard_pos = itemgetter(*plancache.leaf_positions(leaves, [s.fqn for s in plan.shards]), 0)
         prep.object_pos = plancache.leaf_positions(leaves, [o.fqn for o in plan.objects])
     return prep
 

@@ -70,8 +70,9 @@ def checkpoint_stat(path: str) -> tuple:
     return tuple((n, *_stat(os.path.join(path, n))) for n in names) if names else ()
 
 
-def signature(state_dict: dict) -> tuple[tuple, list[tuple]]:
-    """(what a local plan is computed from, the leaves as ``(container, key, value)`` in flatten order).
+def signature(state_dict: dict) -> tuple[tuple, list, dict[int, tuple]]:
+    """(what a local plan is computed from, the leaf values in flatten order, ``{position: (container,
+    key)}`` of the leaves that are not tensors).
 
     The first part is compared between loads: the containers as :func:`~pipeload.statedict.flatten`
     visits them (a dict's keys with their types, a list's length; a state dict built in another order
@@ -79,7 +80,7 @@ def signature(state_dict: dict) -> tuple[tuple, list[tuple]]:
     (mesh, placements, global shape, stride, dtype: its box on this rank and its device follow from
     them), a plain tensor's shape, dtype and device type, nothing for an object (objects are replaced in
     whatever container holds them at load time). Equal containers name every leaf alike, so the leaves
-    are not named here: a plan kept with :func:`leaf_positions` finds its tensors by position.
+    are not named here: a plan kept with :func:`leaf_positions` finds its tensors and objects by position.
 
     Tensor identities are not part of it: a kept plan holds no reference to the state dict and is
     pointed at the tensors of the load that reuses it. The DTensors of one layout share their spec
@@ -89,7 +90,8 @@ def signature(state_dict: dict) -> tuple[tuple, list[tuple]]:
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
     nodes: list = []
-    slots: list[tuple] = []
+    values: list = []
+    homes: dict[int, tuple] = {}  # where each object lives: a reused plan puts its value there
     facts: list = []
     stack = [state_dict]
     while stack:  # flatten's traversal and leaf rule, without building names
@@ -110,8 +112,9 @@ def signature(state_dict: dict) -> tuple[tuple, list[tuple]]:
                 continue
             else:
                 facts.append(None)
-            slots.append((node, k, v))
-    return (tuple(nodes), tuple(facts)), slots
+                homes[len(values)] = (node, k)
+            values.append(v)
+    return (tuple(nodes), tuple(facts)), values, homes
 
 
 def leaf_positions(leaves: dict[str, Leaf], fqns) -> list[int]:

@@ -557,9 +557,14 @@ def test_plan_signature_names_no_leaf_but_tells_every_layout_apart():
         d.update(over)
         return d
 
-    sig, slots = plancache.signature(sd())
-    leaves = flatten(sd())
-    assert [(c is not None, k, type(v)) for c, k, v in slots] == [(True, lf.key, type(lf.value)) for lf in leaves.values()]
+    state = sd()
+    sig, values, homes = plancache.signature(state)
+    leaves = flatten(state)
+    assert all(v is lf.value for v, lf in zip(values, leaves.values())) and len(values) == len(leaves)
+    objects = [i for i, lf in enumerate(leaves.values()) if not isinstance(lf.value, torch.Tensor)]
+    assert {i: homes[i] for i in objects} == homes
+    assert all(homes[i][0] is lf.container and homes[i][1] == lf.key
+               for i, lf in enumerate(leaves.values()) if i in homes)
     assert plancache.leaf_positions(leaves, ["opt.state.1.m", "a"]) == [list(leaves).index("opt.state.1.m"), 0]
     assert plancache.signature(sd())[0] == sig  # new tensors, same layout
     assert plancache.signature(sd(opt={**sd()["opt"], "step": 99}))[0] == sig  # an object's value
