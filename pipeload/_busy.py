@@ -12,7 +12,7 @@ The refusal must be the same on every rank, and a rank cannot know locally what 
 - an operation that overlaps another one in this process, at any moment, is *contended*, and so is
   the other;
 - a contended operation that is not yet past its first collective issues exactly one collective — a
-  load its first three-word all-gather carrying "contended" (pipeload.loader), a save its plan all-gather
+  load its first four-word all-gather carrying "contended" (pipeload.loader), a save its plan all-gather
   carrying it as a problem — and every rank then raises together. Before it,
   it waits until the operations that entered this process earlier on overlapping groups are done, so
   its one collective never interleaves with theirs; as every contended operation issues exactly one

@@ -137,20 +137,21 @@ class Comm:
             raise self._fail(what, "all-gather", e) from e
         return out
 
-    def broadcast_object(self, obj: Any, what: str = "pipeload") -> Any:
-        """Rank 0's ``obj`` on every rank."""
+    def broadcast_bytes(self, data: bytes | None, size: int, what: str = "pipeload") -> bytes:
+        """Rank 0's ``data`` of ``size`` bytes (a size every rank already holds) on every rank: one
+        broadcast (torch's ``broadcast_object_list`` sends the size first: two)."""
         if self.size == 1:
-            return obj
-        box = [obj]
+            return data
+        if self.rank == 0:
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            t = torch.empty(size, dtype=torch.uint8)
         try:
-            dist.broadcast_object_list(box, src=self.global_ranks[0], group=self.pg)
+            t = t.to(self.broadcast_device)
+            dist.broadcast(t, src=self.global_ranks[0], group=self.pg)
         except Exception as e:  # noqa: BLE001
-            raise PipeloadError(
-                f"{what}: the broadcast from rank 0 failed on rank {self.rank} ({type(e).__name__}: "
-                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}){self.silent_peers()}; every "
-                f"rank of the group must make the same call"
-            ) from e
-        return box[0]
+            raise self._fail(what, "broadcast from rank 0", e) from e
+        return t.cpu().numpy().tobytes()
 
     def _fail(self, what: str, call: str, e: Exception) -> PipeloadError:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

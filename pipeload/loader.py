@@ -6,7 +6,7 @@ Phases (every rank of the group, in this order; see docs/ARCHITECTURE.md):
    validate — no destination is touched, problems are collected;
 2. exchange: one all-gather of a fixed-size row per rank, then each distinct plan record once
    (:mod:`pipeload.exchange`; every rank, also one with nothing to load); any rank's problem raises on
-   every rank. (Before 1, three words per rank decide plan reuse, refuse concurrent loads and options that
+   every rank. (Before 1, four words per rank decide plan reuse, refuse concurrent loads and options that
    differ between ranks, and tell whether anything can be broadcast: if not, the records never move.)
 3. plan (global part): pure, identical on every rank (:mod:`pipeload.globalplan`);
 4. groups: resolve or create the broadcast groups, by the same decision on every rank;
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import time
 from itertools import repeat
 from operator import itemgetter
@@ -194,11 +195,11 @@ async def _load(
     with ChunkReader(directory, verify_checksums=verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool:
-        # 0. The first collective of every load: three words per rank. They say whether a plan every rank
+        # 0. The first collective of every load: four words per rank. They say whether a plan every rank
         # still holds can be reused, refuse on every rank alike a load that ran concurrently with another
         # on an overlapping group (in any rank's process: see _busy.py) or with options that differ
-        # between ranks, and whether the ranks share one host (then, under gloo and the default policy,
-        # no shard will be broadcast).
+        # between ranks, whether the ranks share one host (then, under gloo and the default policy,
+        # no shard will be broadcast), and the size of the metadata rank 0 will send.
         prep, cache_key, private_only = None, None, broadcast_replicated_tensors is False
         if collective:
             entry, found = None, None
@@ -208,9 +209,13 @@ async def _load(
                 cache_key = plancache.key(comm.global_ranks, directory, (*options, host))
                 entry, found = _cached(cache_key, comm, directory, state_dict)
             offer = _CONTENDED if contended else entry.token if entry is not None else 0
+            # Rank 0 offering no plan will plan afresh: it reads the metadata now and its size travels
+            # with the words, so one broadcast of known size sends it (not a size, then the bytes).
+            early = _metadata_bytes(directory, format) if comm.rank == 0 and offer == 0 else None
             tokens = None
             try:
-                gathered = comm.start_gather_rows(np.array([offer, host, hash64(repr(agreed).encode())],
+                gathered = comm.start_gather_rows(np.array([offer, host, hash64(repr(agreed).encode()),
+                                                            len(early) if early is not None else -1],
                                                            dtype=np.int64), what)
                 if entry is not None:  # while the other ranks' words arrive
                     _rebind(entry.state, *found)
@@ -240,9 +245,10 @@ async def _load(
                                             and comm.broadcast_device.type == "cpu")
             clock.lap("exchange")
         if prep is None:
+            sent = (int(first[0, 3]), early) if collective else (-1, None)  # rank 0's metadata, if read
             prep = _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors,
                             broadcast_batch_bytes, broadcast_groups, reader, pool, clock, (format, key_map, cast),
-                            keepable=cache_key is not None, private_only=private_only)
+                            keepable=cache_key is not None, private_only=private_only, sent=sent)
         stats.format = reader.format
         stats.missing_keys, stats.unexpected_keys = list(prep.missing), list(prep.unexpected)
         stats.shared_shards = len(prep.plan.shards) - len(prep.private)
@@ -324,7 +330,7 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
              broadcast_groups, reader, pool, clock, request, keepable: bool = False,
-             private_only: bool = False) -> _Prepared:
+             private_only: bool = False, sent: tuple = (-1, None)) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
 
     ``private_only`` (every rank decided it alike from the first gather): no shard will be broadcast,
@@ -332,7 +338,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     """
     stat = plancache.checkpoint_stat(directory)
     # 1. local plan: problems are carried to the exchange, never raised on this rank alone
-    md, leaves, plan, problems, ckpt = _local_plan(state_dict, directory, comm, collective, strict, reader, request)
+    md, leaves, plan, problems, ckpt = _local_plan(state_dict, directory, comm, collective, strict, reader, request,
+                                                   sent)
     reusable = (comm.reusable_groups([*(broadcast_groups or ()), *mesh_groups(leaves)])
                 if collective and not private_only else {})
     if not problems and md.world_size == comm.size:
@@ -388,12 +395,13 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     return prep
 
 
-def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool, reader, request):
+def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool, reader, request,
+                sent: tuple = (-1, None)):
     """(metadata, leaves, local plan, problems, checkpoint); any exception becomes a problem to gather."""
     md, leaves, plan, ckpt = None, {}, None, None
     format, key_map, cast = request
     try:
-        ckpt = _shared_checkpoint(directory, comm, format, key_map) if collective else (
+        ckpt = _shared_checkpoint(directory, comm, format, key_map, sent) if collective else (
             formats.open_checkpoint(directory, format, key_map))
         reader.attach(ckpt, cast=cast)
         md = ckpt.metadata
@@ -406,20 +414,36 @@ def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, 
         return md, leaves, plan, [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"], ckpt
 
 
-def _shared_checkpoint(directory: str, comm: Comm, format: str | None, key_map) -> formats.Checkpoint:
+def _metadata_bytes(directory: str, format: str | None) -> bytes:
+    """Rank 0's metadata for everyone, pickled: the layout's payload, or the error reading it raised (which
+    then reaches every rank, as a problem of each, after the exchange)."""
+    try:
+        payload = formats.read_payload(directory, format)
+    except Exception as e:  # noqa: BLE001 - any failure must still reach the broadcast
+        payload = e if isinstance(e, PipeloadError) else CheckpointFormatError(f"{directory}: {type(e).__name__}: {e}")
+    try:
+        return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - an error that does not pickle still travels as text
+        return pickle.dumps(CheckpointFormatError(f"{directory}: {type(e).__name__}: {e}"))
+
+
+def _shared_checkpoint(directory: str, comm: Comm, format: str | None, key_map,
+                       sent: tuple = (-1, None)) -> formats.Checkpoint:
     """Rank 0 reads the checkpoint's metadata (any layout) and broadcasts it: one read per job.
 
-    A rank-0 read error reaches every rank and is raised as a problem of each, after the exchange.
-    Every rank decodes the payload itself, against its own path (copies per node differ); format 2's
-    chunk index is mapped by each rank, which reads only the chunks its boxes need.
+    ``sent``: (its size, and on rank 0 its bytes) when rank 0 read it before the first gather, which
+    carried the size: one broadcast. Otherwise (rank 0 offered a plan that was not reused) it is read
+    now and sent with its size. Every rank decodes the payload itself, against its own path (copies per
+    node differ); format 2's chunk index is mapped by each rank, which reads only the chunks its boxes
+    need. A rank-0 read error reaches every rank and is raised as a problem of each, after the exchange.
     """
-    payload = None
-    if comm.rank == 0:
-        try:
-            payload = formats.read_payload(directory, format)
-        except Exception as e:  # noqa: BLE001 - any failure must still reach the broadcast
-            payload = e if isinstance(e, PipeloadError) else CheckpointFormatError(f"{directory}: {type(e).__name__}: {e}")
-    payload = comm.broadcast_object(payload, f"pipeload.load from {directory}")
+    size, data = sent
+    what = f"pipeload.load from {directory}"
+    if size < 0:
+        data = _metadata_bytes(directory, format) if comm.rank == 0 else None
+        size = int(comm.gather_rows(np.array([len(data) if data is not None else 0], dtype=np.int64), what,
+                                    "all-gather of the metadata size")[0, 0])
+    payload = pickle.loads(comm.broadcast_bytes(data, size, what))
     if isinstance(payload, Exception):
         raise payload
     return formats.from_payload(payload, directory, key_map)

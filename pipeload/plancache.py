@@ -5,9 +5,9 @@ again. The first load keeps what it planned — the metadata, this rank's local 
 the process groups it created — under a *token*, a hash of every rank's exchange row. A later load offers
 that token only if nothing it planned from has changed on this rank: the same ``.metadata`` file (inode,
 size, mtime; for a Hugging Face checkpoint, its files), the same keys with the same dtypes, shapes,
-devices and layouts (:func:`signature`), the same options. A kept plan holds no reference to the state
+devices and layouts (:func:`signature`: the containers' keys and each leaf's facts), the same options. A kept plan holds no reference to the state
 dict: the load that reuses it points it at its own tensors and containers. Whether to reuse is then decided by one all-gather of
-three words per rank (:func:`pipeload.loader`): every rank reuses exactly when every rank offered the same
+four words per rank (:func:`pipeload.loader`): every rank reuses exactly when every rank offered the same
 non-zero token, so every rank takes the same decision and the collectives that follow stay in one order.
 
 Groups a load created stay alive while their plan is cached (at most :data:`CAPACITY` plans per

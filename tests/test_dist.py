@@ -152,6 +152,10 @@ def _failures(rank, meshes, root, good) -> dict:
     sd = L.build("tp2dp2", meshes, fill=False)
     _expect_failure(lambda: pipeload.load(sd, good, strict=rank != 3), "rank(s) [3]", "strict")
     _expect_failure(lambda: pipeload.load(sd, good, broadcast_batch_bytes=1 << (20 + (rank == 1))), "rank(s) [1]")
+    # Rank 0 cannot read the metadata (it reads it for everyone, before the first gather): every rank
+    # raises its error, naming the directory.
+    nowhere = os.path.join(root, "nowhere")
+    _expect_failure(lambda: pipeload.load(sd, nowhere), nowhere)
     # strict: a key missing from the checkpoint on one rank; keys no rank loads.
     sd = L.build("tp2dp2", meshes, fill=False)
     if rank == 2:
