@@ -44,7 +44,7 @@ from .planner import fqn_index, local_plan, piece_shard, plan_record, point_at
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
-from .statedict import Leaf, flatten, mesh_groups
+from .statedict import Leaf, flatten, mesh_groups, meshes_of
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
@@ -340,7 +340,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     # 1. local plan: problems are carried to the exchange, never raised on this rank alone
     md, leaves, plan, problems, ckpt = _local_plan(state_dict, directory, comm, collective, strict, reader, request,
                                                    sent)
-    reusable = (comm.reusable_groups([*(broadcast_groups or ()), *mesh_groups(leaves)])
+    reusable = (comm.reusable_groups([*(broadcast_groups or ()),
+                                      *mesh_groups(plan.meshes if plan is not None else meshes_of(leaves))])
                 if collective and not private_only else {})
     if not problems and md.world_size == comm.size:
         # in the worker: under a throttled device, queueing the requests blocks for a while

@@ -22,7 +22,7 @@ import torch
 from .exchange import encode_record, padded
 from .globalplan import ShardKey
 from .metadata import ChunkMeta, Metadata, ObjectMeta, chunk_key, dtype_name
-from .statedict import Box, Leaf, tensor_box
+from .statedict import Box, Leaf, cached_meshes, mesh_of, tensor_box
 
 
 class ReadItem(NamedTuple):
@@ -118,6 +118,7 @@ class LocalPlan:
     problems: list[str] = field(default_factory=list)  # validation failures (raise before any write)
     missing: list[str] = field(default_factory=list)  # state dict keys absent from the checkpoint
     boxes: tuple | None = None  # (offsets, lengths) of ``shards`` as n x width arrays, when local_plan built them
+    meshes: list = field(default_factory=list)  # every DTensor mesh of the state dict (its groups may be reused)
 
 
 def fqn_index(md: Metadata) -> dict[str, int]:
@@ -162,6 +163,7 @@ def local_plan(
     plan = LocalPlan()
     boxes: dict = {}  # meshes stay alive through this call, so their ids are stable keys
     todo = []  # (fqn, dtype, box) of the tensors to resolve into reads
+    unboxed = []  # tensors whose box was not resolved (their meshes are the state dict's too)
     info = md.tensor_info
     for fqn in sorted(leaves):
         leaf = leaves[fqn]
@@ -178,6 +180,7 @@ def local_plan(
             continue
         tmeta = info(fqn)
         if tmeta is None:
+            unboxed.append(value)
             if fqn in md.objects:
                 plan.problems.append(f"{fqn!r}: the checkpoint holds a Python object, the state dict a tensor")
             else:
@@ -187,6 +190,7 @@ def local_plan(
             box = box_of(fqn, value, boxes)
         except ValueError as e:
             plan.problems.append(str(e))
+            unboxed.append(value)
             continue
         dtype = value.dtype
         try:
@@ -226,6 +230,9 @@ def local_plan(
         plan.shards.append(DestShard(fqn, (index[fqn], box.offsets, box.lengths), dtype, numel * itemsize,
                                      reads, local, broadcastable(local), affinity))
     plan.boxes = (offsets, lengths)  # one shard per box, in order
+    meshes = {id(m): m for m in cached_meshes(boxes)}
+    meshes.update((id(m), m) for m in map(mesh_of, unboxed) if m is not None)
+    plan.meshes = list(meshes.values())
     if strict and plan.missing:
         plan.problems += [f"{fqn!r}: missing from the checkpoint" for fqn in plan.missing]
     return plan

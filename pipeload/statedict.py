@@ -86,7 +86,8 @@ def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
     placements, several mesh dims sharding one tensor dim, and uneven shards. Raises ``ValueError``
     with a message naming ``fqn`` for what cannot be stored as a box (``Partial``, strided shards).
     ``cache`` (one dict per call site and state dict) memoises the box per (shape, mesh, placements):
-    a model repeats few of them, and computing one costs ~0.1 ms.
+    a model repeats few of them, and computing one costs ~0.1 ms. Its values end with the mesh
+    (:func:`cached_meshes`).
     """
     if isinstance(value, DTensor):
         spec = getattr(value, "_spec", None)  # the attributes behind DTensor's properties, read once
@@ -111,10 +112,10 @@ def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
                         f"{fqn!r}: DTensor placement {p} cannot be stored; use Shard or Replicate "
                         f"(redistribute Partial placements first)"
                     )
-            hit = (*_local_box(shape, mesh, placements), shape)
+            hit = (*_local_box(shape, mesh, placements), shape, mesh)
             if cache is not None:
                 cache[key] = hit
-        lengths, offsets, shape = hit
+        lengths, offsets, shape, _ = hit
         if lengths is None:  # this rank is outside the mesh
             return Box(shape, tuple(0 for _ in shape), tuple(0 for _ in shape), None)
         if local.shape != lengths:  # (torch.Size compares equal to the tuple of its sizes)
@@ -139,15 +140,33 @@ def _local_box(shape: tuple[int, ...], mesh, placements: tuple) -> tuple:
     return tuple(int(x) for x in lengths), tuple(int(x) for x in offsets)
 
 
-def mesh_groups(leaves: dict[str, Leaf]) -> list[Any]:
-    """Every process group of every DTensor mesh dim in the state dict (this rank's groups only)."""
-    seen: dict[int, Any] = {}
-    meshes = {}
+def cached_meshes(cache: dict) -> list[Any]:
+    """The meshes of the DTensors :func:`tensor_box` resolved with ``cache`` (a few, however many leaves)."""
+    return list({id(hit[-1]): hit[-1] for hit in cache.values()}.values())
+
+
+def mesh_of(value: Any) -> Any:
+    """A DTensor's mesh (its spec's: DTensor.device_mesh is a property, ~1 us a leaf), or None."""
+    if isinstance(value, DTensor):
+        spec = getattr(value, "_spec", None)
+        return spec.mesh if spec is not None else value.device_mesh
+    return None
+
+
+def meshes_of(leaves: dict[str, Leaf]) -> list[Any]:
+    """Every DTensor mesh in the state dict (each once)."""
+    found = {}
     for leaf in leaves.values():
-        spec = getattr(leaf.value, "_spec", None) if isinstance(leaf.value, DTensor) else None
-        if spec is not None:  # the spec's mesh: DTensor.device_mesh is a property, ~1 us a leaf
-            meshes[id(spec.mesh)] = spec.mesh
-    for mesh in meshes.values():
+        mesh = mesh_of(leaf.value)
+        if mesh is not None:
+            found[id(mesh)] = mesh
+    return list(found.values())
+
+
+def mesh_groups(meshes: list[Any]) -> list[Any]:
+    """Every process group of every dim of ``meshes`` (this rank's groups only)."""
+    seen: dict[int, Any] = {}
+    for mesh in meshes:
         if mesh.get_coordinate() is None:
             continue
         for dim in range(mesh.ndim):

@@ -22,7 +22,7 @@ from pipeload.exchange import classes
 from pipeload.loader import exchange_and_plan
 from pipeload.metadata import read_metadata
 from pipeload.planner import fqn_index, local_plan, plan_record
-from pipeload.statedict import flatten, mesh_groups
+from pipeload.statedict import flatten, mesh_groups, meshes_of
 
 import layouts as L
 
@@ -152,7 +152,8 @@ def world8(rank: int, world: int, root: str) -> dict:
     leaves = flatten(_state(mesh, False))
     plan = local_plan(leaves, md, comm.broadcastable)
     record = plan_record(plan, md.width())
-    groups = list(comm.reusable_groups(mesh_groups(leaves)))
+    groups = list(comm.reusable_groups(mesh_groups(meshes_of(leaves))))
+    out["meshes"] = sorted(map(id, plan.meshes)) == sorted(map(id, meshes_of(leaves))) and len(plan.meshes) == 1
     gp = exchange_and_plan(comm, rank, world, md, list(fqn_index(md)), record, [], groups, directory=ckpt,
                            broadcast=True, batch_bytes=6 << 20, can_create=True)
     from pipeload.exchange import host_id, make_row
@@ -171,6 +172,7 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     reads = [r["stats"].bytes_read for r in res]
     assert max(reads) <= 1.10 * (sum(reads) / 8), reads
     assert len({r["digest"] for r in res}) == 1
+    assert all(r["meshes"] for r in res)  # the local plan finds the state dict's meshes as meshes_of does
     assert [r["stats"].plan_reused for r in res] == [False] * 8
     assert [r["again"].plan_reused for r in res] == [True] * 8
     assert [r["fresh"].plan_reused for r in res] == [True] * 8
