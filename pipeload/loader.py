@@ -50,9 +50,10 @@ DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
 # At most this much of its own file a rank requests while planning: enough to keep storage busy until
 # the shared phase's own prefetch takes over (shared storage at 200 MiB/s serves 4 ranks ~8 MiB each in
-# 0.15 s of planning). More only moves page-cache work (~0.25 ms of CPU per MiB, charged to the rank)
-# into the planning every rank waits for: 64 MiB a rank cost 16 ms of CPU there, and no load time.
-SPECULATIVE_PREFETCH = 16 << 20
+# 0.15 s of planning; 4 x 8 MiB queued lasts it 0.16 s). More only moves page-cache work (~0.25 ms of
+# CPU per MiB, charged to the rank) into the planning every rank waits for: 64 MiB a rank cost 16 ms of
+# CPU there, and no load time.
+SPECULATIVE_PREFETCH = 8 << 20
 
 
 @dataclass
