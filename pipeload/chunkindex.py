@@ -298,7 +298,7 @@ class IndexedTensors(Mapping):
         self.index, self.names, self.dtypes, self.files = index, names, dtypes, files
         self.pos = dict(zip(names, range(len(names))))
         self.ndim = np.asarray(ndims, dtype=np.int64)
-        self.ndims = [int(x) for x in ndims]  # the same as Python ints: looked up once per tensor leaf
+        self.ndims = self.ndim.tolist()  # the same as Python ints: looked up once per tensor leaf
         if len(self.ndim) != len(names) or np.any(self.ndim < 0) or np.any(self.ndim > index.width):
             raise CheckpointFormatError(f"{index.path}: tensor ranks do not match the chunk index")
 

@@ -13,6 +13,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import re
 import queue
 import signal
 import subprocess
@@ -309,6 +310,38 @@ def _edit_metadata(path, fn) -> None:
     fn(doc)
     with open(p, "w") as f:
         json.dump(doc, f)
+
+
+def test_format_2_tensor_table_faults(tmp_path):
+    """The format-2 tensor table (names, dtypes, ranks) is checked in whole-list passes: each fault is
+    still refused with its own message, a bad dtype naming its tensor."""
+    pipeload.save({"a": torch.ones(2, 3), "b": torch.ones(4), "c": torch.ones(1, 1, 1)}, tmp_path)
+    good = open(os.path.join(tmp_path, METADATA_FILE)).read()
+
+    def table(doc):
+        return doc["tensors"]
+
+    cases = [
+        (lambda d: table(d)["names"].reverse(), "sorted and unique"),
+        (lambda d: table(d)["names"].__setitem__(1, "a"), "sorted and unique"),
+        (lambda d: table(d)["dtypes"].__setitem__(1, "F99"), "tensor 'b': unsupported dtype 'F99'"),
+        (lambda d: table(d)["dtypes"].__setitem__(2, ["F32"]), "tensor 'c': unsupported dtype"),
+        (lambda d: table(d)["ndims"].__setitem__(0, -1), "equal length"),
+        (lambda d: table(d)["ndims"].__setitem__(0, 65), "equal length"),
+        (lambda d: table(d)["ndims"].__setitem__(0, True), "equal length"),
+        (lambda d: table(d)["ndims"].__setitem__(0, "2"), "equal length"),
+        (lambda d: table(d)["names"].__setitem__(0, 7), "equal length"),
+        (lambda d: table(d)["dtypes"].pop(), "equal length"),
+    ]
+    for edit, needle in cases:
+        with open(os.path.join(tmp_path, METADATA_FILE), "w") as f:
+            f.write(good)
+        _edit_metadata(tmp_path, edit)
+        with pytest.raises(CheckpointFormatError, match=re.escape(needle)):
+            read_metadata(tmp_path)
+    with open(os.path.join(tmp_path, METADATA_FILE), "w") as f:
+        f.write(good)
+    assert sorted(read_metadata(tmp_path).tensors) == ["a", "b", "c"]
 
 
 def test_small_metadata_faults(tmp_path):
