@@ -75,8 +75,9 @@ def signature(state_dict: dict) -> tuple[tuple, list, dict[int, tuple]]:
     key)}`` of the leaves that are not tensors).
 
     The first part is compared between loads: the containers as :func:`~pipeload.statedict.flatten`
-    visits them (a dict's keys with their types, a list's length; a state dict built in another order
-    does not reuse the plan: conservative, and no sort), and per leaf its facts: a DTensor's spec
+    visits them (a dict's keys with their types, a list's length, which children are containers
+    themselves; a state dict built in another order does not reuse the plan: conservative, and no
+    sort), and per leaf its facts: a DTensor's spec
     (mesh, placements, global shape, stride, dtype: its box on this rank and its device follow from
     them), a plain tensor's shape, dtype and device type, nothing for an object (objects are replaced in
     whatever container holds them at load time). Equal containers name every leaf alike, so the leaves
@@ -103,17 +104,20 @@ def signature(state_dict: dict) -> tuple[tuple, list, dict[int, tuple]]:
         else:
             nodes.append(len(node))
             items = enumerate(node)
+        inner = []  # which children are containers ({"a": {}, "b": 1} and {"a": 1, "b": {}} differ)
         for k, v in items:
             if isinstance(v, Tensor):
                 spec = getattr(v, "_spec", None)
                 facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type))
             elif isinstance(v, dict) or (isinstance(v, list) and any(_is_node(x) for x in v)):
                 stack.append(v)
+                inner.append(k)
                 continue
             else:
                 facts.append(None)
                 homes[len(values)] = (node, k)
             values.append(v)
+        nodes.append(tuple(inner))
     return (tuple(nodes), tuple(facts)), values, homes
 
 

@@ -577,6 +577,7 @@ def test_plan_signature_names_no_leaf_but_tells_every_layout_apart():
         sd(opt={**sd()["opt"], "step": {"n": 1}}),  # an object -> a container
         sd(b=torch.zeros(1)),  # one more key
     ]
+    assert plancache.signature({"a": {}, "b": 1})[0] != plancache.signature({"a": 1, "b": {}})[0]
     assert all(plancache.signature(c)[0] != sig for c in changed)
     with pytest.raises(TypeError):
         plancache.signature([torch.zeros(1)])
