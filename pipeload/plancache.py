@@ -26,7 +26,7 @@ import numpy as np
 
 from torch import Tensor
 
-from .statedict import Leaf, _is_node
+from .statedict import Leaf, is_container
 
 CAPACITY = 2
 
@@ -109,7 +109,7 @@ def signature(state_dict: dict) -> tuple[tuple, list, dict[int, tuple]]:
             if isinstance(v, Tensor):
                 spec = getattr(v, "_spec", None)
                 facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type))
-            elif isinstance(v, dict) or (isinstance(v, list) and any(_is_node(x) for x in v)):
+            elif is_container(v):
                 stack.append(v)
                 inner.append(k)
                 continue

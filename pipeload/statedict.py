@@ -46,13 +46,19 @@ def flatten(state_dict: Any) -> dict[str, Leaf]:
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
             fqn = f"{prefix}{k}"
-            if isinstance(v, dict) or (isinstance(v, list) and any(_is_node(x) for x in v)):
+            if not isinstance(v, torch.Tensor) and is_container(v):  # (tensors, most leaves, skip the call)
                 stack.append((fqn + ".", v))
                 continue
             if fqn in out:
                 raise ValueError(f"state dict key {fqn!r} is reached by two different paths")
             out[fqn] = Leaf(fqn, node, k, v)
     return out
+
+
+def is_container(v: Any) -> bool:
+    """Whether :func:`flatten` descends into ``v``: a dict, or a list holding a tensor or a container.
+    The one rule of what a leaf is (:func:`pipeload.plancache.signature` walks by it too)."""
+    return isinstance(v, dict) or (isinstance(v, list) and any(_is_node(x) for x in v))
 
 
 def _is_node(x: Any) -> bool:
