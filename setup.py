@@ -10,6 +10,7 @@ extensions = [
         extra_compile_args=["-O3"],
     ),
     Extension("pipeload._greedy", ["pipeload/_greedy.pyx"], extra_compile_args=["-O3"]),
+    Extension("pipeload._leafplan", ["pipeload/_leafplan.pyx"], extra_compile_args=["-O3"]),
 ]
 
 setup(

@@ -51,12 +51,12 @@ for _name, _attr in (
 ):
     if hasattr(torch, _attr):
         _DTYPE_NAMES[_name] = getattr(torch, _attr)
-_NAMES_BY_DTYPE = {v: k for k, v in _DTYPE_NAMES.items()}
+NAMES_OF_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}  # torch dtype -> safetensors name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors name of ``dtype``; ``KeyError`` if safetensors cannot store it."""
-    return _NAMES_BY_DTYPE[dtype]
+    return NAMES_OF_DTYPES[dtype]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -69,7 +69,7 @@ def dtype_itemsize(name: str) -> int:
 
 
 def storable_dtype(dtype: torch.dtype) -> bool:
-    return dtype in _NAMES_BY_DTYPE
+    return dtype in NAMES_OF_DTYPES
 
 
 class ChunkMeta(NamedTuple):
@@ -117,7 +117,7 @@ class Metadata:
     """The whole ``.metadata``: every fqn of the checkpoint and where its bytes live.
 
     ``tensors`` is a dict for format 1 (every chunk parsed from JSON) and a lazy mapping over the mapped
-    chunk index for format 2 (:mod:`pipeload.chunkindex`); planning goes through :meth:`tensor_info`,
+    chunk index for format 2 (:mod:`pipeload.chunkindex`); planning goes through :meth:`tensor_columns`,
     :meth:`chunks_for` and :meth:`key_arrays`, which never decode more than the chunks a box needs.
     """
 
@@ -151,14 +151,13 @@ class Metadata:
             self._key_index = dict(zip(names, range(len(names))))
         return self._key_index
 
-    def tensor_info(self, fqn: str) -> tuple[str, tuple[int, ...]] | None:
-        """(dtype, global shape) of a tensor key, or None."""
-        if self.indexed:
-            t = self.tensors
-            i = t.pos.get(fqn)
-            return None if i is None else (t.dtypes[i], t.index.shape(i, t.ndims[i]))
-        m = self.tensors.get(fqn)
-        return None if m is None else (m.dtype, m.shape)
+    def tensor_columns(self) -> tuple | None:
+        """Format 2: the tensor table as columns, for a loop over many keys: (row of each tensor key, dtype
+        names, ranks, shapes as a T x k int64 array, zero-padded). None for format 1: use :attr:`tensors`."""
+        if not self.indexed:
+            return None
+        t = self.tensors
+        return t.pos, t.dtypes, t.ndims, t.index.a["shape"]
 
     def chunks_for(self, fqn: str, offsets: tuple[int, ...], lengths: tuple[int, ...]):
         """The stored chunks a box of tensor ``fqn`` may need (format 2: exactly those that overlap it)."""
@@ -177,16 +176,23 @@ class Metadata:
             return [None] * len(fqns)
         import numpy as np
 
+        pos = self.tensors.pos
+        return self.exact_rows(np.fromiter((pos[f] for f in fqns), dtype=np.int64, count=len(fqns)), offsets,
+                               lengths)
+
+    def exact_rows(self, rows, offsets, lengths) -> list:
+        """:meth:`exact_chunks` of boxes given by their tensors' rows in the format-2 table (an int64 array)."""
+        import numpy as np
+
         t = self.tensors
-        pos = np.fromiter((t.pos[f] for f in fqns), dtype=np.int64, count=len(fqns))
-        rows = t.index.exact(pos, _at_width(offsets, t.index.width), _at_width(lengths, t.index.width))
-        hit = rows >= 0
-        r = rows[hit]
+        found = t.index.exact(rows, _at_width(offsets, t.index.width), _at_width(lengths, t.index.width))
+        hit = found >= 0
+        r = found[hit]
         files = t.index.a["chunk_file"][r].tolist()
         # every checksum as 16 hex digits in one conversion (big-endian bytes -> one hex string)
         sums = t.index.a["chunk_checksum"][r].astype(">u8").tobytes().hex()
         names = t.files
-        out: list = [None] * len(fqns)
+        out: list = [None] * len(rows)
         for k, (j, f) in enumerate(zip(np.flatnonzero(hit).tolist(), files)):
             out[j] = (names[f], sums[16 * k : 16 * k + 16])
         return out

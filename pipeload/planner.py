@@ -21,8 +21,9 @@ import torch
 
 from .exchange import encode_record, padded
 from .globalplan import ShardKey
-from .metadata import ChunkMeta, Metadata, ObjectMeta, chunk_key, dtype_name
-from .statedict import Box, Leaf, cached_meshes, mesh_of, tensor_box
+from ._leafplan import resolve
+from .metadata import NAMES_OF_DTYPES, ChunkMeta, Metadata, ObjectMeta, chunk_key
+from .statedict import Box, Leaf, cached_meshes, mesh_of
 
 
 class ReadItem(NamedTuple):
@@ -148,88 +149,56 @@ def local_plan(
     broadcastable: Callable[[torch.Tensor], bool],
     *,
     strict: bool = True,
-    box_of: Callable[[str, torch.Tensor, dict], Box] = tensor_box,
+    box_of: Callable[[str, torch.Tensor, dict], Box] | None = None,
     writer_of: Callable[[str], int] | None = None,
 ) -> LocalPlan:
-    """Resolve this rank's destination shards into ReadItems and validate them against ``md``.
+    """Resolve this rank's destination shards into reads and validate them against ``md``.
 
     Nothing is read or written: every dtype/shape/key problem is collected in ``problems`` so the
-    load can refuse before touching any destination. ``box_of`` resolves a tensor leaf's box
-    (:func:`pipeload.statedict.tensor_box`; the simulation passes the box a layout assigns).
+    load can refuse before touching any destination. ``box_of`` resolves a tensor leaf's box (None:
+    :func:`pipeload.statedict.tensor_box`; the simulation passes the box a layout assigns).
     ``writer_of`` (a layout's :attr:`~pipeload.formats.Checkpoint.writer_of`) gives each shard stored
     in one file its affinity.
+
+    Shards come in fqn order, so replicas build byte-identical exchange records. Loaded as saved, each
+    box is one stored chunk, found for all boxes at once (:meth:`Metadata.exact_chunks`) and kept
+    unbuilt (:class:`DestShard`); other boxes are matched with the chunks they overlap. The loop over
+    the leaves is compiled (:func:`pipeload._leafplan.resolve`).
     """
     index = fqn_index(md)
     plan = LocalPlan()
     boxes: dict = {}  # meshes stay alive through this call, so their ids are stable keys
-    todo = []  # (fqn, dtype, box) of the tensors to resolve into reads
-    unboxed = []  # tensors whose box was not resolved (their meshes are the state dict's too)
-    info = md.tensor_info
-    for fqn in sorted(leaves):
+    width = md.width()  # the exchange record's: the boxes are padded to it once, for the lookup and the record
+
+    def reads_of(fqn: str, offsets: tuple, lengths: tuple, itemsize: int) -> tuple[list[ReadItem], int]:
+        reads = []
+        for chunk in md.chunks_for(fqn, offsets, lengths):
+            hit = _intersect(chunk, offsets, lengths)
+            if hit is not None:
+                src, dst, ln = hit
+                reads.append(ReadItem(chunk.file, chunk.key, chunk.checksum, chunk.lengths, src, dst, ln,
+                                      math.prod(ln) * itemsize))
+        one_file = writer_of is not None and reads and all(r.file == reads[0].file for r in reads)
+        return reads, writer_of(reads[0].file) if one_file else -1
+
+    plan.shards, offsets, lengths, plan.problems, unboxed, others = resolve(
+        sorted(leaves), leaves, index, md, box_of, boxes, width, NAMES_OF_DTYPES, md.exact_rows, reads_of, DestShard,
+        broadcastable, writer_of)
+    plan.boxes = (offsets, lengths)  # one shard per box, in order
+    for fqn in others:  # every leaf that is not a tensor of the checkpoint, in fqn order
         leaf = leaves[fqn]
         value = leaf.value
-        if not isinstance(value, torch.Tensor):
-            if fqn in md.objects:
-                plan.objects.append(ObjectRead(fqn, index[fqn], leaf, md.objects[fqn]))
-            elif fqn in md.tensors:
-                plan.problems.append(
-                    f"{fqn!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}"
-                )
-            else:
-                plan.missing.append(fqn)
-            continue
-        tmeta = info(fqn)
-        if tmeta is None:
-            unboxed.append(value)
+        if isinstance(value, torch.Tensor):
             if fqn in md.objects:
                 plan.problems.append(f"{fqn!r}: the checkpoint holds a Python object, the state dict a tensor")
             else:
                 plan.missing.append(fqn)
-            continue
-        try:
-            box = box_of(fqn, value, boxes)
-        except ValueError as e:
-            plan.problems.append(str(e))
-            unboxed.append(value)
-            continue
-        dtype = value.dtype
-        try:
-            have = dtype_name(dtype)
-        except KeyError:
-            have = str(dtype)
-        if have != tmeta[0] or box.global_shape != tmeta[1]:
-            plan.problems.append(
-                f"{fqn!r}: the state dict has dtype {have} shape {list(box.global_shape)}, "
-                f"the checkpoint {tmeta[0]} {list(tmeta[1])}"
-            )
-            continue
-        if box.local is not None and 0 not in box.lengths:
-            todo.append((fqn, dtype, box))
-    # Loaded as saved, each box is one stored chunk: found for all boxes at once; others box by box.
-    width = md.width()  # the exchange record's: padded once, for the lookup and the record
-    offsets, lengths = padded([t[2].offsets for t in todo], width), padded([t[2].lengths for t in todo], width)
-    exact = md.exact_chunks([t[0] for t in todo], offsets, lengths)
-    for (fqn, dtype, box), hit in zip(todo, exact):
-        itemsize = dtype.itemsize
-        local = box.local
-        numel = local.numel()  # (the box's: a C call, where Box.numel multiplies in Python)
-        if hit is not None:
-            file, checksum = hit
-            reads = (file, checksum, box.lengths == box.global_shape)  # its ReadItem: DestShard.reads
-            affinity = writer_of(file) if writer_of is not None else -1
+        elif fqn in md.objects:
+            plan.objects.append(ObjectRead(fqn, index[fqn], leaf, md.objects[fqn]))
+        elif fqn in md.tensors:
+            plan.problems.append(f"{fqn!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
         else:
-            reads = []
-            for chunk in md.chunks_for(fqn, box.offsets, box.lengths):
-                hit = _intersect(chunk, box.offsets, box.lengths)
-                if hit is not None:
-                    src, dst, ln = hit
-                    reads.append(ReadItem(chunk.file, chunk.key, chunk.checksum, chunk.lengths, src, dst, ln,
-                                          math.prod(ln) * itemsize))
-            affinity = writer_of(reads[0].file) if writer_of is not None and reads and all(
-                r.file == reads[0].file for r in reads) else -1
-        plan.shards.append(DestShard(fqn, (index[fqn], box.offsets, box.lengths), dtype, numel * itemsize,
-                                     reads, local, broadcastable(local), affinity))
-    plan.boxes = (offsets, lengths)  # one shard per box, in order
+            plan.missing.append(fqn)
     meshes = {id(m): m for m in cached_meshes(boxes)}
     meshes.update((id(m), m) for m in map(mesh_of, unboxed) if m is not None)
     plan.meshes = list(meshes.values())

@@ -14,10 +14,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._leafplan import box
+
 try:  # DTensor moved out of the private namespace in torch 2.4
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - older torch
-    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
+    from torch.distributed._tensor import DTensor  # type: ignore
 
 
 @dataclass(slots=True)
@@ -93,57 +95,12 @@ def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
     with a message naming ``fqn`` for what cannot be stored as a box (``Partial``, strided shards).
     ``cache`` (one dict per call site and state dict) memoises the box per (shape, mesh, placements):
     a model repeats few of them, and computing one costs ~0.1 ms. Its values end with the mesh
-    (:func:`cached_meshes`).
+    (:func:`cached_meshes`). Compiled (:func:`pipeload._leafplan.box`): the local plan runs it per leaf.
     """
-    if isinstance(value, DTensor):
-        spec = getattr(value, "_spec", None)  # the attributes behind DTensor's properties, read once
-        if spec is not None:  # (DTensor.shape goes through Python: 4x the spec's tensor_meta)
-            mesh, placements, meta = spec.mesh, spec.placements, spec.tensor_meta
-            shape = meta.shape if meta is not None else value.shape
-        else:
-            mesh, placements, shape = value.device_mesh, value.placements, value.shape
-        if type(placements) is not tuple:
-            placements = tuple(placements)
-        # The local tensor itself (to_local() goes through autograd, ~50 us a call on 3,000 tensors).
-        local = getattr(value, "_local_tensor", None)
-        if local is None:
-            local = value.to_local()
-        key = (shape, id(mesh), placements)
-        hit = cache.get(key) if cache is not None else None
-        if hit is None:
-            shape = tuple(shape)
-            for p in placements:
-                if type(p) is not Shard and type(p) is not Replicate:
-                    raise ValueError(
-                        f"{fqn!r}: DTensor placement {p} cannot be stored; use Shard or Replicate "
-                        f"(redistribute Partial placements first)"
-                    )
-            hit = (*_local_box(shape, mesh, placements), shape, mesh)
-            if cache is not None:
-                cache[key] = hit
-        lengths, offsets, shape, _ = hit
-        if lengths is None:  # this rank is outside the mesh
-            return Box(shape, tuple(0 for _ in shape), tuple(0 for _ in shape), None)
-        if local.shape != lengths:  # (torch.Size compares equal to the tuple of its sizes)
-            raise ValueError(
-                f"{fqn!r}: DTensor local shard has shape {list(local.shape)}, its placements say {list(lengths)}"
-            )
-        return _box(Box, (shape, offsets, lengths, local))
-    shape = tuple(value.shape)
-    return _box(Box, (shape, (0,) * len(shape), shape, value))
+    return _box(Box, box(fqn, value, cache))
 
 
-_box = tuple.__new__  # Box(...) without the NamedTuple's Python-level __new__ (one per tensor leaf per load)
-
-
-def _local_box(shape: tuple[int, ...], mesh, placements: tuple) -> tuple:
-    """(lengths, offsets) of this rank's box, or (None, None) outside the mesh."""
-    if mesh.get_coordinate() is None:
-        return None, None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
-    return tuple(int(x) for x in lengths), tuple(int(x) for x in offsets)
+_box = tuple.__new__  # Box(...) without the NamedTuple's Python-level __new__
 
 
 def cached_meshes(cache: dict) -> list[Any]:

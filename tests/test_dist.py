@@ -9,6 +9,7 @@ world has a deadline: a hang fails the test with the ranks that did not finish.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import shutil
@@ -134,7 +135,37 @@ def world4(rank: int, world: int, root: str, from2: str) -> dict:
         L.check_values(dst_sd)
 
     out["failures"] = _failures(rank, meshes, root, c("tp2dp2"))
+    out["box_cache"] = _box_cache_cases(meshes)
     return out
+
+
+def _box_cache_cases(meshes) -> list:
+    """Every placement pair on every mesh, for tensors of the same shapes, through one box cache (the
+    local plan's: keyed by shape, mesh and placements): each box must be what torch computes uncached.
+    Returns the mismatches."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from pipeload.statedict import tensor_box
+
+    cache, bad, n = {}, [], 0
+    kinds = [Replicate(), Shard(0), Shard(1), Shard(-1)]
+    for rep in range(2):  # the second round is answered from the cache
+        for shape in [(8, 6), (5, 3), (7,)]:
+            for mshape in meshes.shapes:
+                mesh = meshes.get(mshape)
+                for pl in itertools.product(kinds, repeat=len(mshape)):
+                    if any(isinstance(p, Shard) and p.dim >= len(shape) for p in pl):
+                        continue
+                    g = torch.zeros(shape)
+                    t = L.make_dtensor(g, mesh, list(pl))
+                    box = tensor_box(f"t{n}", t, cache)
+                    n += 1
+                    lengths, offsets = compute_local_shape_and_global_offset(g.shape, mesh, t.placements)
+                    want = (tuple(shape), tuple(offsets), tuple(lengths))
+                    if (box.global_shape, box.offsets, box.lengths) != want or box.local.data_ptr() != t.to_local().data_ptr():
+                        bad.append((shape, mshape, [str(p) for p in pl], box[:3], want))
+    return bad
 
 
 def _failures(rank, meshes, root, good) -> dict:
@@ -391,6 +422,12 @@ def test_timings_add_up(worlds):
         st = r["moe"]
         assert set(st.timings) == {"plan", "exchange", "groups", "shared", "private", "teardown"}
         assert abs(sum(st.timings.values()) - st.wall) <= 0.1 * st.wall
+
+
+def test_box_cache_tells_placements_apart(worlds):
+    _, r4, _ = worlds
+    for rank, r in enumerate(r4):
+        assert r["box_cache"] == [], f"rank {rank}: boxes differ from torch's"
 
 
 def test_world2_cases(worlds):

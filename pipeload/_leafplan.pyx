@@ -1,0 +1,214 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The per-leaf loops of planning, compiled: a tensor's box on this rank (:func:`box`, behind
+:func:`pipeload.statedict.tensor_box`) and the local plan's pass over the state dict (:func:`resolve`,
+behind :func:`pipeload.planner.local_plan`).
+
+A trainer's state dict has a leaf per parameter and optimizer state, thousands to 100k of them, and
+every load resolves each one before its first collective: whatever this costs per leaf, every rank
+pays it while the others wait. What the loops decide is documented at their Python callers; here they
+only do it without an interpreted step per leaf.
+"""
+
+import numpy as np
+import torch
+
+try:  # DTensor moved out of the private namespace in torch 2.4
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
+
+cdef object _Tensor = torch.Tensor
+
+
+def _local_box(shape, mesh, placements):
+    """(lengths, offsets) of this rank's box, or (None, None) outside the mesh."""
+    if mesh.get_coordinate() is None:
+        return None, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(x) for x in lengths), tuple(int(x) for x in offsets)
+
+
+cdef tuple _placement_key(tuple placements):
+    """What the box depends on in ``placements``, as plain ints (a sharded tensor dim, or None for Replicate),
+    so the cache key hashes and compares in C; None when one is neither (the uncached path refuses it)."""
+    cdef list out = []
+    for p in placements:
+        t = type(p)
+        if t is Shard:
+            out.append(p.dim)
+        elif t is Replicate:
+            out.append(None)
+        else:
+            return None
+    return tuple(out)
+
+
+def box(str fqn, value, dict cache):
+    """(global shape, offsets, lengths, local tensor or None) of ``value``: see ``statedict.tensor_box``.
+
+    ``cache`` memoises a DTensor's (lengths, offsets, global shape, mesh) per (shape, mesh, placements);
+    its values end with the mesh (``statedict.cached_meshes``).
+    """
+    cdef tuple shape, hit = None
+    if not isinstance(value, DTensor):
+        shape = tuple(value.shape)
+        return shape, (0,) * len(shape), shape, value
+    spec = getattr(value, "_spec", None)  # the attributes behind DTensor's properties, read once
+    if spec is not None:  # (DTensor.shape goes through Python: 4x the spec's tensor_meta)
+        mesh, placements, meta = spec.mesh, spec.placements, spec.tensor_meta
+        size = meta.shape if meta is not None else value.shape
+    else:
+        mesh, placements, size = value.device_mesh, value.placements, value.shape
+    if type(placements) is not tuple:
+        placements = tuple(placements)
+    # the local tensor itself (to_local() goes through autograd, ~50 us a call on 3,000 tensors)
+    local = getattr(value, "_local_tensor", None)
+    if local is None:
+        local = value.to_local()
+    kind = _placement_key(placements)
+    key = (size, id(mesh), kind)
+    if cache is not None and kind is not None:
+        hit = cache.get(key)
+    if hit is None:
+        shape = tuple(size)
+        for p in placements:
+            if type(p) is not Shard and type(p) is not Replicate:
+                raise ValueError(
+                    f"{fqn!r}: DTensor placement {p} cannot be stored; use Shard or Replicate "
+                    f"(redistribute Partial placements first)"
+                )
+        hit = (*_local_box(shape, mesh, placements), shape, mesh)
+        if cache is not None:
+            cache[key] = hit
+    lengths, offsets, shape = hit[0], hit[1], hit[2]
+    if lengths is None:  # this rank is outside the mesh
+        return shape, (0,) * len(shape), (0,) * len(shape), None
+    if local.shape != lengths:  # (torch.Size compares equal to the tuple of its sizes)
+        raise ValueError(
+            f"{fqn!r}: DTensor local shard has shape {list(local.shape)}, its placements say {list(lengths)}"
+        )
+    return shape, offsets, lengths, local
+
+
+def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_ssize_t width, dict dtype_names,
+            exact_of, reads_of, make_shard, broadcastable, writer_of):
+    """The tensor leaves of ``names`` (sorted fqns of ``leaves``) resolved against ``md``.
+
+    Returns ``(shards, offsets, lengths, problems, unboxed, others)``: one ``make_shard(...)`` per box this
+    rank loads, in ``names`` order, and their boxes as ``n x width`` int64 arrays (zero-padded); the
+    problems found (dtype, shape, box); the tensors whose box was not resolved (their meshes still
+    count); the fqns of every leaf that is not a tensor of the checkpoint, for the caller.
+
+    ``box_of(fqn, value, cache)`` gives a leaf's box as :func:`box` does (None: :func:`box` itself);
+    ``exact_of(rows, offsets, lengths)`` the ``(file, checksum)`` of the stored chunk that is exactly each
+    box, or None (format 2 only); ``reads_of(fqn, offsets, lengths, itemsize)`` the reads and affinity of
+    a box that is not one stored chunk.
+    """
+    cdef Py_ssize_t n = len(names), j = 0, d, nd, i
+    table = md.tensor_columns()
+    cdef bint indexed = table is not None
+    cdef dict pos = None, metas = None
+    cdef list dtypes = None, ndims = None
+    cdef const long long[:, :] stored
+    if indexed:
+        pos, dtypes, ndims, stored = table
+    else:
+        metas = md.tensors
+    offsets_a = np.zeros((n, width), dtype=np.int64)
+    lengths_a = np.zeros((n, width), dtype=np.int64)
+    rows_a = np.zeros(n, dtype=np.int64)
+    cdef long long[:, ::1] off = offsets_a, ln = lengths_a
+    cdef long long[::1] rows = rows_a
+    cdef list problems = [], unboxed = [], others = [], todo = []
+    cdef tuple shape, offsets, lengths, b
+    cdef bint mismatch
+    for fqn in names:
+        value = leaves[fqn].value
+        if not isinstance(value, _Tensor):
+            others.append(fqn)
+            continue
+        if indexed:
+            p = pos.get(fqn)
+            if p is None:
+                unboxed.append(value)
+                others.append(fqn)
+                continue
+            i = p
+            want_dtype = dtypes[i]
+            nd = ndims[i]
+        else:
+            m = metas.get(fqn)
+            if m is None:
+                unboxed.append(value)
+                others.append(fqn)
+                continue
+            want_dtype, want_shape = m[0], m[1]
+        try:
+            b = box(fqn, value, cache) if box_of is None else tuple(box_of(fqn, value, cache))
+        except ValueError as e:
+            problems.append(str(e))
+            unboxed.append(value)
+            continue
+        shape, offsets, lengths, local = b
+        dtype = value.dtype
+        have = dtype_names.get(dtype)
+        if have is None:
+            have = str(dtype)
+        if indexed:
+            mismatch = len(shape) != nd
+            if not mismatch:
+                for d in range(nd):
+                    if <long long>shape[d] != stored[i, d]:
+                        mismatch = True
+                        break
+            if mismatch:
+                want_shape = tuple([stored[i, d] for d in range(nd)])
+        else:
+            mismatch = shape != want_shape
+        if mismatch or have != want_dtype:
+            problems.append(
+                f"{fqn!r}: the state dict has dtype {have} shape {list(shape)}, "
+                f"the checkpoint {want_dtype} {list(want_shape if mismatch else shape)}"
+            )
+            continue
+        if local is None or 0 in lengths:
+            continue
+        nd = len(offsets)
+        if nd > width:  # (the checkpoint's tensor has this rank: only a hostile table says otherwise)
+            problems.append(f"{fqn!r}: a box of {nd} dimensions in a checkpoint of at most {width}")
+            continue
+        for d in range(nd):
+            off[j, d] = offsets[d]
+            ln[j, d] = lengths[d]
+        if indexed:
+            rows[j] = i
+        j += 1
+        todo.append((fqn, dtype, offsets, lengths, local, lengths == shape))
+    offsets_a, lengths_a = offsets_a[:j], lengths_a[:j]
+    exact = exact_of(rows_a[:j], offsets_a, lengths_a) if indexed and j else None
+    cdef list shards = []
+    cdef dict writers = {}
+    cdef long long numel
+    for k in range(j):
+        fqn, dtype, offsets, lengths, local, whole = todo[k]
+        itemsize = dtype.itemsize
+        numel = 1
+        for x in lengths:
+            numel *= <long long>x
+        hit = exact[k] if exact is not None else None
+        if hit is not None:
+            file = hit[0]
+            reads = (file, hit[1], whole)  # its one ReadItem, built when the read runs (DestShard.reads)
+            if writer_of is None:
+                affinity = -1
+            else:
+                affinity = writers.get(file)
+                if affinity is None:
+                    affinity = writers[file] = writer_of(file)
+        else:
+            reads, affinity = reads_of(fqn, offsets, lengths, itemsize)
+        shards.append(make_shard(fqn, (key_index[fqn], offsets, lengths), dtype, numel * itemsize, reads, local,
+                                 broadcastable(local), affinity))
+    return shards, offsets_a, lengths_a, problems, unboxed, others
