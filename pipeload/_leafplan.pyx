@@ -212,3 +212,51 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
         shards.append(make_shard(fqn, (key_index[fqn], offsets, lengths), dtype, numel * itemsize, reads, local,
                                  broadcastable(local), affinity))
     return shards, offsets_a, lengths_a, problems, unboxed, others
+
+
+def walk(dict state_dict, is_container):
+    """The traversal of ``plancache.signature``: ``(nodes, facts, values, homes)``.
+
+    Visits containers as ``statedict.flatten`` does (a stack, children in order; ``is_container`` is its
+    rule). Per container: a dict's keys with their types, or a list's length, then the keys of its children
+    that are containers. Per leaf in visiting order: its value, and its facts (a DTensor's spec; a plain
+    tensor's shape, dtype and device type; None for an object, whose ``(container, key)`` goes to
+    ``homes`` under the leaf's position).
+    """
+    cdef list nodes = [], values = [], facts = [], stack = [state_dict], inner
+    cdef dict homes = {}
+    while stack:
+        node = stack.pop()
+        if type(node) is dict or isinstance(node, dict):
+            keys = tuple(node)
+            nodes.append((keys, tuple(map(type, keys))))  # (1 and True are equal keys, named differently)
+            items = node.items()
+        else:
+            nodes.append(len(node))
+            items = enumerate(node)
+        inner = []  # which children are containers ({"a": {}, "b": 1} and {"a": 1, "b": {}} differ)
+        for k, v in items:
+            if isinstance(v, _Tensor):
+                spec = getattr(v, "_spec", None)
+                facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type))
+            elif is_container(v):
+                stack.append(v)
+                inner.append(k)
+                continue
+            else:
+                facts.append(None)
+                homes[len(values)] = (node, k)
+            values.append(v)
+        nodes.append(tuple(inner))
+    return nodes, facts, values, homes
+
+
+def point_at(list shards, values):
+    """Point each shard at its leaf's value in a new state dict of the same layout (a DTensor's local
+    tensor: the whole box), as a kept plan is reused, or at None as it is put away; each is detached
+    from autograd when first used (``planner.DestShard.dest``)."""
+    for shard, v in zip(shards, values):
+        if isinstance(v, DTensor):
+            local = getattr(v, "_local_tensor", None)
+            v = local if local is not None else v.to_local()
+        shard._dest = v

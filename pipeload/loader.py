@@ -364,7 +364,9 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                            same_host_private=broadcast_replicated_tensors == "auto" and comm.broadcast_device.type == "cpu")
     unexpected = []
     if collective:
-        unexpected = [names[i] for i in np.setdiff1d(np.arange(len(names)), gp.requested).tolist()]
+        unasked = np.ones(len(names), dtype=bool)
+        unasked[gp.requested] = False  # (np.setdiff1d sorts both: 0.7 ms on 3,230 keys)
+        unexpected = [names[i] for i in np.flatnonzero(unasked).tolist()]
     if strict and unexpected:
         raise StateDictError(
             f"pipeload.load from {directory}: keys in the checkpoint that no rank loads (strict=True)", unexpected

@@ -24,8 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from torch import Tensor
-
+from ._leafplan import walk
 from .statedict import Leaf, is_container
 
 CAPACITY = 2
@@ -90,34 +89,7 @@ def signature(state_dict: dict) -> tuple[tuple, list, dict[int, tuple]]:
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
-    nodes: list = []
-    values: list = []
-    homes: dict[int, tuple] = {}  # where each object lives: a reused plan puts its value there
-    facts: list = []
-    stack = [state_dict]
-    while stack:  # flatten's traversal and leaf rule, without building names
-        node = stack.pop()
-        if isinstance(node, dict):
-            keys = tuple(node)
-            nodes.append((keys, tuple(map(type, keys))))  # (1 and True are equal keys, named differently)
-            items = node.items()
-        else:
-            nodes.append(len(node))
-            items = enumerate(node)
-        inner = []  # which children are containers ({"a": {}, "b": 1} and {"a": 1, "b": {}} differ)
-        for k, v in items:
-            if isinstance(v, Tensor):
-                spec = getattr(v, "_spec", None)
-                facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type))
-            elif is_container(v):
-                stack.append(v)
-                inner.append(k)
-                continue
-            else:
-                facts.append(None)
-                homes[len(values)] = (node, k)
-            values.append(v)
-        nodes.append(tuple(inner))
+    nodes, facts, values, homes = walk(state_dict, is_container)  # (compiled: it runs on every reused load)
     return (tuple(nodes), tuple(facts)), values, homes
 
 

@@ -21,7 +21,7 @@ import torch
 
 from .exchange import encode_record, padded
 from .globalplan import ShardKey
-from ._leafplan import resolve
+from ._leafplan import point_at, resolve  # noqa: F401 - point_at is the planner's, compiled
 from .metadata import NAMES_OF_DTYPES, ChunkMeta, Metadata, ObjectMeta, chunk_key
 from .statedict import Box, Leaf, cached_meshes, mesh_of
 
@@ -95,13 +95,6 @@ class DestShard:
 
     def __repr__(self) -> str:
         return f"DestShard({self.fqn!r}, {self.key}, {self.dtype}, {self.nbytes})"
-
-
-def point_at(shards: list[DestShard], values: list) -> None:
-    """Point each shard at its leaf's value in a new state dict of the same layout (a DTensor's local
-    tensor: the whole box), as a kept plan is reused; each is detached when first used."""
-    for shard, v in zip(shards, values):
-        shard._dest = getattr(v, "_local_tensor", v)
 
 
 @dataclass
