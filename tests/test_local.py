@@ -335,3 +335,34 @@ def test_format_2_exact_chunk_lookup_agrees_with_the_chunk_list(tmp_path):
         same = [c for c in tensors[fqn].chunks if c.offsets == off and c.lengths == ln]
         assert hit == ((same[0].file, same[0].checksum) if same else None), (fqn, off, ln)
     assert sum(h is not None for h in got) >= sum(len(t.chunks) for t in tensors.values())
+
+
+def test_every_mismatch_is_named_alike_in_both_metadata_formats(tmp_path):
+    """The local plan checks each leaf against the checkpoint's tensor table (format 2: columns compared in
+    place; format 1: a dict of TensorMeta): the same problems, each naming the key and both sides."""
+    from pipeload.metadata import Metadata, read_metadata
+    from pipeload.planner import local_plan
+    from pipeload.statedict import flatten
+
+    pipeload.save({"a": torch.ones(4, 3), "b": torch.ones(4), "c": torch.ones(2, 2, 2), "d": torch.tensor(1.0),
+                   "e": torch.ones(2, 3), "obj": {"k": 1}, "t": torch.ones(2)}, tmp_path)
+    v2 = read_metadata(tmp_path)
+    assert v2.indexed
+    v1 = Metadata(v2.save_id, v2.world_size, {k: v2.tensors[k] for k in v2.tensors}, v2.objects)
+    sd = {"a": torch.zeros(4, 3, dtype=torch.float64), "b": torch.zeros(5), "c": torch.zeros(2, 4),
+          "d": torch.zeros(1), "e": torch.zeros(2, 3), "obj": {"k": torch.zeros(1)}, "t": 7, "x": torch.zeros(1)}
+    want = ["'a': the state dict has dtype F64 shape [4, 3], the checkpoint F32 [4, 3]",
+            "'b': the state dict has dtype F32 shape [5], the checkpoint F32 [4]",
+            "'c': the state dict has dtype F32 shape [2, 4], the checkpoint F32 [2, 2, 2]",
+            "'d': the state dict has dtype F32 shape [1], the checkpoint F32 []",
+            "'obj.k': the checkpoint holds a Python object, the state dict a tensor",
+            "'t': the checkpoint holds a tensor, the state dict a int",
+            "'x': missing from the checkpoint"]
+    for md in (v2, v1):
+        plan = local_plan(flatten(sd), md, lambda t: True)
+        assert sorted(plan.problems) == want, md.version
+        assert [s.fqn for s in plan.shards] == ["e"] and plan.missing == ["x"]
+        assert plan.boxes[0].shape == (1, 3) and plan.boxes[1].tolist() == [[2, 3, 0]]
+    with pytest.raises(StateDictError) as e:
+        pipeload.load(sd, tmp_path)
+    assert all(w in str(e.value) for w in want)
