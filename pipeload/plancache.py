@@ -83,9 +83,9 @@ def signature(state_dict: dict) -> tuple[tuple, list, dict[int, tuple]]:
     are not named here: a plan kept with :func:`leaf_positions` finds its tensors and objects by position.
 
     Tensor identities are not part of it: a kept plan holds no reference to the state dict and is
-    pointed at the tensors of the load that reuses it. The DTensors of one layout share their spec
-    objects, so comparing the same state dict's signature again costs an identity check per leaf; a
-    rebuilt state dict compares specs by value.
+    pointed at the tensors of the load that reuses it. A DTensor keeps its spec object while its layout
+    is unchanged, so comparing the same state dict's signature again costs an identity check per leaf;
+    a rebuilt state dict (new DTensors, new specs) compares specs by value.
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
