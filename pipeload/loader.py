@@ -249,7 +249,7 @@ async def _load(
             sent = (int(first[0, 3]), early) if collective else (-1, None)  # rank 0's metadata, if read
             prep = _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors,
                             broadcast_batch_bytes, broadcast_groups, reader, pool, clock, (format, key_map, cast),
-                            keepable=cache_key is not None, private_only=private_only, sent=sent)
+                            keepable=cache_key is not None, private_only=private_only, sent=sent, host=host)
         stats.format = reader.format
         stats.missing_keys, stats.unexpected_keys = list(prep.missing), list(prep.unexpected)
         stats.shared_shards = len(prep.plan.shards) - len(prep.private)
@@ -331,7 +331,7 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
              broadcast_groups, reader, pool, clock, request, keepable: bool = False,
-             private_only: bool = False, sent: tuple = (-1, None)) -> _Prepared:
+             private_only: bool = False, sent: tuple = (-1, None), host: int | None = None) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
 
     ``private_only`` (every rank decided it alike from the first gather): no shard will be broadcast,
@@ -361,7 +361,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                            broadcast=collective and broadcast_replicated_tensors is not False,
                            batch_bytes=batch_bytes, can_create=comm.is_world, global_ranks=comm.global_ranks,
                            clock=clock, rows_out=rows_seen, private_only=private_only,
-                           same_host_private=broadcast_replicated_tensors == "auto" and comm.broadcast_device.type == "cpu")
+                           same_host_private=broadcast_replicated_tensors == "auto" and comm.broadcast_device.type == "cpu",
+                           host=host)
     unexpected = []
     if collective:
         unasked = np.ones(len(names), dtype=bool)
@@ -457,13 +458,14 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
                       problems: list[str], groups: list[int], *, directory: str, broadcast: bool,
                       batch_bytes: int, can_create: bool, global_ranks=None, clock=None,
                       on_phase=None, rows_out: list | None = None, same_host_private: bool = False,
-                      everything: bool = False, private_only: bool = False) -> GlobalPlan:
+                      everything: bool = False, private_only: bool = False, host: int | None = None) -> GlobalPlan:
     """Steps 2-3 of a load on one rank: the exchange through ``ex`` and this rank's global plan.
 
     ``ex`` is the load's :class:`~pipeload.comm.Comm` (or the simulated exchange of
     :mod:`pipeload.simulate`; ``None``: no collectives, a world of one). It must provide
     ``gather_rows``, ``transfer_records`` and ``all_gather_object`` (and ``union`` for ``private_only``).
     Any rank's problem raises the same error on every rank; ranks that read different saves raise too.
+    ``host``: this rank's :func:`~pipeload.exchange.host_id` (the load's, read once; None: read here).
 
     ``private_only``: every rank knows no shard will be broadcast (all on one host under gloo and the
     default policy, or broadcasting off), so nobody needs another rank's record: after the rows, one
@@ -472,7 +474,7 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     """
     what = f"pipeload.load from {directory}"
     row = make_row(record=record, save_id=md.save_id if md else None, problems=bool(problems),
-                   host=host_id(), groups=groups)
+                   host=host_id() if host is None else host, groups=groups)
     rows = ex.gather_rows(row, what) if ex is not None else row.reshape(1, -1)
     if np.any(rows[:, F_FLAGS] & FLAG_PROBLEMS):
         gathered = ex.all_gather_object(problems, what) if ex is not None else [problems]
