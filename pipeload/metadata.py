@@ -302,7 +302,8 @@ class Metadata:
             md = _parse_v2(doc, source, directory if directory is not None else os.path.dirname(source), index_data)
         else:
             md = _parse(doc, source)
-        if (_SURROGATE_ESCAPE if isinstance(text, str) else _SURROGATE_ESCAPE_B).search(text):
+        pattern, escape = (_SURROGATE_ESCAPE, "\\u") if isinstance(text, str) else (_SURROGATE_ESCAPE_B, b"\\u")
+        if escape in text and pattern.search(text):  # (a substring scan first: the regex is ~10x slower)
             _refuse_lone_surrogates(md, source)
         return md
 
