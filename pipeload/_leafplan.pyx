@@ -175,9 +175,10 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
             continue
         if local is None or 0 in lengths:
             continue
-        nd = len(offsets)
-        if nd > width:  # (the checkpoint's tensor has this rank: only a hostile table says otherwise)
-            problems.append(f"{fqn!r}: a box of {nd} dimensions in a checkpoint of at most {width}")
+        nd = len(shape)
+        if len(offsets) != nd or len(lengths) != nd or nd > width:  # (indexed below without bounds checks)
+            problems.append(f"{fqn!r}: a box of {len(offsets)} offsets and {len(lengths)} lengths for a tensor of "
+                            f"{nd} dimensions, in a checkpoint of at most {width}")
             continue
         for d in range(nd):
             off[j, d] = offsets[d]

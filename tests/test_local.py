@@ -366,3 +366,21 @@ def test_every_mismatch_is_named_alike_in_both_metadata_formats(tmp_path):
     with pytest.raises(StateDictError) as e:
         pipeload.load(sd, tmp_path)
     assert all(w in str(e.value) for w in want)
+
+
+def test_a_malformed_box_is_a_problem_not_a_crash(tmp_path):
+    """The compiled local plan indexes a box's offsets and lengths without bounds checks: a box whose
+    offsets or lengths do not match its tensor's rank (from a ``box_of`` such as the simulation's) must be
+    refused as a problem naming the key before any of it is read."""
+    from pipeload.metadata import read_metadata
+    from pipeload.planner import local_plan
+    from pipeload.statedict import Box, flatten
+
+    pipeload.save({"a": torch.ones(4, 3), "b": torch.ones(2), "c": torch.ones(3, 2)}, tmp_path)
+    md = read_metadata(tmp_path)
+    boxes = {"a": ((4, 3), (0,), (4, 3)), "b": ((2,), (0,), (2,)), "c": ((3, 2), (0, 0), (3,))}
+    plan = local_plan(flatten({k: torch.zeros(v[0]) for k, v in boxes.items()}), md, lambda t: True,
+                      box_of=lambda fqn, v, cache: Box(*boxes[fqn], v))
+    assert [s.fqn for s in plan.shards] == ["b"]
+    assert [p.split(":")[0] for p in plan.problems] == ["'a'", "'c'"]
+    assert "1 offsets and 2 lengths" in plan.problems[0] and "2 offsets and 1 lengths" in plan.problems[1]
