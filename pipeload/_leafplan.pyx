@@ -228,7 +228,7 @@ def walk(dict state_dict, is_container):
     cdef dict homes = {}
     while stack:
         node = stack.pop()
-        if type(node) is dict or isinstance(node, dict):
+        if isinstance(node, dict):
             keys = tuple(node)
             nodes.append((keys, tuple(map(type, keys))))  # (1 and True are equal keys, named differently)
             items = node.items()

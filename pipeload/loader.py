@@ -394,9 +394,11 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                      rows_seen[0] if rows_seen else None, stat, ckpt, cut=cut)
     if keepable:  # taken now, as planned: an object a later load replaces is a leaf in it either way
         prep.signature = plancache.signature(state_dict)[0]
+        at = plancache.leaf_positions(leaves, [*(s.fqn for s in plan.shards), *(o.fqn for o in plan.objects)])
+        n = len(plan.shards)
         # (one C call per reuse; the extra 0 makes one shard a tuple too: point_at stops at the shards)
-        prep.shard_pos = itemgetter(*plancache.leaf_positions(leaves, [s.fqn for s in plan.shards]), 0)
-        prep.object_pos = plancache.leaf_positions(leaves, [o.fqn for o in plan.objects])
+        prep.shard_pos = itemgetter(*at[:n], 0)
+        prep.object_pos = at[n:]
     return prep
 
 
