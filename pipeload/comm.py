@@ -40,6 +40,7 @@ def _backends_by_device(pg) -> dict[str, str]:
     return dict(part.split(":", 1) for part in config.split(",") if ":" in part)
 
 
+ONE_ROUND_BYTES = 16 << 20  # gathers up to this size go through gloo's all-to-all (see Comm._all_gather)
 PROBE_SECONDS = 2.0  # how long a rank whose collective failed waits for its peers to check in
 _PROBE_NAMING_LIMIT = 256  # groups larger than this are probed by count only (one store key per rank)
 _probes: dict[str, int] = {}  # group key -> failure probes this process ran on it
@@ -118,6 +119,23 @@ class Comm:
             except Exception:  # noqa: BLE001 - fall back to torch's default for the backend
                 timeout = timedelta(minutes=30)
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        # gloo's all-gather is a ring: W - 1 hops, each waiting for the one before; its all-to-all sends
+        # every peer its block at once over the full mesh of pairs gloo connected at initialisation.
+        self.one_round = self.broadcast_device.type == "cpu" and backends.get("cpu") == "gloo"
+
+    def _all_gather(self, out: torch.Tensor, mine: torch.Tensor, async_op: bool = False):
+        """``out`` = every rank's ``mine`` in rank order (1-D, the same size on every rank).
+
+        Under gloo, while the gathered bytes are few, an all-to-all whose every block is ``mine``: one
+        round instead of the ring's ``W - 1`` (the same bytes leave each rank: the ring forwards ``W - 1``
+        blocks, the all-to-all sends its own ``W - 1`` times; the price is an input as large as ``out``,
+        hence the bound). Otherwise the backend's all-gather (NCCL's is pipelined on the device, and an
+        all-to-all would connect every pair of ranks). Every rank takes the same branch: the sizes are
+        the group's.
+        """
+        if self.one_round and out.numel() * out.element_size() <= ONE_ROUND_BYTES:
+            return dist.all_to_all_single(out, mine.repeat(self.size), group=self.pg, async_op=async_op)
+        return _all_gather_single(out, mine, group=self.pg, async_op=async_op)
 
     def silent_peers(self) -> str:
         """``_silent_peers`` once per operation: the sentence naming the ranks that stopped answering."""
@@ -178,7 +196,7 @@ class Comm:
         mine = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)).to(self.broadcast_device)
         out = torch.empty(self.size * len(row), dtype=torch.int64, device=self.broadcast_device)
         try:
-            work = _all_gather_single(out, mine, group=self.pg, async_op=True)
+            work = self._all_gather(out, mine, async_op=True)
         except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
             raise self._fail(what, call, e) from e
 
@@ -197,6 +215,12 @@ class Comm:
             return flags
         t = torch.from_numpy(np.ascontiguousarray(flags, dtype=np.uint8)).to(self.broadcast_device)
         try:
+            if self.one_round and self.size * t.numel() <= ONE_ROUND_BYTES:
+                # gloo's all-reduce is a ring too (2 (W - 1) hops): every rank's flags in one round, the
+                # maximum taken here
+                every = torch.empty(self.size * t.numel(), dtype=torch.uint8)
+                self._all_gather(every, t)
+                return every.view(self.size, -1).amax(0).numpy()
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
             raise self._fail(what, "all-reduce of requested keys", e) from e
@@ -214,7 +238,7 @@ class Comm:
                     buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
                 buf = buf.to(self.broadcast_device)
                 got = torch.empty(self.size * t.pad, dtype=torch.uint8, device=self.broadcast_device)
-                _all_gather_single(got, buf, group=self.pg)
+                self._all_gather(got, buf)
                 raw = got.cpu().numpy().tobytes()
                 for c, owner in enumerate(cls.owners.tolist()):
                     if c != me:

@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -136,7 +137,33 @@ def world4(rank: int, world: int, root: str, from2: str) -> dict:
 
     out["failures"] = _failures(rank, meshes, root, c("tp2dp2"))
     out["box_cache"] = _box_cache_cases(meshes)
+    out["gathers"] = _gather_cases(rank, pairs[rank // 2])
     return out
+
+
+def _gather_cases(rank, pair) -> list:
+    """Plan rows gathered and flags united by gloo's one-round all-to-all and by the all-gather and
+    all-reduce other backends use, over the world and over a subgroup, blocking and started early: every
+    result must be the stacked rows, every union the element-wise maximum. Returns each mismatch."""
+    from pipeload.comm import Comm
+
+    bad = []
+    for name, group, ranks in (("world", None, [0, 1, 2, 3]), ("pair", pair, [rank // 2 * 2, rank // 2 * 2 + 1])):
+        comm = Comm(group)
+        if not comm.one_round:  # gloo's groups gather in one round
+            bad.append((name, "one_round", False, True))
+        for one_round in (True, False):
+            comm.one_round = one_round
+            for width in (1, 4, 7):
+                want = np.array([[r * 100 + i - 50 for i in range(width)] for r in ranks], dtype=np.int64)
+                mine = want[comm.rank]
+                got = [comm.gather_rows(mine, "test"), comm.start_gather_rows(mine, "test")()]
+                bad += [(name, one_round, width, g.tolist(), want.tolist()) for g in got if not np.array_equal(g, want)]
+                flags = (want % 3 == 0).astype(np.uint8)  # the union of requested keys: element-wise maximum
+                got = comm.union(flags[comm.rank], "test")
+                if not np.array_equal(got, flags.max(0)):
+                    bad.append((name, one_round, width, "union", got.tolist(), flags.max(0).tolist()))
+    return bad
 
 
 def _box_cache_cases(meshes) -> list:
@@ -428,6 +455,12 @@ def test_box_cache_tells_placements_apart(worlds):
     _, r4, _ = worlds
     for rank, r in enumerate(r4):
         assert r["box_cache"] == [], f"rank {rank}: boxes differ from torch's"
+
+
+def test_plan_rows_gather_alike_in_one_round_and_by_ring(worlds):
+    _, r4, _ = worlds
+    for rank, r in enumerate(r4):
+        assert r["gathers"] == [], f"rank {rank}: gathered rows differ"
 
 
 def test_world2_cases(worlds):
