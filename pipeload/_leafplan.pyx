@@ -9,6 +9,13 @@ pays it while the others wait. What the loops decide is documented at their Pyth
 only do it without an interpreted step per leaf.
 """
 
+from cpython.dict cimport PyDict_Next
+from cpython.object cimport PyObject, PyTypeObject, Py_TYPE
+
+cdef extern from "Python.h":
+    int _is_subtype "PyType_IsSubtype"(PyTypeObject* a, PyTypeObject* b)
+from cpython.tuple cimport PyTuple_GET_ITEM
+
 import numpy as np
 import torch
 
@@ -18,6 +25,7 @@ except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
 
 cdef object _Tensor = torch.Tensor
+cdef PyTypeObject* _TensorType = <PyTypeObject*>_Tensor  # (kept alive by _Tensor)
 
 
 def _local_box(shape, mesh, placements):
@@ -222,7 +230,10 @@ def walk(dict state_dict, is_container):
     rule). Per container: a dict's keys with their types, or a list's length, then the keys of its children
     that are containers. Per leaf in visiting order: its value, and its facts (a DTensor's spec; a plain
     tensor's shape, dtype and device type; None for an object, whose ``(container, key)`` goes to
-    ``homes`` under the leaf's position).
+    ``homes`` under the leaf's position). A tensor is an instance of a subclass of ``torch.Tensor``, tested
+    without ``isinstance``'s call to the metaclass's ``__instancecheck__`` (an object that claims the class
+    by its ``__class__`` alone is an object here, and so in every kept plan's ``homes``: the plan's objects,
+    which ``flatten`` tells by ``isinstance``, are among them).
     """
     cdef list nodes = [], values = [], facts = [], stack = [state_dict], inner
     cdef dict homes = {}
@@ -237,7 +248,7 @@ def walk(dict state_dict, is_container):
             items = enumerate(node)
         inner = []  # which children are containers ({"a": {}, "b": 1} and {"a": 1, "b": {}} differ)
         for k, v in items:
-            if isinstance(v, _Tensor):
+            if _is_subtype(Py_TYPE(v), _TensorType):  # (isinstance, without the metaclass's __instancecheck__)
                 spec = getattr(v, "_spec", None)
                 facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type))
             elif is_container(v):
@@ -250,6 +261,100 @@ def walk(dict state_dict, is_container):
             values.append(v)
         nodes.append(tuple(inner))
     return nodes, facts, values, homes
+
+
+cdef class _Match:
+    """The state of one :func:`match`: the leaves found so far and the position in ``facts``."""
+    cdef list values, stack
+    cdef dict homes
+    cdef tuple facts
+    cdef Py_ssize_t fi, nf
+    cdef object is_container
+
+    cdef int item(self, object node, PyObject* k, object v, tuple inner, Py_ssize_t* m) except -2:
+        """One child ``v`` under key ``k``: 1 a container (pushed), 0 a leaf as recorded, -1 a difference."""
+        if _is_subtype(Py_TYPE(v), _TensorType):
+            if self.fi >= self.nf:
+                return -1
+            f = self.facts[self.fi]
+            self.fi += 1
+            spec = getattr(v, "_spec", None)
+            if spec is not None:
+                if spec is not f and not (spec == f):
+                    return -1
+            elif f is None or not (f == (v.shape, v.dtype, v.device.type)):
+                return -1
+        elif self.is_container(v):
+            if m[0] >= len(inner):
+                return -1
+            w = PyTuple_GET_ITEM(inner, m[0])
+            if k != w and not (<object>k == <object>w):
+                return -1
+            m[0] += 1
+            self.stack.append(v)
+            return 1
+        else:
+            if self.fi >= self.nf or self.facts[self.fi] is not None:
+                return -1
+            self.fi += 1
+            self.homes[len(self.values)] = (node, <object>k)
+        self.values.append(v)
+        return 0
+
+
+def match(dict state_dict, is_container, tuple nodes, tuple facts):
+    """``(values, homes)`` as :func:`walk` gives them when its ``nodes`` and ``facts`` would equal
+    ``nodes`` and ``facts``, else None.
+
+    A reused load's check: it compares as it walks, with the equality the tuples of :func:`walk` are
+    compared with (identity first, then ``==``; a key's type as well), stops at the first difference and
+    builds nothing but what it returns. A dict's keys are compared by address first, so the keys of an
+    unchanged state dict are not even read (each would be a cache miss on a large one).
+    """
+    cdef _Match M = _Match()
+    M.values, M.stack, M.homes, M.facts, M.fi, M.nf, M.is_container = [], [state_dict], {}, facts, 0, len(facts), is_container
+    cdef tuple keys, types, inner
+    cdef Py_ssize_t ni = 0, nn = len(nodes), j, m, pos, nkeys
+    cdef PyObject *kp
+    cdef PyObject *vp
+    cdef PyObject *wp
+    while M.stack:
+        node = M.stack.pop()
+        if ni + 1 >= nn:
+            return None
+        want = nodes[ni]
+        inner = <tuple>nodes[ni + 1]
+        ni += 2
+        m = 0
+        if isinstance(node, dict):
+            if type(want) is not tuple or len(<tuple>want) != 2:
+                return None
+            keys, types = <tuple>want[0], <tuple>want[1]
+            nkeys = len(keys)
+            if len(<dict>node) != nkeys:
+                return None
+            pos = j = 0
+            while PyDict_Next(node, &pos, &kp, &vp):
+                if j >= nkeys:  # (keys is indexed unchecked)
+                    return None
+                wp = PyTuple_GET_ITEM(keys, j)
+                if kp != wp and (<PyObject*>Py_TYPE(<object>kp) != PyTuple_GET_ITEM(types, j) or
+                                 not (<object>kp == <object>wp)):
+                    return None
+                j += 1
+                if M.item(node, kp, <object>vp, inner, &m) < 0:
+                    return None
+        else:
+            if type(want) is not int or <Py_ssize_t>want != len(node):
+                return None
+            for k, v in enumerate(node):
+                if M.item(node, <PyObject*>k, v, inner, &m) < 0:
+                    return None
+        if m != len(inner):
+            return None
+    if ni != nn or M.fi != M.nf:
+        return None
+    return M.values, M.homes
 
 
 def point_at(list shards, values):

@@ -21,7 +21,6 @@ import os
 import pickle
 import time
 from itertools import repeat
-from operator import itemgetter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,7 +39,7 @@ from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, e
 from .globalplan import GlobalPlan, global_plan
 from . import formats
 from .metadata import Metadata
-from .planner import fqn_index, local_plan, piece_shard, plan_record, point_at
+from .planner import Binding, fqn_index, local_plan, piece_shard, plan_record, point_at
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
@@ -144,8 +143,8 @@ class _Prepared:
     stat: tuple = ()  # of the checkpoint's metadata file(s) when they were read
     ckpt: Any = None  # the formats.Checkpoint the reader serves
     signature: tuple = ()  # plancache.signature of the state dict it was planned for (when it may be kept)
-    shard_pos: Any = None  # values -> each shard's leaf value (an itemgetter over the signature's leaves)
-    object_pos: list = field(default_factory=list)  # each object's
+    leaf_pos: list = field(default_factory=list)  # each shard's, then each object's leaf position (kept plans)
+    binding: Binding | None = None  # where a kept plan's shards find the tensors of the load it serves
     cut: list = field(default_factory=list)  # (piece, its shard) of every shared shard cut into pieces
 
 
@@ -277,11 +276,12 @@ async def _load(
     for obj, value in decoded:
         obj.leaf.container[obj.leaf.key] = value
     if keep:
-        _strip(prep)  # a kept plan never holds the state dict's tensors (also after it was reused)
         if not stats.plan_reused:
+            _attach(prep)
             token = plancache.token_of(prep.rows, options)
             plancache.store(cache_key, plancache.Entry(comm.pg, prep.stat, prep.signature, token, prep,
                                                        prep.created), comm.destroy)
+        _strip(prep)  # a kept plan never holds the state dict's tensors (also after it was reused)
     stats.bytes_read = reader.bytes_read
     stats.bytes_received = counters.bytes_received
     stats.broadcasts = counters.broadcasts
@@ -294,23 +294,33 @@ async def _load(
 def _strip(prep: _Prepared) -> None:
     """Drop every reference a kept plan holds to the state dict (its tensors may be large, and freed).
 
-    The shared pieces stay: an uncut one is its shard itself, a cut one is listed with its shard in
-    ``prep.cut``, so that :func:`_rebind` only points it at the new tensor's rows.
+    Each shard and cut piece keeps where the next load's tensor lies (:meth:`_attach`), so a load that
+    reuses the plan binds it in one step (:func:`_rebind`) and each tensor is found when first used.
     """
     point_at(prep.plan.shards, repeat(None))
     for piece, _ in prep.cut:
         piece.dest = None
     for obj in prep.plan.objects:
         obj.leaf = None
+    if prep.binding is not None:
+        prep.binding.values = None
+
+
+def _attach(prep: _Prepared) -> None:
+    """Before a plan is first kept: each shard learns its leaf position, each cut piece its shard's and its
+    rows (the shared pieces stay: an uncut one is its shard itself)."""
+    binding = prep.binding = Binding()
+    for shard, i in zip(prep.plan.shards, prep.leaf_pos):
+        shard.leaf = (binding, i, 0, None)
+    for piece, shard in prep.cut:
+        piece.leaf = (binding, shard.leaf[1], piece.key[1][0] - shard.key[1][0], piece.key[2][0])
 
 
 def _rebind(prep: _Prepared, values: list, homes: dict) -> None:
     """Point a kept plan at this load's tensors and containers: ``values``/``homes`` are the leaves of a
     state dict whose signature matched (same containers, keys, boxes, dtypes), so each is where it was."""
-    point_at(prep.plan.shards, prep.shard_pos(values) if prep.plan.shards else ())
-    for piece, shard in prep.cut:
-        piece.dest = shard.dest.narrow(0, piece.key[1][0] - shard.key[1][0], piece.key[2][0])
-    for obj, i in zip(prep.plan.objects, prep.object_pos):
+    prep.binding.values = values
+    for obj, i in zip(prep.plan.objects, prep.leaf_pos[len(prep.plan.shards):]):
         obj.leaf = Leaf(obj.fqn, *homes[i], values[i])
 
 
@@ -323,10 +333,10 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
     if not plancache.holds(cache_key):  # nothing to offer: the full path flattens the state dict itself
         return None, None
     try:
-        sig, *found = plancache.signature(state_dict)
+        found = plancache.lookup(cache_key, comm.pg, plancache.checkpoint_stat(directory), state_dict)
     except Exception:  # noqa: BLE001 - the full path reports what is wrong with the state dict
         return None, None
-    return plancache.lookup(cache_key, comm.pg, plancache.checkpoint_stat(directory), sig), found
+    return (found[0], found[1:]) if found is not None else (None, None)
 
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
@@ -394,11 +404,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                      rows_seen[0] if rows_seen else None, stat, ckpt, cut=cut)
     if keepable:  # taken now, as planned: an object a later load replaces is a leaf in it either way
         prep.signature = plancache.signature(state_dict)[0]
-        at = plancache.leaf_positions(leaves, [*(s.fqn for s in plan.shards), *(o.fqn for o in plan.objects)])
-        n = len(plan.shards)
-        # (one C call per reuse; the extra 0 makes one shard a tuple too: point_at stops at the shards)
-        prep.shard_pos = itemgetter(*at[:n], 0)
-        prep.object_pos = at[n:]
+        prep.leaf_pos = plancache.leaf_positions(leaves, [*(s.fqn for s in plan.shards),
+                                                          *(o.fqn for o in plan.objects)])
     return prep
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._leafplan import walk
+from ._leafplan import match, walk
 from .statedict import Leaf, is_container
 
 CAPACITY = 2
@@ -83,13 +83,15 @@ def signature(state_dict: dict) -> tuple[tuple, list, dict[int, tuple]]:
     are not named here: a plan kept with :func:`leaf_positions` finds its tensors and objects by position.
 
     Tensor identities are not part of it: a kept plan holds no reference to the state dict and is
-    pointed at the tensors of the load that reuses it. A DTensor keeps its spec object while its layout
-    is unchanged, so comparing the same state dict's signature again costs an identity check per leaf;
-    a rebuilt state dict (new DTensors, new specs) compares specs by value.
+    pointed at the tensors of the load that reuses it. A load that may reuse a plan does not build its
+    signature: :func:`lookup` compares the state dict with the kept one as it walks it. A DTensor keeps
+    its spec object while its layout is unchanged, and an unchanged dict its key objects, so comparing
+    the same state dict again costs an address comparison per key and per leaf; a rebuilt state dict
+    (new DTensors, new specs, new key strings) compares them by value.
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
-    nodes, facts, values, homes = walk(state_dict, is_container)  # (compiled: it runs on every reused load)
+    nodes, facts, values, homes = walk(state_dict, is_container)  # (compiled)
     return (tuple(nodes), tuple(facts)), values, homes
 
 
@@ -114,13 +116,22 @@ def holds(k: tuple) -> bool:
     return k in _cache
 
 
-def lookup(k: tuple, pg: Any, stat: tuple, sig: tuple) -> Entry | None:
-    """The cached entry for ``k`` if this rank's inputs are unchanged (then its token may be offered)."""
+def lookup(k: tuple, pg: Any, stat: tuple, state_dict: dict) -> tuple[Entry, list, dict] | None:
+    """``(entry, values, homes)`` when the plan cached under ``k`` was made on ``pg`` from this version of
+    the checkpoint (``stat``) for a state dict of ``state_dict``'s :func:`signature` (then its token may be
+    offered; ``values`` and ``homes`` are that signature's), else None. The state dict is compared as it
+    is walked, nothing built for the comparison (``_leafplan.match``)."""
     e = _cache.get(k)
-    if e is None or e.pg is not pg or not stat or e.stat != stat or e.signature != sig:
+    if e is None or e.pg is not pg or not stat or e.stat != stat:
+        return None
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    nodes, facts = e.signature
+    found = match(state_dict, is_container, nodes, facts)
+    if found is None:
         return None
     _cache.move_to_end(k)
-    return e
+    return e, *found
 
 
 def store(k: tuple, entry: Entry, destroy: Callable[[list], None]) -> None:

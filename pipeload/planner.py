@@ -23,7 +23,7 @@ from .exchange import encode_record, padded
 from .globalplan import ShardKey
 from ._leafplan import point_at, resolve  # noqa: F401 - point_at is the planner's, compiled
 from .metadata import NAMES_OF_DTYPES, ChunkMeta, Metadata, ObjectMeta, chunk_key
-from .statedict import Box, Leaf, cached_meshes, mesh_of
+from .statedict import Box, DTensor, Leaf, cached_meshes, mesh_of
 
 
 class ReadItem(NamedTuple):
@@ -39,16 +39,28 @@ class ReadItem(NamedTuple):
     nbytes: int
 
 
+class Binding:
+    """The leaves of the state dict a kept plan serves now (``plancache.signature``'s values, in flatten
+    order), or None between its loads. A load that reuses the plan sets :attr:`values` once; each shard
+    finds its tensor there when first used (:attr:`DestShard.dest`), not in a pass before the load."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: list | None = None
+
+
 class DestShard:
     """What this rank needs of one tensor: a box of the global tensor, and where it goes.
 
     Built for every tensor leaf before the exchange, so what only the reads need is built when they
     run (in the worker thread, overlapping the broadcasts): a box loaded as saved keeps its one stored
     chunk as ``(file, checksum, whole)`` until :attr:`reads` is first asked for, and :attr:`dest` is
-    detached from autograd when first used, not at planning.
+    detached from autograd when first used, not at planning. The shard of a kept plan holds no tensor
+    between loads, only where to find it: ``(binding, leaf position, first row, rows or None)``.
     """
 
-    __slots__ = ("fqn", "key", "dtype", "nbytes", "_reads", "_dest", "broadcastable", "affinity")
+    __slots__ = ("fqn", "key", "dtype", "nbytes", "_reads", "_dest", "broadcastable", "affinity", "leaf")
 
     def __init__(self, fqn: str, key: ShardKey, dtype: torch.dtype, nbytes: int, reads, dest, broadcastable: bool,
                  affinity: int = -1):
@@ -60,6 +72,7 @@ class DestShard:
         self._dest = dest  # this rank's tensor holding the box (copied into in place)
         self.broadcastable = broadcastable
         self.affinity = affinity  # the rank the layout names as writer of the file holding it, or -1
+        self.leaf: tuple | None = None  # a kept plan's: where dest is found (see the class docstring)
 
     @property
     def reads(self) -> list[ReadItem]:
@@ -85,6 +98,15 @@ class DestShard:
     @property
     def dest(self) -> torch.Tensor:
         d = self._dest
+        if d is None and self.leaf is not None:
+            binding, pos, lo, rows = self.leaf
+            d = binding.values[pos]
+            if isinstance(d, DTensor):
+                local = getattr(d, "_local_tensor", None)
+                d = local if local is not None else d.to_local()
+            if rows is not None:
+                d = d.narrow(0, lo, rows)
+            self._dest = d
         if d is not None and d.requires_grad:  # a load's copies into parameters must not be recorded
             d = self._dest = d.detach()
         return d

@@ -17,7 +17,7 @@ from pipeload.exchange import classes, decode_record, encode_record, group_diges
 from pipeload.globalplan import global_plan
 from pipeload.planner import DestShard, LocalPlan, local_plan, plan_record
 from pipeload.saver import plan_save
-from pipeload.statedict import flatten
+from pipeload.statedict import flatten, is_container
 
 
 ITEMSIZE = 4
@@ -581,3 +581,85 @@ def test_plan_signature_names_no_leaf_but_tells_every_layout_apart():
     assert all(plancache.signature(c)[0] != sig for c in changed)
     with pytest.raises(TypeError):
         plancache.signature([torch.zeros(1)])
+    for c in [sd(), sd(opt={**sd()["opt"], "step": 99}), *changed]:  # the reused load's in-place comparison
+        _same_as_signature(c, sig)
+
+
+def _same_as_signature(state, sig) -> None:
+    """``_leafplan.match`` (a reused load's check) accepts ``state`` exactly when its signature is ``sig``,
+    and then gives the signature's leaves and homes."""
+    from pipeload import plancache
+    from pipeload._leafplan import match
+
+    got = match(state, is_container, *sig)
+    want, values, homes = plancache.signature(state)
+    if want != sig:
+        assert got is None
+    else:
+        assert got is not None and len(got[0]) == len(values) and all(a is b for a, b in zip(got[0], values))
+        assert got[1].keys() == homes.keys() and all(got[1][i][0] is homes[i][0] and got[1][i][1] == homes[i][1]
+                                                     for i in homes)
+
+
+def test_in_place_comparison_agrees_with_the_signature_on_random_layouts():
+    """Random nested state dicts, each compared with random mutations of itself (a key renamed, retyped
+    or moved, a list longer, a tensor reshaped, retyped or turned into an object or a container, a
+    container emptied): the in-place comparison reuses a plan exactly when the signatures are equal."""
+    import copy
+
+    from pipeload import plancache
+
+    rng = random.Random(7)
+
+    def build(depth: int):
+        if depth > 2 or rng.random() < 0.3:
+            return rng.choice([lambda: torch.zeros(rng.randint(1, 3)), lambda: rng.random(), lambda: "x",
+                               lambda: torch.zeros(2, dtype=torch.float16)])()
+        if rng.random() < 0.7:
+            return {rng.choice(["a", "b", "c", 1, 2, True]): build(depth + 1) for _ in range(rng.randint(0, 4))}
+        return [build(depth + 1) for _ in range(rng.randint(0, 3))]
+
+    def nodes_of(x, out):
+        if isinstance(x, (dict, list)):
+            out.append(x)
+            for v in (x.values() if isinstance(x, dict) else x):
+                nodes_of(v, out)
+        return out
+
+    def mutate(state):
+        s = copy.deepcopy(state)
+        node = rng.choice(nodes_of(s, []))
+        op = rng.randrange(6)
+        if isinstance(node, dict) and node:
+            k = rng.choice(list(node))
+            if op == 0:
+                node[str(k) + "_"] = node.pop(k)  # renamed (and moved to the end)
+            elif op == 1:
+                node[k] = torch.zeros(5)
+            elif op == 2:
+                node[k] = {"n": 1} if not isinstance(node[k], dict) else 1
+            elif op == 3:
+                node[k] = node.pop(k)  # moved to the end
+            elif op == 4:
+                node[k] = "object" if isinstance(node[k], torch.Tensor) else torch.zeros(1, 1)
+            else:
+                node.clear()
+        elif isinstance(node, list):
+            node.append(torch.zeros(1)) if op % 2 else node.extend([1])
+        else:
+            node["z"] = 0
+        return s
+
+    n_same = n_differ = 0
+    for _ in range(300):
+        state = {"root": build(0), "t": torch.zeros(2)}
+        sig = plancache.signature(state)[0]
+        _same_as_signature(copy.deepcopy(state), sig)
+        for _ in range(4):
+            other = mutate(state)
+            _same_as_signature(other, sig)
+            if plancache.signature(other)[0] == sig:
+                n_same += 1
+            else:
+                n_differ += 1
+    assert n_differ > 500 and n_same > 20  # both outcomes exercised
