@@ -681,10 +681,11 @@ def _plan_reuse(cfg: BenchConfig, dest, ref, directory: str) -> dict[str, Any]:
     Page cache warm, separate hosts emulated (so the plan has broadcasts to reuse).
 
     Two measures per load, ranks aligned by a barrier before every load: ``first``/``reused``, the max over
-    ranks of each rank's plan + exchange (a rank that leaves the barrier early also waits for the last one:
-    on 2 shared cores the barrier releases ranks up to ~10 ms apart); ``first_span``/``reused_span``, from
-    the last rank's entry into ``load()`` to the last rank's end of exchange (the load's own critical
-    path, the release skew left out; one clock, as every rank runs on this machine).
+    ranks of each rank's plan + exchange (a rank that starts early also waits for the last one: the
+    barrier releases the ranks within ~0.2 ms, but 4 ranks share 2 cores, and the last two start when
+    the first two wait in their first collective, 3-5 ms later in a reused load); ``first_span``/
+    ``reused_span``, from the last rank's entry into ``load()`` to the last rank's end of exchange (the
+    load's own critical path, the start skew left out; one clock, as every rank runs on this machine).
     """
     import torch.distributed as dist
 
