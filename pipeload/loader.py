@@ -296,7 +296,7 @@ async def _load(
 def _strip(prep: _Prepared) -> None:
     """Drop every reference a kept plan holds to the state dict (its tensors may be large, and freed).
 
-    Each shard and cut piece keeps where the next load's tensor lies (:meth:`_attach`), so a load that
+    Each shard and cut piece keeps where the next load's tensor lies (:func:`_attach`), so a load that
     reuses the plan binds it in one step (:func:`_rebind`) and each tensor is found when first used.
     """
     point_at(prep.plan.shards, repeat(None))
