@@ -134,7 +134,8 @@ class Comm:
         the group's.
         """
         if self.one_round and out.numel() * out.element_size() <= ONE_ROUND_BYTES:
-            return dist.all_to_all_single(out, mine.repeat(self.size), group=self.pg, async_op=async_op)
+            every = torch.from_numpy(np.tile(mine.numpy(), self.size))
+            return dist.all_to_all_single(out, every, group=self.pg, async_op=async_op)
         return _all_gather_single(out, mine, group=self.pg, async_op=async_op)
 
     def silent_peers(self) -> str:
