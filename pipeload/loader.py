@@ -643,8 +643,15 @@ def _main_loop() -> asyncio.AbstractEventLoop:
     if _kept is None or _kept[0] != os.getpid() or _kept[1].is_closed():
         if _kept is None:  # (a forked child inherits the registration)
             atexit.register(_close_kept)
+        elif _kept[0] != os.getpid():
+            # a parent's loop, inherited by fork: left alone (its descriptors are shared with the
+            # parent's loop; only the process that made a loop closes it)
+            _inherited.append(_kept[1])
         _kept = (os.getpid(), _new_loop())
     return _kept[1]
+
+
+_inherited: list = []
 
 
 def _close_kept() -> None:

@@ -139,6 +139,25 @@ def test_sync_loads_keep_the_main_threads_loop_and_close_other_threads_loops(tmp
     assert len(made) == 1 and made[0] is not kept and made[0].is_closed()
     assert loader._kept[1] is kept
 
+    # A child forked after a load (a data-loader worker, say) loads on a loop of its own; the parent's
+    # kept loop goes on working.
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code only
+        code = 1
+        try:
+            child = _blank(src)
+            pipeload.load(child, tmp_path)
+            _assert_same(src, child)
+            code = 0 if loader._kept[1] is not kept and loader._kept[0] == os.getpid() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    again = _blank(src)
+    pipeload.load(again, tmp_path)
+    _assert_same(src, again)
+    assert loader._kept[1] is kept
+
 
 def test_validation_reports_everything_and_writes_nothing(tmp_path):
     pipeload.save(_sd(), tmp_path)
