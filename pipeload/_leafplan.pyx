@@ -11,10 +11,10 @@ only do it without an interpreted step per leaf.
 
 from cpython.dict cimport PyDict_Next
 from cpython.object cimport PyObject, PyTypeObject, Py_TYPE
+from cpython.tuple cimport PyTuple_GET_ITEM
 
 cdef extern from "Python.h":
     int _is_subtype "PyType_IsSubtype"(PyTypeObject* a, PyTypeObject* b)
-from cpython.tuple cimport PyTuple_GET_ITEM
 
 import numpy as np
 import torch
@@ -302,6 +302,13 @@ cdef class _Match:
         return 0
 
 
+cdef inline bint _same_key(PyObject* k, tuple keys, tuple types, Py_ssize_t j):
+    """Whether ``k`` is the ``j``-th of ``keys`` as :func:`walk`'s tuples compare it: the same object, or
+    one of the same type that is equal (1 and True are equal keys, named differently)."""
+    cdef PyObject* w = PyTuple_GET_ITEM(keys, j)
+    return k == w or (<PyObject*>Py_TYPE(<object>k) == PyTuple_GET_ITEM(types, j) and <object>k == <object>w)
+
+
 def match(dict state_dict, is_container, tuple nodes, tuple facts):
     """``(values, homes)`` as :func:`walk` gives them when its ``nodes`` and ``facts`` would equal
     ``nodes`` and ``facts``, else None.
@@ -317,7 +324,6 @@ def match(dict state_dict, is_container, tuple nodes, tuple facts):
     cdef Py_ssize_t ni = 0, nn = len(nodes), j, m, pos, nkeys
     cdef PyObject *kp
     cdef PyObject *vp
-    cdef PyObject *wp
     while M.stack:
         node = M.stack.pop()
         if ni + 1 >= nn:
@@ -334,16 +340,20 @@ def match(dict state_dict, is_container, tuple nodes, tuple facts):
             if len(<dict>node) != nkeys:
                 return None
             pos = j = 0
-            while PyDict_Next(node, &pos, &kp, &vp):
-                if j >= nkeys:  # (keys is indexed unchecked)
-                    return None
-                wp = PyTuple_GET_ITEM(keys, j)
-                if kp != wp and (<PyObject*>Py_TYPE(<object>kp) != PyTuple_GET_ITEM(types, j) or
-                                 not (<object>kp == <object>wp)):
-                    return None
-                j += 1
-                if M.item(node, kp, <object>vp, inner, &m) < 0:
-                    return None
+            if type(node) is dict:  # its storage order is its order (not so for an OrderedDict moved)
+                while PyDict_Next(node, &pos, &kp, &vp):
+                    if j >= nkeys or not _same_key(kp, keys, types, j):  # (keys is indexed unchecked)
+                        return None
+                    j += 1
+                    if M.item(node, kp, <object>vp, inner, &m) < 0:
+                        return None
+            else:
+                for k, v in node.items():
+                    if j >= nkeys or not _same_key(<PyObject*>k, keys, types, j):
+                        return None
+                    j += 1
+                    if M.item(node, <PyObject*>k, v, inner, &m) < 0:
+                        return None
         else:
             if type(want) is not int or <Py_ssize_t>want != len(node):
                 return None

@@ -583,6 +583,21 @@ def test_plan_signature_names_no_leaf_but_tells_every_layout_apart():
         plancache.signature([torch.zeros(1)])
     for c in [sd(), sd(opt={**sd()["opt"], "step": 99}), *changed]:  # the reused load's in-place comparison
         _same_as_signature(c, sig)
+    # an OrderedDict (what Module.state_dict() returns) is visited in its own order, also once an entry
+    # was moved: the comparison follows it, not the order the entries are stored in
+    from collections import OrderedDict
+
+    from pipeload._leafplan import match
+
+    od = OrderedDict([("a", torch.zeros(2)), ("b", torch.zeros(3)), ("c", 1)])
+    od_sig = plancache.signature({"m": od})[0]
+    moved = OrderedDict(od)
+    moved.move_to_end("a")
+    back = OrderedDict(moved)
+    back.move_to_end("a", last=False)
+    for c in (od, moved, back):
+        _same_as_signature({"m": c}, od_sig)
+    assert match({"m": moved}, is_container, *od_sig) is None and match({"m": back}, is_container, *od_sig)
 
 
 def _same_as_signature(state, sig) -> None:
