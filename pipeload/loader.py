@@ -22,7 +22,6 @@ import os
 import pickle
 import threading
 import time
-from itertools import repeat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,7 +40,7 @@ from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, e
 from .globalplan import GlobalPlan, global_plan
 from . import formats
 from .metadata import Metadata
-from .planner import Binding, fqn_index, local_plan, piece_shard, plan_record, point_at
+from .planner import Binding, fqn_index, local_plan, piece_shard, plan_record, unbind
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
@@ -299,9 +298,8 @@ def _strip(prep: _Prepared) -> None:
     Each shard and cut piece keeps where the next load's tensor lies (:func:`_attach`), so a load that
     reuses the plan binds it in one step (:func:`_rebind`) and each tensor is found when first used.
     """
-    point_at(prep.plan.shards, repeat(None))
-    for piece, _ in prep.cut:
-        piece.dest = None
+    unbind(prep.plan.shards)
+    unbind([piece for piece, _ in prep.cut])
     for obj in prep.plan.objects:
         obj.leaf = None
     if prep.binding is not None:
@@ -338,7 +336,7 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
         found = plancache.lookup(cache_key, comm.pg, plancache.checkpoint_stat(directory), state_dict)
     except Exception:  # noqa: BLE001 - the full path reports what is wrong with the state dict
         return None, None
-    return (found[0], found[1:]) if found is not None else (None, None)
+    return found if found is not None else (None, None)
 
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,

@@ -116,8 +116,8 @@ def holds(k: tuple) -> bool:
     return k in _cache
 
 
-def lookup(k: tuple, pg: Any, stat: tuple, state_dict: dict) -> tuple[Entry, list, dict] | None:
-    """``(entry, values, homes)`` when the plan cached under ``k`` was made on ``pg`` from this version of
+def lookup(k: tuple, pg: Any, stat: tuple, state_dict: dict) -> tuple[Entry, tuple[list, dict]] | None:
+    """``(entry, (values, homes))`` when the plan cached under ``k`` was made on ``pg`` from this version of
     the checkpoint (``stat``) for a state dict of ``state_dict``'s :func:`signature` (then its token may be
     offered; ``values`` and ``homes`` are that signature's), else None. The state dict is compared as it
     is walked, nothing built for the comparison (``_leafplan.match``)."""
@@ -126,12 +126,11 @@ def lookup(k: tuple, pg: Any, stat: tuple, state_dict: dict) -> tuple[Entry, lis
         return None
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
-    nodes, facts = e.signature
-    found = match(state_dict, is_container, nodes, facts)
+    found = match(state_dict, is_container, *e.signature)
     if found is None:
         return None
     _cache.move_to_end(k)
-    return e, *found
+    return e, found
 
 
 def store(k: tuple, entry: Entry, destroy: Callable[[list], None]) -> None:

@@ -21,9 +21,9 @@ import torch
 
 from .exchange import encode_record, padded
 from .globalplan import ShardKey
-from ._leafplan import point_at, resolve  # noqa: F401 - point_at is the planner's, compiled
+from ._leafplan import local_of, resolve, unbind  # noqa: F401 - unbind is the planner's, compiled
 from .metadata import NAMES_OF_DTYPES, ChunkMeta, Metadata, ObjectMeta, chunk_key
-from .statedict import Box, DTensor, Leaf, cached_meshes, mesh_of
+from .statedict import Box, Leaf, cached_meshes, mesh_of
 
 
 class ReadItem(NamedTuple):
@@ -100,10 +100,7 @@ class DestShard:
         d = self._dest
         if d is None and self.leaf is not None:
             binding, pos, lo, rows = self.leaf
-            d = binding.values[pos]
-            if isinstance(d, DTensor):
-                local = getattr(d, "_local_tensor", None)
-                d = local if local is not None else d.to_local()
+            d = local_of(binding.values[pos])
             if rows is not None:
                 d = d.narrow(0, lo, rows)
             self._dest = d
