@@ -229,7 +229,7 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
     return shards, offsets_a, lengths_a, problems, unboxed, others
 
 
-def walk(dict state_dict, is_container):
+def walk(object state_dict, is_container):
     """The traversal of ``plancache.signature``: ``(nodes, facts, values, homes)``.
 
     Visits containers as ``statedict.flatten`` does (a stack, children in order; ``is_container`` is its
@@ -315,7 +315,7 @@ cdef inline bint _same_key(PyObject* k, tuple keys, tuple types, Py_ssize_t j):
     return k == w or (<PyObject*>Py_TYPE(<object>k) == PyTuple_GET_ITEM(types, j) and <object>k == <object>w)
 
 
-def match(dict state_dict, is_container, tuple nodes, tuple facts):
+def match(object state_dict, is_container, tuple nodes, tuple facts):
     """``(values, homes)`` as :func:`walk` gives them when its ``nodes`` and ``facts`` would equal
     ``nodes`` and ``facts``, else None.
 

@@ -44,7 +44,7 @@ from .planner import Binding, fqn_index, local_plan, piece_shard, plan_record, u
 from .reader import ChunkReader
 from .saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
-from .statedict import Leaf, flatten, mesh_groups, meshes_of
+from .statedict import Leaf, check_top, flatten, mesh_groups, meshes_of
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
@@ -169,6 +169,7 @@ async def _load(
     key_map: formats.KeyMap = None,
     cast: bool = False,
 ) -> LoadStats:
+    check_top(state_dict)
     if max_inflight < 1:
         raise ValueError("max_inflight must be at least 1")
     if format is not None and format not in formats.FORMATS:

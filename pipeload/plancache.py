@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._leafplan import match, walk
-from .statedict import Leaf, is_container
+from .statedict import Leaf, check_top, is_container
 
 CAPACITY = 2
 
@@ -89,8 +89,7 @@ def signature(state_dict: dict) -> tuple[tuple, list, dict[int, tuple]]:
     the same state dict again costs an address comparison per key and per leaf; a rebuilt state dict
     (new DTensors, new specs, new key strings) compares them by value.
     """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    check_top(state_dict)
     nodes, facts, values, homes = walk(state_dict, is_container)  # (compiled)
     return (tuple(nodes), tuple(facts)), values, homes
 
@@ -124,8 +123,7 @@ def lookup(k: tuple, pg: Any, stat: tuple, state_dict: dict) -> tuple[Entry, tup
     e = _cache.get(k)
     if e is None or e.pg is not pg or not stat or e.stat != stat:
         return None
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    check_top(state_dict)
     found = match(state_dict, is_container, *e.signature)
     if found is None:
         return None

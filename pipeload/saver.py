@@ -55,7 +55,7 @@ from .metadata import (
     storable_dtype,
     tiling_problem,
 )
-from .statedict import flatten, is_tensor, tensor_box
+from .statedict import check_top, flatten, is_tensor, tensor_box
 
 DATA_FILE_RE = re.compile(r"^(data-[0-9a-f]{16}-\d{5,}|index-[0-9a-f]{16})\.safetensors$")
 _WRITE_BUFFER = 8 << 20
@@ -390,6 +390,7 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     written; a failed write raises :class:`DistributedError` on every rank and leaves no new loadable
     checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads).
     """
+    check_top(state_dict)
     directory = os.fspath(checkpoint_dir)
     comm = Comm(process_group)
     with paused_gc(), Guard() as guard:

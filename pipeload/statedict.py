@@ -39,8 +39,7 @@ def flatten(state_dict: Any) -> dict[str, Leaf]:
     (tensors, tuples, numbers, strings, lists of plain values such as a param group's ``params``) is a
     leaf, stored as one object. An empty dict holds no leaves and is left as it is.
     """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    check_top(state_dict)
     out: dict[str, Leaf] = {}
     stack: list[tuple[str, Any]] = [("", state_dict)]
     while stack:
@@ -55,6 +54,22 @@ def flatten(state_dict: Any) -> dict[str, Leaf]:
                 raise ValueError(f"state dict key {fqn!r} is reached by two different paths")
             out[fqn] = Leaf(fqn, node, k, v)
     return out
+
+
+def check_top(state_dict: Any) -> None:
+    """Raise ``TypeError`` unless ``state_dict`` is a ``dict`` or a subclass of it.
+
+    Any subclass is a state dict like a plain dict (``nn.Module.state_dict()`` returns an
+    ``OrderedDict``; ``defaultdict`` and user subclasses too) and is walked in its own iteration order.
+    Other mappings are refused: a load replaces Python objects in their containers, which needs
+    ``__setitem__`` on the very object the caller holds. Every entry point calls this before its first
+    collective, so the message names what was passed instead of failing inside compiled code.
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(
+            f"state_dict must be a dict (or a dict subclass such as the OrderedDict nn.Module.state_dict() "
+            f"returns), got {type(state_dict).__module__}.{type(state_dict).__qualname__}"
+        )
 
 
 def is_container(v: Any) -> bool:
