@@ -149,146 +149,222 @@ class _Prepared:
     cut: list = field(default_factory=list)  # (piece, its shard) of every shared shard cut into pieces
 
 
-async def _load(
-    state_dict: dict,
-    checkpoint_dir: str | os.PathLike,
-    guard: Guard,
-    *,
-    process_group: Any = None,
-    use_collectives: bool = True,
-    broadcast_replicated_tensors: bool | str = "auto",
-    broadcast_groups: Sequence[Any] | None = None,
-    broadcast_batch_bytes: int = DEFAULT_BATCH_BYTES,
-    max_inflight: int = DEFAULT_MAX_INFLIGHT,
-    strict: bool = True,
-    verify_checksums: bool = False,
-    timeout: timedelta | float | None = None,
-    progress: bool = False,
-    reuse_plan: bool = True,
-    format: str | None = None,
-    key_map: formats.KeyMap = None,
-    cast: bool = False,
-) -> LoadStats:
+@dataclass(frozen=True)
+class _Options:
+    """The options of one load (see :func:`load`), validated once."""
+
+    process_group: Any = None
+    use_collectives: bool = True
+    broadcast_replicated_tensors: bool | str = "auto"
+    broadcast_groups: Sequence[Any] | None = None
+    broadcast_batch_bytes: int = DEFAULT_BATCH_BYTES
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    strict: bool = True
+    verify_checksums: bool = False
+    timeout: timedelta | float | None = None
+    progress: bool = False
+    reuse_plan: bool = True
+    format: str | None = None
+    key_map: formats.KeyMap = None
+    cast: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1:
+            raise ValueError("max_inflight must be at least 1")
+        if self.format is not None and self.format not in formats.FORMATS:
+            raise ValueError(f"format must be one of {', '.join(formats.FORMATS)} or None, got {self.format!r}")
+        if self.broadcast_replicated_tensors not in (True, False, "auto"):
+            raise ValueError("broadcast_replicated_tensors must be True, False or 'auto', "
+                             f"not {self.broadcast_replicated_tensors!r}")
+        if self.broadcast_batch_bytes < 0:
+            raise ValueError("broadcast_batch_bytes must be non-negative")
+
+    @property
+    def agreed(self) -> tuple:
+        """What every rank must pass alike: these decide which collectives the load issues."""
+        return (self.broadcast_replicated_tensors, self.broadcast_batch_bytes, bool(self.strict))
+
+    @property
+    def planned(self) -> tuple:
+        """What a kept plan was made for (a later load reuses it only with the same)."""
+        key_map = id(self.key_map) if self.key_map is not None else None
+        return (*self.agreed, tuple(id(g) for g in self.broadcast_groups or ()), self.format, key_map,
+                bool(self.cast))
+
+
+@dataclass
+class _Run:
+    """One load on one rank: where it reads, who takes part, what it reports."""
+
+    directory: str
+    comm: Comm
+    collective: bool  # collectives on (and more than one rank)
+    host: int
+    guard: Guard
+    stats: LoadStats = field(default_factory=LoadStats)
+    clock: _Clock = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.clock = _Clock(self.stats.timings)
+
+    @property
+    def what(self) -> str:
+        return f"pipeload.load from {self.directory}"
+
+
+@dataclass
+class _Start:
+    """What the first gather decided: a reused plan (or None), the plan-cache key this load may keep its
+    plan under, whether no shard is broadcast, and rank 0's metadata if it was read before the gather."""
+
+    prep: _Prepared | None = None
+    cache_key: tuple | None = None
+    private_only: bool = False
+    sent: tuple = (-1, None)
+
+
+async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guard, **options: Any) -> LoadStats:
+    """One load, as its steps: the first gather (reuse), the plan (local, exchange, global, groups) unless
+    reused, the shared and private phases, the agreement, then the plan kept for the next load."""
     check_top(state_dict)
-    if max_inflight < 1:
-        raise ValueError("max_inflight must be at least 1")
-    if format is not None and format not in formats.FORMATS:
-        raise ValueError(f"format must be one of {', '.join(formats.FORMATS)} or None, got {format!r}")
-    if broadcast_replicated_tensors not in (True, False, "auto"):
-        raise ValueError(f"broadcast_replicated_tensors must be True, False or 'auto', not {broadcast_replicated_tensors!r}")
-    if broadcast_batch_bytes < 0:
-        raise ValueError("broadcast_batch_bytes must be non-negative")
-    stats = LoadStats()
+    opts = _Options(**options)
     t0 = time.perf_counter()
-    clock = _Clock(stats.timings)
-    directory = os.fspath(checkpoint_dir)
-    what = f"pipeload.load from {directory}"
-    comm = Comm(process_group, timeout)
-    collective = use_collectives and comm.size > 1
-    agreed = (broadcast_replicated_tensors, broadcast_batch_bytes, bool(strict))  # every rank's must be equal
-    host = host_id()
-    options = (broadcast_replicated_tensors, broadcast_batch_bytes, bool(strict),
-               tuple(id(g) for g in broadcast_groups or ()), format, id(key_map) if key_map is not None else None,
-               bool(cast))
-    contended = await guard.enter(comm, collective, what)  # see _busy.py
+    comm = Comm(opts.process_group, opts.timeout)
+    run = _Run(os.fspath(checkpoint_dir), comm, opts.use_collectives and comm.size > 1, host_id(), guard)
+    contended = await guard.enter(comm, run.collective, run.what)  # see _busy.py
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
     device = comm.broadcast_device
     init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-    with ChunkReader(directory, verify_checksums=verify_checksums) as reader, ThreadPoolExecutor(
+    with ChunkReader(run.directory, verify_checksums=opts.verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool:
-        # 0. The first collective of every load: four words per rank. They say whether a plan every rank
-        # still holds can be reused, refuse on every rank alike a load that ran concurrently with another
-        # on an overlapping group (in any rank's process: see _busy.py) or with options that differ
-        # between ranks, whether the ranks share one host (then, under gloo and the default policy,
-        # no shard will be broadcast), and the size of the metadata rank 0 will send.
-        prep, cache_key, private_only = None, None, broadcast_replicated_tensors is False
-        if collective:
-            entry, found = None, None
-            if reuse_plan and not contended:
-                # this rank's host is part of the key (not of the token, which all ranks share): it
-                # decides which shards are broadcast, and PIPELOAD_HOST_ID may change between loads
-                cache_key = plancache.key(comm.global_ranks, directory, (*options, host))
-                entry, found = _cached(cache_key, comm, directory, state_dict)
-            offer = _CONTENDED if contended else entry.token if entry is not None else 0
-            # Rank 0 offering no plan will plan afresh: it reads the metadata now and its size travels
-            # with the words, so one broadcast of known size sends it (not a size, then the bytes).
-            early = _metadata_bytes(directory, format) if comm.rank == 0 and offer == 0 else None
-            tokens = None
-            try:
-                gathered = comm.start_gather_rows(np.array([offer, host, hash64(repr(agreed).encode()),
-                                                            len(early) if early is not None else -1],
-                                                           dtype=np.int64), what)
-                if entry is not None:  # while the other ranks' words arrive
-                    _rebind(entry.state, *found)
-                clock.lap("plan")
-                first = gathered()
-                tokens = first[:, 0]
-            finally:
-                reuse = tokens is not None and offer != 0 and bool(np.all(tokens == offer))
-                if entry is not None and not reuse:
-                    _strip(entry.state)  # replaced by this load's plan, or dropped: never holds our tensors
-            if np.any(tokens == _CONTENDED):
-                ranks = np.flatnonzero(tokens == _CONTENDED).tolist()
-                raise PipeloadError(contended or f"{what}: another pipeload operation ran at the same time on an "
-                                    f"overlapping process group on rank(s) {ranks}; run loads and saves on one "
-                                    f"group one after the other")
-            if len(np.unique(first[:, 2])) > 1:
-                odd = np.flatnonzero(first[:, 2] != first[0, 2]).tolist()
-                raise PipeloadError(f"{what}: rank(s) {odd} passed other broadcast_replicated_tensors, "
-                                    f"broadcast_batch_bytes or strict options than rank 0; every rank must pass "
-                                    f"the same (they decide which collectives the load issues)")
-            if reuse:
-                prep = entry.state
-                reader.attach(prep.ckpt, cast=cast)
-                stats.plan_reused = True
-            one_host = len(np.unique(first[:, 1])) == 1
-            private_only = private_only or (broadcast_replicated_tensors == "auto" and one_host
-                                            and comm.broadcast_device.type == "cpu")
-            clock.lap("exchange")
-        if prep is None:
-            sent = (int(first[0, 3]), early) if collective else (-1, None)  # rank 0's metadata, if read
-            prep = _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors,
-                            broadcast_batch_bytes, broadcast_groups, reader, pool, clock, (format, key_map, cast),
-                            keepable=cache_key is not None, private_only=private_only, sent=sent, host=host)
-        stats.format = reader.format
-        stats.missing_keys, stats.unexpected_keys = list(prep.missing), list(prep.unexpected)
-        stats.shared_shards = len(prep.plan.shards) - len(prep.private)
-        stats.private_shards, stats.objects = len(prep.private), len(prep.plan.objects)
-        stats.groups_created = 0 if stats.plan_reused else len(prep.created)
-
-        # 5-6. shared, then private phase; 7. teardown, also on failure: never leave a group behind
+        start = await _first_gather(run, opts, state_dict, reader, contended) if run.collective else _Start(
+            private_only=opts.broadcast_replicated_tensors is False)
+        prep = start.prep or _prepare(
+            state_dict, run.directory, comm, run.collective, opts.strict, opts.broadcast_replicated_tensors,
+            opts.broadcast_batch_bytes, opts.broadcast_groups, reader, pool, run.clock,
+            (opts.format, opts.key_map, opts.cast), keepable=start.cache_key is not None,
+            private_only=start.private_only, sent=start.sent, host=run.host)
+        _count_plan(run.stats, prep, reader)
         counters = Counters()
-        keep = False
-        try:
-            decoded = await _execute(comm, reader, pool, prep.shared, prep.private, prep.plan.objects,
-                                     prep.groups, prep.gp, counters, max_inflight, progress, clock)
-            error = counters.error_report() or guard.late(comm)
-            if collective:
-                comm.agree(what, error)
-            elif error:
-                raise DistributedError(what, {comm.rank: error})
-            keep = cache_key is not None
-        finally:
-            if not keep:
-                if cache_key is not None:
-                    plancache.drop(cache_key, comm.destroy)
-                if not stats.plan_reused:
-                    comm.destroy(prep.created)
+        decoded = await _execute_and_agree(run, opts, prep, reader, pool, counters, start.cache_key)
     for obj, value in decoded:
         obj.leaf.container[obj.leaf.key] = value
-    if keep:
-        if not stats.plan_reused:
-            _attach(prep)
-            token = plancache.token_of(prep.rows, options)
-            plancache.store(cache_key, plancache.Entry(comm.pg, prep.stat, prep.signature, token, prep,
-                                                       prep.created), comm.destroy)
-        _strip(prep)  # a kept plan never holds the state dict's tensors (also after it was reused)
+    if start.cache_key is not None:
+        _keep(prep, start.cache_key, comm, opts, reused=run.stats.plan_reused)
+    return _finish(run, reader, counters, t0)
+
+
+async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: ChunkReader,
+                        contended: str | None) -> _Start:
+    """The first collective of every collective load: four words per rank.
+
+    They say whether a plan every rank still holds can be reused (the same non-zero token everywhere),
+    refuse on every rank alike a load that ran concurrently with another on an overlapping group (in any
+    rank's process: see _busy.py) or with options that differ between ranks, whether the ranks share one
+    host (then, under gloo and the default policy, no shard will be broadcast), and the size of the
+    metadata rank 0 will send when it offered no plan (it read it already: one broadcast of known size).
+    """
+    comm, start = run.comm, _Start(private_only=opts.broadcast_replicated_tensors is False)
+    entry, found = None, None
+    if opts.reuse_plan and not contended:
+        # this rank's host is part of the key (not of the token, which all ranks share): it decides
+        # which shards are broadcast, and PIPELOAD_HOST_ID may change between loads
+        start.cache_key = plancache.key(comm.global_ranks, run.directory, (*opts.planned, run.host))
+        entry, found = _cached(start.cache_key, comm, run.directory, state_dict)
+    offer = _CONTENDED if contended else entry.token if entry is not None else 0
+    early = _metadata_bytes(run.directory, opts.format) if comm.rank == 0 and offer == 0 else None
+    tokens, reuse = None, False
+    try:
+        gathered = comm.start_gather_rows(np.array([offer, run.host, hash64(repr(opts.agreed).encode()),
+                                                    len(early) if early is not None else -1], dtype=np.int64),
+                                          run.what)
+        if entry is not None:  # while the other ranks' words arrive
+            _rebind(entry.state, *found)
+        run.clock.lap("plan")
+        first = gathered()
+        tokens = first[:, 0]
+        reuse = offer != 0 and bool(np.all(tokens == offer))
+    finally:
+        if entry is not None and not reuse:
+            _strip(entry.state)  # replaced by this load's plan, or dropped: never holds our tensors
+    _refuse_contended_or_disagreeing(run.what, first, contended)
+    if reuse:
+        start.prep = entry.state
+        reader.attach(start.prep.ckpt, cast=opts.cast)
+        run.stats.plan_reused = True
+    one_host = len(np.unique(first[:, 1])) == 1
+    start.private_only = start.private_only or (opts.broadcast_replicated_tensors == "auto" and one_host
+                                                and comm.broadcast_device.type == "cpu")
+    start.sent = (int(first[0, 3]), early)
+    run.clock.lap("exchange")
+    return start
+
+
+def _refuse_contended_or_disagreeing(what: str, first: np.ndarray, contended: str | None) -> None:
+    """Raise, on every rank alike (all hold the same words), when a rank's load overlapped another or a
+    rank passed other collective-deciding options than rank 0."""
+    tokens = first[:, 0]
+    if np.any(tokens == _CONTENDED):
+        ranks = np.flatnonzero(tokens == _CONTENDED).tolist()
+        raise PipeloadError(contended or f"{what}: another pipeload operation ran at the same time on an "
+                            f"overlapping process group on rank(s) {ranks}; run loads and saves on one "
+                            f"group one after the other")
+    if len(np.unique(first[:, 2])) > 1:
+        odd = np.flatnonzero(first[:, 2] != first[0, 2]).tolist()
+        raise PipeloadError(f"{what}: rank(s) {odd} passed other broadcast_replicated_tensors, "
+                            f"broadcast_batch_bytes or strict options than rank 0; every rank must pass "
+                            f"the same (they decide which collectives the load issues)")
+
+
+def _count_plan(stats: LoadStats, prep: _Prepared, reader: ChunkReader) -> None:
+    stats.format = reader.format
+    stats.missing_keys, stats.unexpected_keys = list(prep.missing), list(prep.unexpected)
+    stats.shared_shards = len(prep.plan.shards) - len(prep.private)
+    stats.private_shards, stats.objects = len(prep.private), len(prep.plan.objects)
+    stats.groups_created = 0 if stats.plan_reused else len(prep.created)
+
+
+async def _execute_and_agree(run: _Run, opts: _Options, prep: _Prepared, reader: ChunkReader, pool,
+                             counters: Counters, cache_key: tuple | None) -> list:
+    """The shared and private phases, then the agreement every rank raises alike from; on any failure the
+    plan is forgotten and the groups this load created are destroyed (never left behind)."""
+    comm, keep = run.comm, False
+    try:
+        decoded = await _execute(comm, reader, pool, prep.shared, prep.private, prep.plan.objects, prep.groups,
+                                 prep.gp, counters, opts.max_inflight, opts.progress, run.clock)
+        error = counters.error_report() or run.guard.late(comm)
+        if run.collective:
+            comm.agree(run.what, error)
+        elif error:
+            raise DistributedError(run.what, {comm.rank: error})
+        keep = True
+        return decoded
+    finally:
+        if not keep:
+            if cache_key is not None:
+                plancache.drop(cache_key, comm.destroy)
+            if not run.stats.plan_reused:
+                comm.destroy(prep.created)
+
+
+def _keep(prep: _Prepared, cache_key: tuple, comm: Comm, opts: _Options, reused: bool) -> None:
+    """Keep a successful load's plan (and groups) for the next load; it holds none of this load's tensors."""
+    if not reused:
+        _attach(prep)
+        token = plancache.token_of(prep.rows, opts.planned)
+        plancache.store(cache_key, plancache.Entry(comm.pg, prep.stat, prep.signature, token, prep, prep.created),
+                        comm.destroy)
+    _strip(prep)  # a kept plan never holds the state dict's tensors (also after it was reused)
+
+
+def _finish(run: _Run, reader: ChunkReader, counters: Counters, t0: float) -> LoadStats:
+    stats = run.stats
     stats.bytes_read = reader.bytes_read
     stats.bytes_received = counters.bytes_received
     stats.broadcasts = counters.broadcasts
     stats.files_opened = reader.cache.opens
-    clock.lap("teardown")
+    run.clock.lap("teardown")
     stats.wall = time.perf_counter() - t0
     return stats
 
