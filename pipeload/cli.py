@@ -48,9 +48,14 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"model size in MiB; scales widths, not the tensor count (default {DEFAULT_SIZE_MB})")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--repeats", type=int, default=3, help="runs per loader and mode; the median is reported (3)")
-    b.add_argument("--modes", type=_csv, default=MODES, help="comma list of " + ",".join(MODES) + " (default all)")
-    b.add_argument("--loaders", type=_csv, default=LOADERS,
-                   help="comma list of " + ",".join(LOADERS) + " (default all)")
+    b.add_argument("--modes", type=_csv, default=None,
+                   help="comma list of " + ",".join(MODES) + " (default warm,throttled; --full: all)")
+    b.add_argument("--loaders", type=_csv, default=None,
+                   help="comma list of " + ",".join(LOADERS) + " (default pipeload and DCP, or the plain "
+                   "reader for --format hf; --full: all)")
+    b.add_argument("--full", action="store_true", help="every mode and every loader (several minutes)")
+    b.add_argument("--check", action="store_true",
+                   help="print the project's pass/fail targets for this run; exit 1 when one is missed")
     b.add_argument("--read-mbps", type=float, default=200.0, metavar="MIBPS",
                    help="throttled mode: read bandwidth of all ranks together, MiB/s (default 200)")
     b.add_argument("--layers", type=int, default=8, help="transformer layers (default 8)")
@@ -126,12 +131,14 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, describe, format_table, run_bench
+    from .bench import LOADERS, MODES, QUICK_MODES, BenchConfig, describe, format_table, headline, run_bench
 
     dp = args.dp if args.dp is not None else max(1, args.world // args.tp)
+    modes = args.modes or (MODES if args.full else QUICK_MODES)
+    loaders = args.loaders or (LOADERS if args.full else None)
     cfg = BenchConfig(
         world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed, repeats=args.repeats,
-        modes=tuple(args.modes), loaders=tuple(args.loaders), read_mbps=args.read_mbps, dir=args.dir,
+        modes=tuple(modes), loaders=tuple(loaders) if loaders else None, read_mbps=args.read_mbps, dir=args.dir,
         layers=args.layers, experts=args.experts, timeout=args.timeout, quiet=args.quiet, format=args.format,
         tensors=args.tensors,
     )
@@ -151,12 +158,16 @@ def _bench(args: argparse.Namespace) -> int:
     except WorldError as e:
         print(f"pipeload bench: failed\n{e}", file=sys.stderr)
         return 1
-    print(describe(result))
+    print(headline(result))
     print()
-    print(format_table(result))
+    print(format_table(result, targets=args.check))
+    print()
+    print(describe(result))
     print(f"\ntotal {result['total_seconds']:.0f} s"
-          + (f"; results in {args.out}" if args.out else "") + (f"; chart in {args.plot}" if args.plot else ""))
-    return 0
+          + (f"; results in {args.out}" if args.out else "") + (f"; chart in {args.plot}" if args.plot else "")
+          + ("" if args.full or args.check else "; pipeload bench --full runs every mode and loader"))
+    missed = [t for t in result["targets"] if t["ok"] is False]
+    return 1 if args.check and missed else 0
 
 
 def format_inspect(info: dict[str, Any], objects: bool = False) -> str:

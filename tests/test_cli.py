@@ -239,7 +239,8 @@ def test_summary_ratios_and_targets():
              if t["target"].startswith("pipeload plan + exchange")]
     assert other[0]["ok"] is None  # reported only away from the default size
     result = {"summary": rows, "targets": bench.check_targets(rows, dp=2)}
-    table = bench.format_table(result)
+    assert "[ok  ]" not in bench.format_table(result)  # targets are printed for --check only
+    table = bench.format_table(result, targets=True)
     assert "plain safetensors reader" in table and "torch DCP" in table and "[ok  ]" in table
     assert "plan+exch s" in table and "x plain" in table and "0.130" in table
     assert "plan" in table and "teardown" in table
@@ -264,10 +265,15 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     out = tmp_path / "r.json"
     # --tensors 40 with one layer: 5 experts, 39 tensors (the closest count the model shape allows)
     rc = main(["bench", "--world", "2", "--tp", "1", "--size", "1", "--layers", "1", "--tensors", "40",
-               "--repeats", "1", "--modes", "warm,cold1,cold", "--out", str(out), "--dir", str(tmp_path / "b"),
+               "--repeats", "1", "--modes", "warm,cold1,cold", "--full", "--out", str(out), "--dir", str(tmp_path / "b"),
                "--quiet", "--timeout", "100"])
     assert rc == 0
     text = capsys.readouterr().out
+    head = text.split("\n\n")[0].splitlines()  # the headline comes first, at most five lines
+    assert head[0].startswith("pipeload bench: 2 ranks") and len(head) <= 5
+    assert any(l.startswith("separate nodes, cold page cache: pipeload") and "faster than torch DCP" in l
+               for l in head)
+    assert "targets:" not in text  # the pass/fail lines are --check's
     assert "separate nodes emulated" in text and "torch DCP" in text and "plain safetensors reader" in text
     assert "PIPELOAD_HOST_ID unset" in text and "plan+exch s" in text
     result = json.loads(out.read_text())

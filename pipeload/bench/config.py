@@ -1,0 +1,56 @@
+"""The benchmark's configuration and names (shared by the parent and the ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MiB = 2**20
+LOADERS = ("pipeload", "pipeload-nobcast", "safetensors", "dcp")
+FORMATS = ("pipeload", "dcp", "hf")
+HF_LOADERS = ("pipeload", "pipeload-nobcast", "safetensors")
+DCP_LOADERS = ("pipeload", "pipeload-nobcast", "dcp")  # --format dcp: every loader reads DCP's files
+FLOOR = "floor"
+MODES = ("warm", "cold1", "cold", "throttled")
+# separate nodes emulated: each rank its own copy of every checkpoint and a host identity of its own
+SEPARATE = ("cold", "throttled")
+TIMING_KEYS = ("plan", "exchange", "groups", "shared", "private", "teardown")
+LOADER_LABELS = {
+    FLOOR: "floor (raw read, once)",
+    "pipeload": "pipeload",
+    "pipeload-nobcast": "pipeload broadcast off",
+    "dcp": "torch DCP",
+    "safetensors": "plain safetensors reader",
+}
+DEFAULT_SIZE_MB = 256
+# `pipeload bench` without --full: shared storage (the regime pipeload is for) and one host with a hot
+# page cache, against DCP and the floor; --full runs every mode and loader
+QUICK_MODES = ("warm", "throttled")
+QUICK_LOADERS = {"pipeload": ("pipeload", "dcp"), "dcp": ("pipeload", "dcp"), "hf": ("pipeload", "safetensors")}
+
+
+@dataclass
+class BenchConfig:
+    world: int = 4
+    tp: int = 2
+    dp: int = 2
+    size_mb: float = DEFAULT_SIZE_MB
+    seed: int = 0
+    repeats: int = 3
+    modes: tuple[str, ...] = QUICK_MODES
+    loaders: tuple[str, ...] | None = None  # None: QUICK_LOADERS of the format
+    read_mbps: float = 200.0
+    dir: str | None = None
+    layers: int = 8
+    experts: int = 128
+    timeout: float = 1800.0
+    quiet: bool = False
+    # which checkpoint pipeload loads: its own ("pipeload"), the one dcp.save wrote ("dcp"), or an HF
+    # layout copy ("hf", compared with a plain per-rank safetensors reader instead of DCP)
+    format: str = "pipeload"
+    # many small tensors: the expert count is chosen so the state dict holds about this many tensors
+    # (model + optimizer steps); None: the --experts given
+    tensors: int | None = None
+    # filled by the parent before the world starts
+    throttle: dict[str, Any] = field(default_factory=dict)
+
