@@ -68,6 +68,7 @@ A_POS, A_BC, A_AFF, A_HOLDERS, A_NCLASSES, A_SET = range(6)
 A_WORDS = 6
 # the summary row (round 3)
 S_FLAG, S_ALONE, S_PRIVATE, S_BITS = 0, 1, 2, 3
+SUMMARY_CALL = "all-gather of key-owner summaries"
 EVERY_CLASS = -1  # a set entry's length word: the whole group (no class list follows)
 TOO_LARGE = -2  # a set entry's length word: a set too large to describe
 
@@ -359,7 +360,7 @@ def plan(ex, record: Record, rank: int, rows: np.ndarray, cls: Classes, *, ndim:
     lap("key owners")
     view = learn(record, held, rank, rows, cls, ndim=ndim, itemsize=itemsize, n_names=n_names, broadcast=broadcast,
                  can_create=can_create, global_ranks=global_ranks, same_host_private=same_host_private)
-    summary = ex.gather_rows(view.row, what, "all-gather of key-owner summaries")
+    summary = ex.gather_rows(view.row, what, SUMMARY_CALL)
     if np.any(summary[:, S_FLAG]):
         return None
     requested = requested_keys(ex, summary, record, n_names, what)
