@@ -6,8 +6,8 @@ A load's exchange has two steps, both over the load's group and taken by every r
 
 1. **Rows.** An all-gather of one :data:`ROW_WORDS`-word int64 row per rank: a flag word (this rank has
    problems to report), a hash of the save id it read, the 128-bit digest and the byte length of its
-   plan record, its host, its key-owner threshold (:mod:`pipeload.keyowners`) and the digests of up to :data:`MAX_GROUPS` process
-   groups it could reuse. ``W`` rows cost every rank ``W x 128`` bytes: 2 MiB at 16,384 ranks.
+   plan record, its host, its key-owner threshold (:mod:`pipeload.keyowners`) and the digests of up
+   to :data:`MAX_GROUPS` process groups it could reuse. ``W`` rows cost every rank ``W x 128`` bytes: 2 MiB at 16,384 ranks.
 2. **Distinct records.** Ranks whose records have the same digest are replicas of one another (data
    parallelism makes most ranks byte-identical to others); only the lowest rank of each digest, its
    *owner*, sends its record. :func:`record_transfer` decides how, from the rows alone (so every rank

@@ -488,7 +488,8 @@ def choose_readers(s: Shared, sets: dict[int, HolderSet], loads: list[int], comp
     np.add.at(total, s.sid, s.weight)
     largest = np.zeros(n_sid, dtype=np.int64)
     np.maximum.at(largest, s.sid, s.weight)
-    cut = [sid for sid in used if stripe and _cuts(int(total[sid]), int(largest[sid]), len(sets[sid].members), min_stripe)]
+    cut = [sid for sid in used
+           if stripe and _cuts(int(total[sid]), int(largest[sid]), len(sets[sid].members), min_stripe)]
     is_cut = np.isin(s.sid, cut)
     reader_of = np.full(len(s.sid), -1, dtype=np.int64)
     load_arr = np.asarray(loads, dtype=np.int64)
@@ -582,7 +583,8 @@ def plan_component(s: Shared, sets: dict[int, HolderSet], loads: list[int], extr
     broadcasts. ``loads``: bytes each rank reads alone; ``extra``: per rank, bytes of private copies it
     reads (reported in ``loads`` only); ``in_use``: the set ids some broadcast of the load uses. Every
     rank of a component, given the same rows in any order, returns the same decisions."""
-    reader_of, is_cut, cut, load_arr = choose_readers(s, sets, loads, component_of, stripe=stripe, min_stripe=min_stripe)
+    reader_of, is_cut, cut, load_arr = choose_readers(s, sets, loads, component_of, stripe=stripe,
+                                                      min_stripe=min_stripe)
     cut_sets = cut_streams(s, cut, sets, load_arr)
     whole = np.flatnonzero(~is_cut)
     bound = max(0, int(s.weight[whole].max()) if len(whole) else 0,

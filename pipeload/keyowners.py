@@ -113,7 +113,7 @@ def key_rows(record: Record, my_class: int) -> np.ndarray:
     return np.column_stack([np.full(n, my_class, dtype=np.int64), np.arange(n, dtype=np.int64),
                             np.asarray(record.broadcastable, dtype=np.int64), np.asarray(aff, dtype=np.int64),
                             np.asarray(record.index, dtype=np.int64), np.asarray(record.offsets, dtype=np.int64),
-                            np.asarray(record.lengths, dtype=np.int64)]).reshape(n, K_KEY + 1 + 2 * record.offsets.shape[1])
+                            np.asarray(record.lengths, dtype=np.int64)]).reshape(n, -1)
 
 
 def key_messages(record: Record, my_class: int, world: int) -> tuple[np.ndarray, np.ndarray]:
@@ -245,7 +245,8 @@ def answers_of(counts: np.ndarray, words: np.ndarray, n_keys: int, n_classes: in
         local = []
         for _ in range(n_sets):
             k = int(msg[p])
-            t = tuple(range(n_classes)) if k == EVERY_CLASS else () if k == TOO_LARGE else tuple(msg[p + 1: p + 1 + k].tolist())
+            t = (tuple(range(n_classes)) if k == EVERY_CLASS else () if k == TOO_LARGE
+                 else tuple(msg[p + 1: p + 1 + k].tolist()))
             p += 1 + max(k, 0)
             local.append(index.setdefault(t, len(index)))
             if len(sets) < len(index):

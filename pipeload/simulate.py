@@ -355,7 +355,8 @@ def _summaries(w: KeyOwnerWorld, *, can_create: bool, broadcast: bool) -> np.nda
     pos = _ranges(kg.starts[good_g], kg.ends[good_g])
     good[kg.order[pos]] = True
     row_sid = np.repeat(good_sid, kg.n_classes[good_g])
-    pairs = np.unique(np.column_stack([sh.cl[kg.order[pos]], row_sid]), axis=0) if len(pos) else np.zeros((0, 2), np.int64)
+    pairs = (np.unique(np.column_stack([sh.cl[kg.order[pos]], row_sid]), axis=0) if len(pos)
+             else np.zeros((0, 2), np.int64))
     flag = np.bincount(pairs[:, 0], minlength=d) > 1
     creates = np.array([table.sets[s].create for s in pairs[:, 1].tolist()], dtype=bool)
     flag[pairs[creates, 0]] = True
@@ -391,7 +392,8 @@ class SimExchange:
     def gather_rows(self, row: np.ndarray, what: str = "", call: str = "") -> np.ndarray:
         expect = self.keys.summary if call == keyowners.SUMMARY_CALL else self.rows
         if not np.array_equal(row, expect[self.rank]):
-            raise AssertionError(f"rank {self.rank}: the loader's row differs from the simulated one ({call or 'rows'})")
+            raise AssertionError(f"rank {self.rank}: the loader's row differs from the simulated one "
+                                 f"({call or 'rows'})")
         self.sent += row.nbytes
         self.received += (len(expect) - 1) * row.nbytes
         return expect
@@ -474,18 +476,9 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
     return gp, ex, len(plan.shards)
 
 
-def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, memory: bool = True,
-             log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the planning path for ``samples`` ranks of a ``world``-rank load of ``layout``; a result dict."""
-    log = log or (lambda m: None)
-    t0 = time.perf_counter()
-    lay = Layout(layout, world, optim)
-    tmp = tempfile.TemporaryDirectory(prefix="pipeload-simulate-")
-    directory = tmp.name
-    md_bytes = lay.write_checkpoint_metadata(directory)
-    md = read_metadata(directory)
-    width = md.width()
-    log(f"metadata: {len(lay.tensors)} tensors, {md_bytes / 1e6:.1f} MB (.metadata and chunk index)")
+def _world_rows(lay: Layout, width: int) -> tuple[np.ndarray, Classes, list[bytes]]:
+    """Every rank's exchange row, the classes, and each class's record (encoded once per class)."""
+    world = lay.world
     keys = [lay.class_of(r) for r in range(world)]
     rep: dict[tuple, int] = {}
     for r, k in enumerate(keys):
@@ -499,7 +492,22 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
         rows[r] = make_row(record=rec_of[keys[r]], save_id=SAVE_ID, problems=False, host=host[r // GPUS_PER_HOST],
                            groups=lay.group_digests(r, group_cache), digest=digest_of[keys[r]])
     cls = classes(rows)
-    records = [rec_of[keys[int(o)]] for o in cls.owners]
+    return rows, cls, [rec_of[keys[int(o)]] for o in cls.owners]
+
+
+def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, memory: bool = True,
+             log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the planning path for ``samples`` ranks of a ``world``-rank load of ``layout``; a result dict."""
+    log = log or (lambda m: None)
+    t0 = time.perf_counter()
+    lay = Layout(layout, world, optim)
+    tmp = tempfile.TemporaryDirectory(prefix="pipeload-simulate-")
+    directory = tmp.name
+    md_bytes = lay.write_checkpoint_metadata(directory)
+    md = read_metadata(directory)
+    width = md.width()
+    log(f"metadata: {len(lay.tensors)} tensors, {md_bytes / 1e6:.1f} MB (.metadata and chunk index)")
+    rows, cls, records = _world_rows(lay, width)
     log(f"{world} rows, {len(records)} distinct records ({sum(map(len, records)) / 1e6:.2f} MB)")
     keys = None
     if keyowners.use_key_owners(rows, cls, record_transfer(cls, world)):  # the loader's own choice
@@ -542,11 +550,7 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     loads = np.asarray(gp.loads, dtype=np.float64)
     mean = loads.mean() if len(loads) else 0.0
     views = [r.pop("gp") for r in results]
-    identical = (all(v.creates == gp.creates for v in views)
-                 and all(gp.readers.get(k) == rd for v in views for k, rd in v.readers.items())
-                 and _orders_agree([r["ops"] for r in results])
-                 and _by_members(views[0], results[0]["ops"]) == _by_members(gp, [(o.group, o.reader, o.shards)
-                                                                                  for o in gp.ops]))
+    identical = _identical(views, results, gp)
     os.environ.pop("PIPELOAD_HOST_ID", None)
     md.tensors.index.close()
     tmp.cleanup()
@@ -569,6 +573,16 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
         "phases": phases,
         "wall_s": time.perf_counter() - t0,
     }
+
+
+def _identical(views: list, results: list[dict], gp) -> bool:
+    """The sampled plans agree with the whole plan (the digest path's): readers, creations, the order of
+    shared broadcasts, and the first sampled rank's broadcasts exactly (sets by members)."""
+    return (all(v.creates == gp.creates for v in views)
+            and all(gp.readers.get(k) == rd for v in views for k, rd in v.readers.items())
+            and _orders_agree([r["ops"] for r in results])
+            and _by_members(views[0], results[0]["ops"]) == _by_members(gp, [(o.group, o.reader, o.shards)
+                                                                             for o in gp.ops]))
 
 
 def _by_members(gp, ops: list) -> list:
