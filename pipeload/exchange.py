@@ -52,7 +52,7 @@ _I32_MAX = 2**31 - 1
 # above this many distinct records, one padded all-gather replaces the per-owner broadcasts
 MAX_RECORD_BROADCASTS = 64
 # record bytes per rank from which a load finds shared keys through key owners (pipeload.keyowners)
-KEY_OWNER_BYTES = 32 << 20
+KEY_OWNER_BYTES = 8 << 20
 
 
 def key_owner_threshold() -> int:
