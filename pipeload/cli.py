@@ -113,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--world", type=int, required=True, help="simulated ranks (a multiple of 8; 64 for dense-pp8)")
     s.add_argument("--layout", required=True, choices=["dense", "dense-pp8", "moe", "fsdp"])
+    s.add_argument("--op", default="load", choices=["load"], help="the planning path simulated (default load)")
     s.add_argument("--optim", action="store_true", help="add AdamW state (exp_avg, exp_avg_sq, step) per parameter")
     s.add_argument("--samples", type=int, default=3, help="ranks whose planning runs (default 3: first, middle, last)")
     s.add_argument("--no-memory", action="store_true", help="skip the second, memory-traced pass")

@@ -258,6 +258,26 @@ class Comm:
             raise self._fail(what, "exchange of plan records", e) from e
         return out
 
+    def all_to_all(self, counts: np.ndarray, words: np.ndarray, what: str = "pipeload") -> tuple[np.ndarray, np.ndarray]:
+        """Variable-sized int64 parts: ``counts[d]`` words of ``words`` (in destination order) to rank
+        ``d``; returns (words received from each source, the words in source order). Two all-to-alls:
+        the counts (``W`` words each way), then the parts; a rank's part to itself stays here."""
+        if self.size == 1:
+            return np.asarray(counts, dtype=np.int64).copy(), np.asarray(words, dtype=np.int64).copy()
+        dev = self.broadcast_device
+        try:
+            send = torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64)).to(dev)
+            got = torch.empty(self.size, dtype=torch.int64, device=dev)
+            dist.all_to_all_single(got, send, group=self.pg)
+            got_counts = got.cpu().numpy()
+            data = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int64)).to(dev)
+            out = torch.empty(int(got_counts.sum()), dtype=torch.int64, device=dev)
+            dist.all_to_all_single(out, data, output_split_sizes=got_counts.tolist(),
+                                   input_split_sizes=np.asarray(counts, dtype=np.int64).tolist(), group=self.pg)
+        except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
+            raise self._fail(what, "all-to-all of shard keys", e) from e
+        return got_counts, out.cpu().numpy()
+
     def agree(self, what: str, error: str | None) -> None:
         """Gather every rank's error (None = success); raise one DistributedError on every rank if any.
 

@@ -6,14 +6,18 @@ A load's exchange has two steps, both over the load's group and taken by every r
 
 1. **Rows.** An all-gather of one :data:`ROW_WORDS`-word int64 row per rank: a flag word (this rank has
    problems to report), a hash of the save id it read, the 128-bit digest and the byte length of its
-   plan record, its host and the digests of up to :data:`MAX_GROUPS` process
-   groups it could reuse. ``W`` rows cost every rank ``W x 128`` bytes: 2 MiB at 16,384 ranks.
+   plan record, its host, its key-owner threshold (:mod:`pipeload.keyowners`) and the digests of up
+   to :data:`MAX_GROUPS` process groups it could reuse. ``W`` rows cost every rank ``W x 128`` bytes: 2 MiB at 16,384 ranks.
 2. **Distinct records.** Ranks whose records have the same digest are replicas of one another (data
    parallelism makes most ranks byte-identical to others); only the lowest rank of each digest, its
    *owner*, sends its record. :func:`record_transfer` decides how, from the rows alone (so every rank
    decides alike): one broadcast per owner when there are few distinct records, one padded all-gather
    when nearly every rank is distinct (``R = 1`` layouts, where the records are also of nearly equal
    size, so padding costs little).
+
+   When that would move many bytes to every rank (nearly every record distinct: ``R = 1``), the
+   records stay home and shared keys are found through key owners instead (:mod:`pipeload.keyowners`,
+   chosen from the rows by :func:`pipeload.keyowners.use_key_owners`).
 
 Problem texts travel only when some row carries the problem flag (a third, rare all-gather).
 
@@ -38,7 +42,7 @@ ROW_WORDS = 16
 MAX_GROUPS = 8  # reusable groups a rank can offer; more are ignored (the load then creates or reads privately)
 
 # row layout
-F_FLAGS, F_SAVE, F_DIGEST, F_NBYTES, F_HOST, F_NGROUPS, F_GROUPS = 0, 1, 2, 4, 5, 7, 8  # word 6 is unused
+F_FLAGS, F_SAVE, F_DIGEST, F_NBYTES, F_HOST, F_KEYOWNER, F_NGROUPS, F_GROUPS = 0, 1, 2, 4, 5, 6, 7, 8
 FLAG_PROBLEMS = 1
 
 _RECORD_VERSION = 2
@@ -47,6 +51,14 @@ _I32_MAX = 2**31 - 1
 
 # above this many distinct records, one padded all-gather replaces the per-owner broadcasts
 MAX_RECORD_BROADCASTS = 64
+# record bytes per rank from which a load finds shared keys through key owners (pipeload.keyowners)
+KEY_OWNER_BYTES = 8 << 20
+
+
+def key_owner_threshold() -> int:
+    """This rank's key-owner threshold (row word ``F_KEYOWNER``): ``PIPELOAD_KEY_OWNER_BYTES`` or
+    :data:`KEY_OWNER_BYTES`. The smallest over the gathered rows decides, so ranks may disagree."""
+    return int(os.environ.get("PIPELOAD_KEY_OWNER_BYTES", KEY_OWNER_BYTES))
 
 
 def hash64(data: bytes) -> int:
@@ -136,14 +148,17 @@ def record_digest(record: bytes) -> tuple[int, int]:
 
 
 def make_row(*, record: bytes, save_id: str | None, problems: bool, host: int,
-             groups: list[int] = (), digest: tuple[int, int] | None = None) -> np.ndarray:
-    """One rank's row; ``digest`` is :func:`record_digest` of ``record`` when the caller has it."""
+             groups: list[int] = (), digest: tuple[int, int] | None = None,
+             key_owner_bytes: int | None = None) -> np.ndarray:
+    """One rank's row; ``digest`` is :func:`record_digest` of ``record`` when the caller has it;
+    ``key_owner_bytes``: the threshold this rank offers (None: :func:`key_owner_threshold`)."""
     row = np.zeros(ROW_WORDS, dtype=np.int64)
     row[F_FLAGS] = FLAG_PROBLEMS if problems else 0
     row[F_SAVE] = hash64(save_id.encode()) if save_id else 0
     row[F_DIGEST : F_DIGEST + 2] = digest if digest is not None else record_digest(record)
     row[F_NBYTES] = len(record)
     row[F_HOST] = host
+    row[F_KEYOWNER] = key_owner_threshold() if key_owner_bytes is None else key_owner_bytes
     groups = sorted(set(groups))[:MAX_GROUPS]
     row[F_NGROUPS] = len(groups)
     row[F_GROUPS : F_GROUPS + len(groups)] = groups

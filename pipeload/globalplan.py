@@ -18,6 +18,18 @@ shards per record and ``P`` shared pieces after striping:
   objects (shard keys) are built only for those and for cut sets; ``GlobalPlan.readers`` (every piece
   of the component) is built when first read.
 
+The plan is a pipeline of pure steps, each a function below (:func:`global_plan` runs them in order):
+
+1. :func:`shard_columns` and :func:`group_keys`: the records' shards as columns, identical keys grouped
+   across classes; :func:`alone_loads` and :func:`private_bytes`: bytes no broadcast can save;
+2. :func:`holder_sets` (into a :class:`SetTable`), :func:`components`, :func:`in_component`: the holder
+   set of each shared key and the part of the plan this rank must compute (:func:`shared_rows`);
+3. :func:`choose_readers` (affinity, then the greedy) and :func:`cut_streams`;
+4. :func:`rank_pieces` and :func:`batch`: this rank's broadcasts in the one global order.
+
+Steps 3-4 are :func:`plan_component`, which :mod:`pipeload.keyowners` also calls with the shared rows
+it found without every record (``R = 1`` layouts).
+
 Rules (DESIGN.md, "Global plan"):
 
 - a shard is *shared* when two or more ranks hold it, every holder reported it broadcastable, and its
@@ -53,7 +65,7 @@ import bisect
 import hashlib
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -177,21 +189,19 @@ def _water_fill(loads: list[int], total: int) -> list[int]:
 
 
 class _CutSet:
-    """The shards of one stream-cut holder set (rows of the global plan's arrays, in key order) and,
-    once :meth:`cut`, its pieces as arrays: shard, row range, weight, reader
+    """The shards of one stream-cut holder set (rows of a :class:`Shared`, in key order) and, once
+    :meth:`cut`, its pieces as arrays: shard, row range, weight, reader
     (:func:`pipeload._greedy.cut_stream`)."""
 
-    def __init__(self, sid: int, rows: np.ndarray, first_rows, index, offsets, lengths, ndim, weights):
-        fr = first_rows[rows]
-        width = offsets.shape[1]
-        order = np.lexsort(_key_columns(index[fr], offsets[fr], lengths[fr]))
-        fr = fr[order]
+    def __init__(self, sid: int, sh: "Shared", rows: np.ndarray):
+        rows = rows[np.lexsort(_key_columns(sh.index[rows], sh.offsets[rows], sh.lengths[rows]))]
+        width = sh.offsets.shape[1]
         self.sid = sid
-        self.index, self.offsets, self.lengths = index[fr], offsets[fr], lengths[fr]
-        self.ndim = ndim[self.index]
-        self.weight = weights[rows[order]].astype(np.int64, copy=False)
+        self.index, self.offsets, self.lengths = sh.index[rows], sh.offsets[rows], sh.lengths[rows]
+        self.ndim = sh.nd[rows]
+        self.weight = sh.weight[rows].astype(np.int64, copy=False)
         self.rows = (np.where(self.ndim > 0, self.lengths[:, 0], 0).astype(np.int64) if width
-                     else np.zeros(len(fr), dtype=np.int64))
+                     else np.zeros(len(rows), dtype=np.int64))
 
     def cut(self, members: np.ndarray, sizes: list[int]) -> None:
         self.shard, self.r0, self.r1, seg = cut_stream(self.weight, self.rows, np.asarray(sizes, dtype=np.int64))
@@ -213,34 +223,26 @@ class _CutSet:
         return out
 
 
-def global_plan(
-    rows: np.ndarray,
-    cls: Classes,
-    records: Sequence[Record],
-    me: int,
-    *,
-    ndim: np.ndarray,
-    itemsize: np.ndarray,
-    broadcast: bool,
-    batch_bytes: int,
-    can_create: bool,
-    global_ranks: Sequence[int] | None = None,
-    stripe: bool = True,
-    min_stripe: int = MIN_STRIPE,
-    same_host_private: bool = False,
-    everything: bool = False,
-    on_phase: Callable[[str], None] | None = None,
-) -> GlobalPlan:
-    """This rank's view of the one global plan (see the module docstring for the rules).
+# -- the pipeline: each step a pure function of the steps before it --------------------------------------
 
-    ``records[c]`` is the record of class ``c``; ``ndim``/``itemsize`` are indexed by checkpoint key
-    index; ``global_ranks`` maps load-group ranks to world ranks (for group digests; default identity).
-    ``same_host_private``: a shard whose holders all run on one host (the rows' host word) is read by
-    each of them, from the one page cache they share, instead of broadcast.
-    """
-    lap = on_phase or (lambda name: None)
-    world = len(rows)
-    sizes = np.array([len(m) for m in cls.members], dtype=np.int64)
+
+class Shards(NamedTuple):
+    """Every distinct record's shards as columns: row ``i`` is a shard of record (class) ``cl[i]``."""
+
+    cl: np.ndarray  # class of each row
+    index: np.ndarray  # checkpoint key index
+    bc: np.ndarray  # its holder reported it broadcastable
+    affinity: np.ndarray | None  # the writer the layout names, -1 none (None: no record names one)
+    offsets: np.ndarray  # (n, width), zero-padded
+    lengths: np.ndarray
+    nd: np.ndarray  # the tensor's rank
+    weight: np.ndarray  # bytes: itemsize x the product of the lengths (padding skipped)
+    requested: np.ndarray  # checkpoint key indices some record asks for (shards and objects), ascending
+
+
+def shard_columns(records: Sequence[Record], ndim: np.ndarray, itemsize: np.ndarray) -> Shards:
+    """Step 1a: the records concatenated in class order (class ``c``'s rows are contiguous, its own
+    order kept). ``ndim``/``itemsize`` are indexed by checkpoint key index."""
     n_per = [len(r.index) for r in records]
     width = records[0].offsets.shape[1] if records else 0
     cl = np.repeat(np.arange(len(records)), n_per)
@@ -259,90 +261,158 @@ def global_plan(
         affinity = None
         offsets = lengths = np.zeros((0, width), dtype=np.int64)
         requested = np.zeros(0, dtype=np.int64)
-    weights = itemsize[index].astype(np.int64)  # bytes of each shard: itemsize x its lengths (padding skipped)
+    return Shards(cl, index, bc, affinity, offsets, lengths, ndim[index], shard_weights(index, lengths, ndim, itemsize),
+                  requested)
+
+
+def shard_weights(index: np.ndarray, lengths: np.ndarray, ndim: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
+    """Bytes of each shard row: itemsize x its lengths over its tensor's rank (zero padding skipped)."""
+    weights = itemsize[index].astype(np.int64)
     nd = ndim[index]
-    for d in range(width):
+    for d in range(lengths.shape[1]):
         weights *= np.where(nd > d, lengths[:, d], 1)
-    lap("records")
+    return weights
 
-    # 1. identical shard keys across classes
-    order, starts = _row_groups(np.column_stack([index, offsets, lengths]))
+
+class KeyGroups(NamedTuple):
+    """Rows holding one shard key: ``order[starts[g]:ends[g]]`` are the rows of group ``g``, in row
+    order (lowest class first); groups in no particular order."""
+
+    order: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    holders: np.ndarray  # ranks holding the key (the sizes of its classes, summed)
+    all_bc: np.ndarray  # every holder reported it broadcastable
+    n_classes: np.ndarray  # classes holding it (rows of the group)
+
+
+def group_keys(sh: Shards, sizes: np.ndarray) -> KeyGroups:
+    """Step 1b: identical shard keys across classes (``sizes``: ranks per class). Vectorised; the only
+    step that stays O(W x S) when R = 1."""
+    order, starts = _row_groups(np.column_stack([sh.index, sh.offsets, sh.lengths]))
     ends = np.append(starts[1:], len(order))
-    holders = np.add.reduceat(sizes[cl[order]], starts) if len(order) else np.zeros(0, dtype=np.int64)
-    all_bc = np.logical_and.reduceat(bc[order], starts) if len(order) else np.zeros(0, dtype=bool)
-    n_classes = ends - starts
-    lap("group keys")
+    holders = np.add.reduceat(sizes[sh.cl[order]], starts) if len(order) else np.zeros(0, dtype=np.int64)
+    all_bc = np.logical_and.reduceat(sh.bc[order], starts) if len(order) else np.zeros(0, dtype=bool)
+    return KeyGroups(order, starts, ends, holders, all_bc, ends - starts)
 
-    # bytes each rank reads alone anyway: keys with exactly one holder rank
+
+def alone_loads(sh: Shards, kg: KeyGroups, cls: Classes, world: int) -> list[int]:
+    """Bytes each rank reads alone anyway: the keys only it holds (a one-rank class). These are the
+    starting loads of the greedy, the same on every rank."""
     loads = [0] * world
-    single = holders == 1
+    single = kg.holders == 1
     if np.any(single):
-        first = order[starts[single]]
-        per_class = np.bincount(cl[first], weights=weights[first], minlength=len(records))
+        first = kg.order[kg.starts[single]]
+        per_class = np.bincount(sh.cl[first], weights=sh.weight[first], minlength=len(cls.members))
         for c in np.flatnonzero(per_class):
             loads[int(cls.members[c][0])] += int(per_class[c])
-    base = list(loads)
-    # holders > 1 but private (not broadcastable / no group): every holder reads its own copy
-    extra_private = np.zeros(len(records), dtype=np.int64)
+    return loads
 
-    candidates = np.flatnonzero((holders >= 2) & all_bc) if broadcast else np.zeros(0, dtype=np.int64)
-    shut = np.flatnonzero((holders >= 2) & ~all_bc) if broadcast else np.flatnonzero(holders >= 2)
 
-    # 2. holder sets: a tuple of classes; members expanded once per distinct set. Groups are mapped to
-    # their set by a signature of their classes (the class itself when there is one, else two
-    # independent 64-bit sums of per-class random words), so Python touches each distinct set once.
-    ranks_of = global_ranks if global_ranks is not None else range(world)
-    set_ids: dict[tuple[int, ...], int] = {}
-    sets: dict[int, HolderSet] = {}
-    usable: dict[int, bool] = {}
-    everyone = tuple(range(len(records)))
+def private_bytes(sh: Shards, kg: KeyGroups, groups: np.ndarray, n_classes: int) -> np.ndarray:
+    """Per class, the bytes each of its ranks reads of the key ``groups`` (held by several ranks but
+    not shared: not broadcastable, or no usable group): every holder reads its own copy."""
+    extra = np.zeros(n_classes, dtype=np.int64)
+    if len(groups):
+        rws = np.repeat(groups, kg.n_classes[groups])
+        pos = _ranges(kg.starts[groups], kg.ends[groups])
+        extra += np.bincount(sh.cl[kg.order[pos]], weights=sh.weight[kg.order[kg.starts[rws]]],
+                             minlength=n_classes).astype(np.int64)
+    return extra
 
-    def holder_set(classes: tuple[int, ...]) -> int:
-        sid = set_ids.get(classes)
-        if sid is not None:
-            return sid
-        if classes == everyone:
+
+def set_signature(classes: Sequence[int], n_records: int) -> tuple[int, int, int]:
+    """The signature of a holder set (its classes, ascending), as :func:`set_signatures` computes it for
+    key groups: the class itself for one class, else two independent 64-bit sums of per-class random
+    words. Sets are numbered in ascending signature order, which no rank needs the other sets for."""
+    if len(classes) == 1:
+        return int(classes[0]), -1, 1
+    words = _class_words(n_records)
+    c = np.asarray(classes, dtype=np.intp)
+    with np.errstate(over="ignore"):
+        return int(words[0][c].sum()), int(words[1][c].sum()), len(c)
+
+
+def _class_words(n_records: int) -> np.ndarray:
+    return _mix(np.arange(2 * n_records, dtype=np.uint64)).view(np.int64).reshape(2, n_records)
+
+
+def set_signatures(kg: KeyGroups, class_of_row: np.ndarray, groups: np.ndarray, n_records: int) -> np.ndarray:
+    """(len(groups), 3) int64: :func:`set_signature` of each key group's classes, vectorised
+    (``class_of_row``: the class of each row of ``kg.order``)."""
+    words = _class_words(n_records)
+    with np.errstate(over="ignore"):
+        sig = np.stack([np.add.reduceat(words[0][class_of_row], kg.starts)[groups],
+                        np.add.reduceat(words[1][class_of_row], kg.starts)[groups], kg.n_classes[groups]], axis=1)
+    single = kg.n_classes[groups] == 1
+    sig[single, 0] = class_of_row[kg.starts[groups[single]]]
+    sig[single, 1] = -1
+    return sig
+
+
+class SetTable:
+    """Holder sets by id: ``FULL`` (0) for every class, then 1, 2, ... in the order :meth:`add` meets
+    them (ascending signature in :func:`holder_sets`); members expanded once per set. Whether a set is
+    *usable* (a group exists or may be made, and, under the host-aware policy, not all on one host)
+    and must be *created* are functions of the gathered rows alone."""
+
+    def __init__(self, rows: np.ndarray, cls: Classes, *, can_create: bool, global_ranks=None,
+                 same_host_private: bool = False):
+        self.rows, self.cls, self.can_create, self.same_host_private = rows, cls, can_create, same_host_private
+        self.ranks_of = global_ranks if global_ranks is not None else range(len(rows))
+        self.sets: dict[int, HolderSet] = {}
+        self.usable: dict[int, bool] = {}
+        self.classes: dict[int, tuple[int, ...]] = {}
+        self.ids: dict[tuple[int, ...], int] = {}
+
+    def add(self, classes: tuple[int, ...], sid: int | None = None) -> int:
+        """The id of the set of ``classes`` (ascending), made on first sight (``sid``: the id to give it)."""
+        got = self.ids.get(classes)
+        if got is not None:
+            return got
+        rows = self.rows
+        if len(classes) == len(self.cls.members):
             sid = FULL
-            sets[sid] = HolderSet(tuple(range(world)), False)
-            usable[sid] = not (same_host_private and len(np.unique(rows[:, F_HOST])) == 1)
+            self.sets[sid] = HolderSet(tuple(range(len(rows))), False)
+            self.usable[sid] = not (self.same_host_private and len(np.unique(rows[:, F_HOST])) == 1)
         else:
-            sid = len(sets) + (FULL not in sets)  # 1, 2, ... in order of first use (FULL is 0)
-            members = np.sort(np.concatenate([cls.members[c] for c in classes]))
+            sid = sid if sid is not None else len(self.sets) + (FULL not in self.sets)
+            members = np.sort(np.concatenate([self.cls.members[c] for c in classes]))
             mt = tuple(int(x) for x in members)
-            dg = group_digest([ranks_of[r] for r in mt])
+            dg = group_digest([self.ranks_of[r] for r in mt])
             g = rows[members, F_GROUPS:]
             n = rows[members, F_NGROUPS]
-            have = np.any((g == dg) & (np.arange(g.shape[1]) < n[:, None]), axis=1).all()
-            sets[sid] = HolderSet(mt, not bool(have))
-            usable[sid] = (bool(have) or can_create) and not (
-                same_host_private and len(np.unique(rows[members, F_HOST])) == 1)
-        set_ids[classes] = sid
+            have = bool(np.any((g == dg) & (np.arange(g.shape[1]) < n[:, None]), axis=1).all())
+            self.sets[sid] = HolderSet(mt, not have)
+            self.usable[sid] = (have or self.can_create) and not (
+                self.same_host_private and len(np.unique(rows[members, F_HOST])) == 1)
+        self.ids[classes] = sid
+        self.classes[sid] = classes
         return sid
 
-    class_of_row = cl[order]
-    sid_of = np.zeros(len(candidates), dtype=np.int64)
-    if len(candidates):
-        words = _mix(np.arange(2 * len(records), dtype=np.uint64)).view(np.int64).reshape(2, len(records))
-        with np.errstate(over="ignore"):
-            sig = np.stack([np.add.reduceat(words[0][class_of_row], starts)[candidates],
-                            np.add.reduceat(words[1][class_of_row], starts)[candidates],
-                            n_classes[candidates]], axis=1)
-        single = n_classes[candidates] == 1
-        sig[single, 0] = class_of_row[starts[candidates[single]]]
-        sig[single, 1] = -1
-        first, inverse = _unique_rows(sig)
-        sid_u = []
-        for g in candidates[first].tolist():
-            s_, e_ = int(starts[g]), int(ends[g])
-            sid_u.append(holder_set(tuple(sorted(class_of_row[s_:e_].tolist()))))
-        sid_of = np.asarray(sid_u, dtype=np.int64)[inverse.ravel()]
-    ok = np.asarray([usable.get(x, False) for x in range(max(sets, default=-1) + 1)], dtype=bool)
-    good = ok[sid_of] if len(candidates) else np.zeros(0, dtype=bool)
+    def ok(self) -> np.ndarray:
+        """Usable, by set id (ids never given are not)."""
+        return np.asarray([self.usable.get(x, False) for x in range(max(self.sets, default=-1) + 1)], dtype=bool)
 
-    # Loads couple reader choices only within a connected component of holder sets (sets sharing a
-    # class); every decision this rank needs lies in its own component, which is all it computes
-    # (``everything``: all components, for reporting).
-    parent = list(range(len(records)))
+
+def holder_sets(table: SetTable, kg: KeyGroups, class_of_row: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Step 2: the holder set id of each candidate key group (``table`` gains the sets). Groups are
+    mapped to sets by signature, so Python touches each distinct set once; sets are numbered in
+    ascending signature order (``FULL`` is 0), a pure function of the sets that occur."""
+    if not len(candidates):
+        return np.zeros(0, dtype=np.int64)
+    sig = set_signatures(kg, class_of_row, candidates, len(table.cls.members))
+    first, inverse = _unique_rows(sig)
+    sid_u = [table.add(tuple(sorted(class_of_row[kg.starts[g]:kg.ends[g]].tolist())))
+             for g in candidates[first].tolist()]
+    return np.asarray(sid_u, dtype=np.int64)[inverse.ravel()]
+
+
+def components(table: SetTable) -> Callable[[int], int]:
+    """Step 2b: the connected components of classes joined by usable holder sets, as ``find(class)``
+    -> a root class. Loads couple reader choices only within one component, so every decision a rank
+    needs lies in its own."""
+    parent = list(range(len(table.cls.members)))
 
     def find(c: int) -> int:
         while parent[c] != c:
@@ -350,98 +420,151 @@ def global_plan(
             c = parent[c]
         return c
 
-    members_of = {sid: None for sid in sets}
-    for classes, sid in set_ids.items():
-        if usable[sid]:
+    for classes, sid in table.ids.items():
+        if table.usable[sid]:
             root = find(classes[0])
             for c in classes[1:]:
                 rc = find(c)
                 if rc != root:
                     parent[rc] = root
-        members_of[sid] = classes
-    my_class = int(cls.of_rank[me])
-    if everything:
-        in_mine = good
-    else:
-        mine_root = find(my_class)
-        set_in_mine = np.asarray([members_of.get(x) is not None and find(members_of[x][0]) == mine_root
-                                  for x in range(len(ok))], dtype=bool)
-        in_mine = good & set_in_mine[sid_of] if len(candidates) else good
+    return find
 
-    # the shared shards it plans, as arrays over their rows: weight and holder set of each. Python keys
-    # are built only for the shards this rank broadcasts and those of cut sets; the readers of the
-    # others, on demand (GlobalPlan.readers)
-    first_rows = order[starts[candidates[in_mine]]]
-    w_rows = weights[first_rows]
-    s_rows = sid_of[in_mine]
 
-    def keys_of(rows: np.ndarray) -> list[ShardKey]:
-        fr = first_rows[rows]
-        return _keys(index[fr], offsets[fr], lengths[fr], ndim[index[fr]])
+def in_component(table: SetTable, find, my_class: int, sid_of: np.ndarray, good: np.ndarray) -> np.ndarray:
+    """Of the usable candidate groups (``good``), those whose holder set lies in ``my_class``'s component."""
+    if not len(sid_of):
+        return good
+    root = find(my_class)
+    n = max(table.sets, default=-1) + 1
+    set_in = np.asarray([x in table.classes and find(table.classes[x][0]) == root for x in range(n)], dtype=bool)
+    return good & set_in[sid_of]
 
-    # groups read by every holder: not broadcastable, or no usable group
-    private_groups = np.concatenate([candidates[~good], shut])
-    if len(private_groups):
-        rws = np.repeat(private_groups, n_classes[private_groups])
-        pos = _ranges(starts[private_groups], ends[private_groups])
-        extra_private += np.bincount(class_of_row[pos], weights=weights[order[starts[rws]]],
-                                     minlength=len(records)).astype(np.int64)
-    lap("holder sets")
 
-    # 3. readers: affinity, the greedy, then stream cutting of the sets the greedy cannot balance
+class Shared(NamedTuple):
+    """The shared shards a rank plans, one row each: key columns, bytes, holder set and the writer its
+    lowest holder class names (``prefer``; None: no record names one)."""
+
+    index: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    nd: np.ndarray
+    weight: np.ndarray
+    sid: np.ndarray
+    prefer: np.ndarray | None
+
+
+def shared_rows(sh: Shards, kg: KeyGroups, groups: np.ndarray, sid: np.ndarray) -> Shared:
+    """The key ``groups`` (with holder set ``sid`` each) as :class:`Shared` rows, read from each group's
+    first row (its lowest class)."""
+    fr = kg.order[kg.starts[groups]]
+    return Shared(sh.index[fr], sh.offsets[fr], sh.lengths[fr], sh.nd[fr], sh.weight[fr], sid,
+                  sh.affinity[fr] if sh.affinity is not None else None)
+
+
+def _preferences(s: Shared, used: list[int], total: np.ndarray, sets: dict, loads: list[int],
+                 component_of: Callable[[int], int]) -> tuple[np.ndarray, np.ndarray]:
+    """(prefer, cap) for :func:`pipeload._greedy.assign_readers`: each row's named writer and each
+    set's cap (11/10 of its component's mean); empty ``prefer`` when no row names a writer."""
+    cap = np.zeros(len(total), dtype=np.int64)
+    prefer = s.prefer.astype(np.int64, copy=False) if s.prefer is not None else np.zeros(0, dtype=np.int64)
+    if not np.any(prefer >= 0):
+        return np.zeros(0, dtype=np.int64), cap
+    component = {sid: component_of(sid) for sid in used}
+    caps = _affinity_caps({sid: int(total[sid]) for sid in used}, sets, loads, component.__getitem__)
+    for sid in used:
+        cap[sid] = caps[component[sid]]
+    return prefer, cap
+
+
+def choose_readers(s: Shared, sets: dict[int, HolderSet], loads: list[int], component_of: Callable[[int], int],
+                   *, stripe: bool, min_stripe: int) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
+    """Step 3: (reader of each row, -1 for rows of cut sets; which rows are in cut sets; the cut set
+    ids, ascending; bytes per rank after the greedy). Shards by bytes, largest first (ties by key),
+    affinity within its cap first, then each to its set's least loaded member (ties to the lower rank),
+    starting from ``loads``: :func:`pipeload.balance.assign`. Independent of the rows' order."""
     n_sid = max(sets, default=-1) + 1
-    used = np.unique(s_rows).tolist()
+    used = np.unique(s.sid).tolist()
     total = np.zeros(n_sid, dtype=np.int64)
-    np.add.at(total, s_rows, w_rows)
+    np.add.at(total, s.sid, s.weight)
     largest = np.zeros(n_sid, dtype=np.int64)
-    np.maximum.at(largest, s_rows, w_rows)
-    cut = [sid for sid in used if stripe and _cuts(int(total[sid]), int(largest[sid]), len(sets[sid].members), min_stripe)]
-    is_cut = np.isin(s_rows, cut)
-    reader_of = np.full(len(first_rows), -1, dtype=np.int64)
-    load_arr = np.asarray(loads, dtype=np.int64)  # bytes per rank, updated by the greedy and the cuts
-    if len(first_rows):  # largest first, ties by key: one lexsort over the rows the keys are built from
-        by_size = np.lexsort([*_key_columns(index[first_rows], offsets[first_rows], lengths[first_rows]), -w_rows])
+    np.maximum.at(largest, s.sid, s.weight)
+    cut = [sid for sid in used
+           if stripe and _cuts(int(total[sid]), int(largest[sid]), len(sets[sid].members), min_stripe)]
+    is_cut = np.isin(s.sid, cut)
+    reader_of = np.full(len(s.sid), -1, dtype=np.int64)
+    load_arr = np.asarray(loads, dtype=np.int64)
+    if len(s.sid):  # largest first, ties by key: one lexsort over the rows the keys are built from
+        by_size = np.lexsort([*_key_columns(s.index, s.offsets, s.lengths), -s.weight])
         greedy = by_size[~is_cut[by_size]]
-        prefer = (affinity[first_rows].astype(np.int64, copy=False) if affinity is not None
-                  else np.zeros(0, dtype=np.int64))
-        cap = np.zeros(n_sid, dtype=np.int64)
-        if np.any(prefer >= 0):  # a layout that names writers: within each component's cap (11/10 the mean)
-            component = {sid: find(members_of[sid][0]) for sid in used}
-            caps = _affinity_caps({sid: int(total[sid]) for sid in used}, sets, loads, component.__getitem__)
-            for sid in used:
-                cap[sid] = caps[component[sid]]
-        else:
-            prefer = np.zeros(0, dtype=np.int64)
+        prefer, cap = _preferences(s, used, total, sets, loads, component_of)
         set_start = np.zeros(n_sid, dtype=np.int64)
         set_size = np.zeros(n_sid, dtype=np.int64)
         at = 0
         for sid in used:
             set_start[sid], set_size[sid] = at, len(sets[sid].members)
             at += len(sets[sid].members)
-        flat_members = np.fromiter((r for sid in used for r in sets[sid].members), dtype=np.int64, count=at)
-        reader_of = assign_readers(greedy, w_rows, s_rows, prefer, cap, set_start, set_size, flat_members, load_arr)
-    # after the greedy: each cut set evens out its members' loads; its pieces as arrays (Python keys only
-    # for the sets this rank is in)
-    mine_sets = {sid for sid, s in sets.items() if contains(s.members, me)}
-    cut_sets = [_CutSet(sid, np.flatnonzero(s_rows == sid), first_rows, index, offsets, lengths, ndim, w_rows)
-                for sid in cut]
-    for cs in cut_sets:
-        members = np.asarray(sets[cs.sid].members, dtype=np.int64)
-        sizes = _water_fill(load_arr[members].tolist(), int(cs.weight.sum()))
-        cs.cut(members, sizes)
-        np.add.at(load_arr, cs.reader, cs.piece_weight)
-    loads = load_arr.tolist()
-    for c in np.flatnonzero(extra_private):
-        for r in cls.members[c]:
-            loads[int(r)] += int(extra_private[c])
-    whole = np.flatnonzero(~is_cut)
-    bound = max(0, int(w_rows[whole].max()) if len(whole) else 0,
-                max((int(cs.piece_weight.max()) for cs in cut_sets if len(cs.piece_weight)), default=0), *base)
+        flat = np.fromiter((r for sid in used for r in sets[sid].members), dtype=np.int64, count=at)
+        reader_of = assign_readers(greedy, s.weight, s.sid, prefer, cap, set_start, set_size, flat, load_arr)
+    return reader_of, is_cut, cut, load_arr
 
-    # what GlobalPlan.readers is built from, if it is read: only the component's rows (a kept plan must
-    # not hold the W x S record rows of an R = 1 layout)
-    fr = first_rows[whole]
-    kept = (index[fr], offsets[fr], lengths[fr], ndim[index[fr]], reader_of[whole], cut_sets)
+
+def cut_streams(s: Shared, cut: list[int], sets: dict[int, HolderSet], load_arr: np.ndarray) -> list[_CutSet]:
+    """Step 3b: after the greedy, each cut set in ascending id: its shards in key order form one byte
+    stream cut at row boundaries into one contiguous segment per member, sized (water filling) to even
+    out the members' loads; ``load_arr`` gains the pieces' bytes."""
+    out = []
+    for sid in cut:
+        cs = _CutSet(sid, s, np.flatnonzero(s.sid == sid))
+        members = np.asarray(sets[sid].members, dtype=np.int64)
+        cs.cut(members, _water_fill(load_arr[members].tolist(), int(cs.weight.sum())))
+        np.add.at(load_arr, cs.reader, cs.piece_weight)
+        out.append(cs)
+    return out
+
+
+def rank_pieces(s: Shared, reader_of: np.ndarray, whole: np.ndarray, cut_sets: list[_CutSet], mine_sets: set[int]):
+    """Step 4a: this rank's pieces (of the sets it is in), in key order, as (keys, weight, set, reader)
+    columns, and each of its shared shards -> its pieces (one, itself, unless cut; in row order)."""
+    mine = whole[np.isin(s.sid[whole], list(mine_sets))]
+    mine = mine[np.lexsort(_key_columns(s.index[mine], s.offsets[mine], s.lengths[mine]))]
+    mine_keys = _keys(s.index[mine], s.offsets[mine], s.lengths[mine], s.nd[mine])
+    pieces: dict[ShardKey, list[ShardKey]] = {k: [k] for k in mine_keys}
+    cols = mine_keys, s.weight[mine], s.sid[mine], reader_of[mine]
+    my_cut = [p for cs in cut_sets if cs.sid in mine_sets for p in cs.pieces()]
+    if my_cut:  # (pk, weight, set, shard key, reader) of each piece, merged with the whole shards by key
+        for pk, _, _, key, _ in my_cut:  # (a shard's pieces come in row order: key order)
+            pieces.setdefault(key, []).append(pk)
+        merged = sorted([*zip(mine_keys, cols[1].tolist(), cols[2].tolist(), cols[3].tolist()),
+                         *((pk, pw, sid, reader) for pk, pw, sid, _, reader in my_cut)], key=itemgetter(0))
+        p_keys, *rest = zip(*merged)
+        cols = (p_keys, *(np.array(c, dtype=np.int64) for c in rest))
+    return cols, pieces
+
+
+def batch(p_keys, p_weight, p_set, p_reader, batch_bytes: int) -> list[Op]:
+    """Step 4b: pieces (in key order) into broadcasts in the one global order: pieces under
+    ``batch_bytes`` join the open batch of their (set, reader), sent at the position of the piece that
+    fills it; batches left open follow in the order of their first piece (:func:`batch_ops`)."""
+    ops: list[Op] = []
+    if not p_keys:
+        return ops
+    _, pair = _unique_rows(np.column_stack([p_set, p_reader]))
+    op_of = batch_ops(pair.ravel().astype(np.int64), np.asarray(p_weight, dtype=np.int64), batch_bytes, STAGING_ALIGN)
+    by_op = np.argsort(op_of, kind="stable")  # pieces of each op together, in key order
+    ends = np.cumsum(np.bincount(op_of)).tolist()
+    keys_by_op = [p_keys[i] for i in by_op.tolist()]
+    firsts = by_op[[0, *ends[:-1]]]
+    at = 0
+    for end, sid, reader in zip(ends, np.asarray(p_set)[firsts].tolist(), np.asarray(p_reader)[firsts].tolist()):
+        ops.append(Op(sid, reader, tuple(keys_by_op[at:end])))
+        at = end
+    return ops
+
+
+def _readers_of(s: Shared, reader_of: np.ndarray, whole: np.ndarray, cut_sets: list[_CutSet]):
+    """The function building ``GlobalPlan.readers``: keeps only the component's rows (a kept plan must
+    not hold the W x S record rows of an R = 1 layout)."""
+    kept = (s.index[whole], s.offsets[whole], s.lengths[whole], s.nd[whole], reader_of[whole], cut_sets)
 
     def all_readers() -> dict[ShardKey, int]:
         idx, off, ln, nd, rd, cuts = kept
@@ -450,40 +573,85 @@ def global_plan(
             out.update((p[0], p[4]) for p in c.pieces())
         return out
 
-    lap("readers")
+    return all_readers
 
-    # 4. this rank's broadcasts, in global order: its pieces in key order, batched per (set, reader)
-    mine = whole[np.isin(s_rows[whole], list(mine_sets))]
-    fm = first_rows[mine]
-    mine = mine[np.lexsort(_key_columns(index[fm], offsets[fm], lengths[fm]))]
-    mine_keys = keys_of(mine)
-    pieces: dict[ShardKey, list[ShardKey]] = {k: [k] for k in mine_keys}
-    p_keys, p_weight, p_set, p_reader = mine_keys, w_rows[mine], s_rows[mine], reader_of[mine]
-    my_cut = [p for cs in cut_sets if cs.sid in mine_sets for p in cs.pieces()]
-    if my_cut:  # (pk, weight, set, shard key, reader) of each piece, merged with the whole shards by key
-        for pk, _, _, key, _ in my_cut:  # (a shard's pieces come in row order: key order)
-            pieces.setdefault(key, []).append(pk)
-        merged = sorted([*zip(mine_keys, p_weight.tolist(), p_set.tolist(), p_reader.tolist()),
-                         *((pk, pw, sid, reader) for pk, pw, sid, _, reader in my_cut)], key=itemgetter(0))
-        p_keys, *cols = zip(*merged)
-        p_weight, p_set, p_reader = (np.array(c, dtype=np.int64) for c in cols)
-    ops: list[Op] = []
-    if p_keys:
-        _, pair = _unique_rows(np.column_stack([p_set, p_reader]))
-        op_of = batch_ops(pair.ravel().astype(np.int64), p_weight.astype(np.int64), batch_bytes, STAGING_ALIGN)
-        by_op = np.argsort(op_of, kind="stable")  # pieces of each op together, in key order
-        ends = np.cumsum(np.bincount(op_of)).tolist()
-        keys_by_op = [p_keys[i] for i in by_op.tolist()]
-        firsts = by_op[[0, *ends[:-1]]]
-        at = 0
-        for end, sid, reader in zip(ends, p_set[firsts].tolist(), p_reader[firsts].tolist()):
-            ops.append(Op(sid, reader, tuple(keys_by_op[at:end])))
-            at = end
-    # every set some broadcast of the load uses, in any component: creating one is world-wide
-    in_use = set(sid_of[good].tolist()) if len(candidates) else set()
-    sets = {sid: s for sid, s in sets.items() if sid in in_use}
+
+def plan_component(s: Shared, sets: dict[int, HolderSet], loads: list[int], extra: np.ndarray, me: int, *,
+                   component_of: Callable[[int], int], requested: np.ndarray, in_use: set[int], stripe: bool,
+                   min_stripe: int, batch_bytes: int, lap=lambda name: None) -> GlobalPlan:
+    """Steps 3-4 for the shared rows ``s`` of one rank's component: readers, cutting, this rank's
+    broadcasts. ``loads``: bytes each rank reads alone; ``extra``: per rank, bytes of private copies it
+    reads (reported in ``loads`` only); ``in_use``: the set ids some broadcast of the load uses. Every
+    rank of a component, given the same rows in any order, returns the same decisions."""
+    reader_of, is_cut, cut, load_arr = choose_readers(s, sets, loads, component_of, stripe=stripe,
+                                                      min_stripe=min_stripe)
+    cut_sets = cut_streams(s, cut, sets, load_arr)
+    whole = np.flatnonzero(~is_cut)
+    bound = max(0, int(s.weight[whole].max()) if len(whole) else 0,
+                max((int(cs.piece_weight.max()) for cs in cut_sets if len(cs.piece_weight)), default=0),
+                max(loads, default=0))
+    final = (load_arr + np.asarray(extra, dtype=np.int64)).tolist() if len(load_arr) else []
+    readers = _readers_of(s, reader_of, whole, cut_sets)
+    lap("readers")
+    mine_sets = {sid for sid, hs in sets.items() if contains(hs.members, me)}
+    cols, pieces = rank_pieces(s, reader_of, whole, cut_sets, mine_sets)
+    ops = batch(*cols, batch_bytes)
     lap("ops")
-    return GlobalPlan(ops, pieces, sets, requested, all_readers, loads, bound)
+    return GlobalPlan(ops, pieces, {sid: hs for sid, hs in sets.items() if sid in in_use}, requested, readers,
+                      final, bound)
+
+
+def global_plan(
+    rows: np.ndarray,
+    cls: Classes,
+    records: Sequence[Record],
+    me: int,
+    *,
+    ndim: np.ndarray,
+    itemsize: np.ndarray,
+    broadcast: bool,
+    batch_bytes: int,
+    can_create: bool,
+    global_ranks: Sequence[int] | None = None,
+    stripe: bool = True,
+    min_stripe: int = MIN_STRIPE,
+    same_host_private: bool = False,
+    everything: bool = False,
+    on_phase: Callable[[str], None] | None = None,
+) -> GlobalPlan:
+    """This rank's view of the one global plan (see the module docstring for the rules): the steps
+    above, in order.
+
+    ``records[c]`` is the record of class ``c``; ``ndim``/``itemsize`` are indexed by checkpoint key
+    index; ``global_ranks`` maps load-group ranks to world ranks (for group digests; default identity).
+    ``same_host_private``: a shard whose holders all run on one host (the rows' host word) is read by
+    each of them, from the one page cache they share, instead of broadcast. ``everything``: plan every
+    component (for reporting), not only this rank's.
+    """
+    lap = on_phase or (lambda name: None)
+    sizes = np.array([len(m) for m in cls.members], dtype=np.int64)
+    sh = shard_columns(records, ndim, itemsize)
+    lap("records")
+    kg = group_keys(sh, sizes)
+    lap("group keys")
+    loads = alone_loads(sh, kg, cls, len(rows))
+    multi = kg.holders >= 2
+    candidates = np.flatnonzero(multi & kg.all_bc) if broadcast else np.zeros(0, dtype=np.int64)
+    shut = np.flatnonzero(multi & ~kg.all_bc) if broadcast else np.flatnonzero(multi)
+    table = SetTable(rows, cls, can_create=can_create, global_ranks=global_ranks, same_host_private=same_host_private)
+    sid_of = holder_sets(table, kg, sh.cl[kg.order], candidates)
+    good = table.ok()[sid_of] if len(candidates) else np.zeros(0, dtype=bool)
+    find = components(table)
+    in_mine = good if everything else in_component(table, find, int(cls.of_rank[me]), sid_of, good)
+    shared = shared_rows(sh, kg, candidates[in_mine], sid_of[in_mine])
+    extra = private_bytes(sh, kg, np.concatenate([candidates[~good], shut]), len(records))
+    lap("holder sets")
+    # every set some broadcast of the load uses, in any component: creating one is world-wide
+    in_use = set(sid_of[good].tolist())
+    return plan_component(shared, table.sets, loads, extra[cls.of_rank] if len(rows) else extra, me,
+                          component_of=lambda sid: find(table.classes[sid][0]), requested=sh.requested,
+                          in_use=in_use, stripe=stripe, min_stripe=min_stripe, batch_bytes=batch_bytes, lap=lap)
+
 
 
 def _cuts(total: int, largest: int, members: int, min_stripe: int) -> bool:

@@ -37,6 +37,7 @@ from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
 from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, encode_record, hash64, host_id,
                        make_row, record_transfer)
+from . import keyowners
 from .globalplan import GlobalPlan, global_plan
 from . import formats
 from .metadata import Metadata
@@ -551,6 +552,10 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     :mod:`pipeload.simulate`; ``None``: no collectives, a world of one). It must provide
     ``gather_rows``, ``transfer_records`` and ``all_gather_object`` (and ``union`` for ``private_only``).
     Any rank's problem raises the same error on every rank; ranks that read different saves raise too.
+    Which way the records go is read from the rows (every rank alike): each distinct record to every
+    rank, or, when that is many bytes (``R = 1``), only shard keys, to their key owners
+    (:mod:`pipeload.keyowners`, which also needs ``all_to_all``; it falls back here when some rank's
+    component is more than its one holder set).
     ``host``: this rank's :func:`~pipeload.exchange.host_id` (the load's, read once; None: read here).
 
     ``private_only``: every rank knows no shard will be broadcast (all on one host under gloo and the
@@ -585,16 +590,33 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
             clock.lap("exchange")
         return GlobalPlan([], {}, {}, np.flatnonzero(wanted), {}, [], 0)
     cls = classes(rows)
-    raw = ex.transfer_records(record_transfer(cls, len(rows)), cls, record, what) if ex is not None else [record]
+    transfer = record_transfer(cls, len(rows))
+    if ex is not None and not everything and keyowners.use_key_owners(rows, cls, transfer):
+        ndim, itemsize = _key_arrays(md, names)
+        # R = 1: shared keys through their owners; None (every rank alike) when some rank cannot plan so
+        gp = keyowners.plan(ex, decode_record(record), rank, rows, cls, ndim=ndim, itemsize=itemsize,
+                            n_names=len(names), broadcast=broadcast, batch_bytes=batch_bytes, can_create=can_create,
+                            global_ranks=global_ranks, same_host_private=same_host_private, what=what,
+                            on_phase=on_phase)
+        if clock is not None:
+            clock.lap("exchange")
+        if gp is not None:
+            return gp
+    raw = ex.transfer_records(transfer, cls, record, what) if ex is not None else [record]
     records = [decode_record(b) for b in raw]
     if clock is not None:
         clock.lap("exchange")
-    ndim, itemsize = md.key_arrays(names) if md is not None else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    ndim, itemsize = _key_arrays(md, names)
     if on_phase is not None:
         on_phase("key shapes")
     return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
                        batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
                        on_phase=on_phase, same_host_private=same_host_private, everything=everything)
+
+
+def _key_arrays(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(tensor rank, itemsize) of each checkpoint key, by key index (empty without metadata)."""
+    return md.key_arrays(names) if md is not None else (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 async def _execute(comm, reader, pool, shared, private, objects, groups, gp, counters, max_inflight,

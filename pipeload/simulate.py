@@ -47,8 +47,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .exchange import (Classes, Transfer, classes, encode_record, group_digest, hash64, make_row, padded,
-                       received_bytes, record_digest)
+from . import keyowners
+from .exchange import (Classes, Transfer, classes, decode_record, encode_record, group_digest, hash64, make_row,
+                       padded, received_bytes, record_digest, record_transfer)
 from ._gcpause import paused_gc
 from .loader import exchange_and_plan
 from .chunkindex import ARRAYS, build_arrays, index_file_name
@@ -265,21 +266,163 @@ class Layout:
         return sd, boxes
 
 
+class KeyOwnerWorld:
+    """What the key-owner rounds (:mod:`pipeload.keyowners`) hand each rank, from every rank's record.
+
+    Round 1 (keys to owners) and round 2 (answers) are produced by the module's own functions: every
+    class owner's :func:`~pipeload.keyowners.key_messages`, and, for the owners a rank hears from,
+    :func:`~pipeload.keyowners.answer_messages` on exactly the words each received. The gathered
+    summaries of all ranks come from the global plan's own steps over every record
+    (:mod:`pipeload.globalplan`), a second derivation: a sampled rank's summary must equal it, or the
+    simulation fails.
+    """
+
+    def __init__(self, rows: np.ndarray, cls: Classes, records: list[bytes], md_arrays, n_names: int,
+                 *, can_create: bool = True, broadcast: bool = True):
+        from .globalplan import shard_columns
+
+        self.rows, self.cls, self.world, self.n_names = rows, cls, len(rows), n_names
+        self.records = [decode_record(r) for r in records]
+        self.ndim, self.itemsize = md_arrays
+        self.width = self.records[0].offsets.shape[1] if self.records else 0
+        self.sh = shard_columns(self.records, self.ndim, self.itemsize)
+        n_per = np.array([len(r.index) for r in self.records], dtype=np.int64)
+        self.class_start = np.concatenate([[0], np.cumsum(n_per)[:-1]]).astype(np.int64)
+        self.dest = keyowners.owner_of(self.sh.index, self.sh.offsets, self.sh.lengths, self.world)
+        self.by_dest = np.argsort(self.dest, kind="stable")  # per owner: rows in source (class) order
+        self.bounds = np.searchsorted(self.dest[self.by_dest], np.arange(self.world + 1))
+        self.summary = _summaries(self, can_create=can_create, broadcast=broadcast)
+
+    def prepare(self, rank: int) -> None:
+        """Compute what ``rank`` receives in both rounds now (outside the rank's measured time)."""
+        self.prepared = {rank: (self.incoming_keys(rank), self.answers_to(rank), self.sent_keys(rank))}
+
+    def sent_keys(self, rank: int):
+        """Round 1 as ``rank`` sends it (a class owner; None for a replica)."""
+        c = int(self.cls.of_rank[rank])
+        return keyowners.key_messages(self.records[c], c, self.world) if int(self.cls.owners[c]) == rank else None
+
+    def received(self, rank: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        got = getattr(self, "prepared", {}).get(rank)
+        if got is not None:
+            return got[step]
+        return (self.incoming_keys, self.answers_to, self.sent_keys)[step](rank)
+
+    def incoming_keys(self, owner: int) -> tuple[np.ndarray, np.ndarray]:
+        """Round 1 as ``owner`` receives it: (words per source, words in source order)."""
+        idx = self.by_dest[self.bounds[owner]: self.bounds[owner + 1]]
+        cl = self.sh.cl[idx]
+        aff = self.sh.affinity[idx] if self.sh.affinity is not None else np.full(len(idx), -1)
+        words = np.column_stack([cl, idx - self.class_start[cl], self.sh.bc[idx], aff, self.sh.index[idx],
+                                 self.sh.offsets[idx], self.sh.lengths[idx]]).astype(np.int64)
+        counts = np.bincount(self.cls.owners[cl], minlength=self.world).astype(np.int64) * words.shape[1]
+        return counts, words.ravel()
+
+    def answers_to(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Round 2 as ``rank`` receives it, from the owners of its class's keys, in source order."""
+        c = int(self.cls.of_rank[rank])
+        lo = self.class_start[c]
+        owners = np.unique(self.dest[lo: lo + len(self.records[c].index)]).tolist()
+        counts = np.zeros(self.world, dtype=np.int64)
+        parts = []
+        for o in owners:
+            got_c, got = keyowners.answer_messages(self.incoming_keys(o)[1], self.cls, self.world, self.width)
+            at = int(got_c[:rank].sum())
+            counts[o] = got_c[rank]
+            parts.append(got[at: at + int(got_c[rank])])
+        return counts, np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _summaries(w: KeyOwnerWorld, *, can_create: bool, broadcast: bool) -> np.ndarray:
+    """Every rank's summary row, from the global plan's steps over all records (see KeyOwnerWorld)."""
+    from .globalplan import SetTable, _ranges, group_keys, holder_sets
+
+    sh, cls = w.sh, w.cls
+    d = len(cls.members)
+    sizes = np.array([len(m) for m in cls.members], dtype=np.int64)
+    kg = group_keys(sh, sizes)
+    per_row = np.empty(len(kg.order), dtype=np.int64)  # group of each row of kg.order
+    per_row[:] = np.repeat(np.arange(len(kg.starts)), kg.n_classes)
+    holders = np.empty(len(sh.cl), dtype=np.int64)
+    holders[kg.order] = kg.holders[per_row]
+    cand = np.flatnonzero((kg.holders >= 2) & kg.all_bc) if broadcast else np.zeros(0, dtype=np.int64)
+    big = cand[(kg.n_classes[cand] > keyowners.MAX_SET_CLASSES) & (kg.n_classes[cand] != d)]
+    table = SetTable(w.rows, cls, can_create=can_create, same_host_private=False)
+    sid_of = holder_sets(table, kg, sh.cl[kg.order], cand)
+    good_g = cand[table.ok()[sid_of]] if len(cand) else cand
+    good_sid = sid_of[table.ok()[sid_of]] if len(cand) else sid_of
+    good = np.zeros(len(sh.cl), dtype=bool)
+    pos = _ranges(kg.starts[good_g], kg.ends[good_g])
+    good[kg.order[pos]] = True
+    row_sid = np.repeat(good_sid, kg.n_classes[good_g])
+    pairs = (np.unique(np.column_stack([sh.cl[kg.order[pos]], row_sid]), axis=0) if len(pos)
+             else np.zeros((0, 2), np.int64))
+    flag = np.bincount(pairs[:, 0], minlength=d) > 1
+    creates = np.array([table.sets[s].create for s in pairs[:, 1].tolist()], dtype=bool)
+    flag[pairs[creates, 0]] = True
+    flag[sh.cl[kg.order[_ranges(kg.starts[big], kg.ends[big])]]] = True
+    alone = np.bincount(sh.cl, weights=np.where(holders == 1, sh.weight, 0), minlength=d).astype(np.int64)
+    private = np.bincount(sh.cl, weights=np.where((holders >= 2) & ~good, sh.weight, 0), minlength=d).astype(np.int64)
+    out = np.zeros((w.world, keyowners.summary_width(w.n_names)), dtype=np.int64)
+    of = cls.of_rank
+    out[:, keyowners.S_FLAG] = flag[of]
+    out[:, keyowners.S_ALONE] = np.where(flag, 0, alone)[of]
+    out[:, keyowners.S_PRIVATE] = np.where(flag, 0, private)[of]
+    if out.shape[1] > keyowners.S_BITS:
+        for c, rec in enumerate(w.records):
+            bits = np.zeros((out.shape[1] - keyowners.S_BITS) * 64, dtype=bool)
+            bits[np.asarray(rec.index, dtype=np.intp)] = True
+            bits[np.asarray(rec.objects, dtype=np.intp)] = True
+            out[cls.members[c], keyowners.S_BITS:] = np.packbits(bits, bitorder="little").view(np.int64)
+    return out
+
+
 class SimExchange:
-    """What the collectives of the exchange hand one rank, from the rows and records of all ranks."""
+    """What the collectives of the exchange hand one rank, from the rows and records of all ranks
+    (``keys``: the key-owner rounds, when the rows choose them), counting the bytes this rank sends and
+    receives (its part to itself not counted)."""
 
-    def __init__(self, rows: np.ndarray, cls: Classes, records: list[bytes], rank: int):
-        self.rows, self.cls, self.records, self.rank = rows, cls, records, rank
+    def __init__(self, rows: np.ndarray, cls: Classes, records: list[bytes], rank: int,
+                 keys: KeyOwnerWorld | None = None):
+        self.rows, self.cls, self.records, self.rank, self.keys = rows, cls, records, rank, keys
         self.sent = self.received = 0
+        self.all_to_alls = 0
+        self.path = "digest"
 
-    def gather_rows(self, row: np.ndarray, what: str = "") -> np.ndarray:
-        if not np.array_equal(row, self.rows[self.rank]):
-            raise AssertionError(f"rank {self.rank}: the loader's row differs from the simulated one")
+    def gather_rows(self, row: np.ndarray, what: str = "", call: str = "") -> np.ndarray:
+        expect = self.keys.summary if call == keyowners.SUMMARY_CALL else self.rows
+        if not np.array_equal(row, expect[self.rank]):
+            raise AssertionError(f"rank {self.rank}: the loader's row differs from the simulated one "
+                                 f"({call or 'rows'})")
         self.sent += row.nbytes
-        self.received += (len(self.rows) - 1) * row.nbytes
-        return self.rows
+        self.received += (len(expect) - 1) * row.nbytes
+        return expect
+
+    def all_to_all(self, counts: np.ndarray, words: np.ndarray, what: str = "") -> tuple[np.ndarray, np.ndarray]:
+        step, self.all_to_alls = self.all_to_alls, self.all_to_alls + 1
+        self.path = "key owners"
+        if step == 0:
+            expect = self.keys.received(self.rank, 2)
+            if expect is None and len(words) or expect is not None and not (
+                    np.array_equal(counts, expect[0]) and np.array_equal(words, expect[1])):
+                raise AssertionError(f"rank {self.rank}: the loader's key messages differ from the simulated ones")
+        got_c, got = self.keys.received(self.rank, min(step, 1))
+        others = np.arange(len(self.rows)) != self.rank
+        self.sent += 8 * (int(others.sum()) + int(counts[others].sum()))
+        self.received += 8 * (int(others.sum()) + int(got_c[others].sum()))
+        return got_c, got
+
+    def union(self, flags: np.ndarray, what: str = "") -> np.ndarray:
+        out = np.zeros(len(flags), dtype=np.uint8)
+        for rec in map(decode_record, self.records):
+            out[np.asarray(rec.index, dtype=np.intp)] = 1
+            out[np.asarray(rec.objects, dtype=np.intp)] = 1
+        self.sent += flags.nbytes
+        self.received += 2 * flags.nbytes  # an all-reduce
+        return out
 
     def transfer_records(self, t: Transfer, cls: Classes, mine: bytes, what: str = "") -> list[bytes]:
+        self.path = "digest, after key owners" if self.all_to_alls else "digest"
         c = int(cls.of_rank[self.rank])
         if mine != self.records[c]:
             raise AssertionError(f"rank {self.rank}: the loader's record differs from the simulated one")
@@ -306,7 +449,7 @@ class _Phases:
         self.last = now
 
 
-def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, phases: _Phases, state):
+def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, phases: _Phases, state, keys=None):
     """One rank's path from the start of load() to its first data read; returns (plan, exchange).
 
     ``state``: the rank's (state dict, boxes) from :meth:`Layout.state_dict`, built before the clock
@@ -324,13 +467,32 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
         names = list(fqn_index(md))
         record = plan_record(plan, md.width())
         phases.lap("local plan")
-        ex = SimExchange(rows, cls, records, rank)
+        ex = SimExchange(rows, cls, records, rank, keys)
         groups = layout.group_digests(rank, {})
         gp = exchange_and_plan(ex, rank, layout.world, md, names, record, [], groups, directory="<simulated>",
                                broadcast=True, batch_bytes=6 << 20, can_create=True, clock=phases,
                                on_phase=lambda name: phases.lap(f"global plan: {name}"))
         phases.lap("global plan")
     return gp, ex, len(plan.shards)
+
+
+def _world_rows(lay: Layout, width: int) -> tuple[np.ndarray, Classes, list[bytes]]:
+    """Every rank's exchange row, the classes, and each class's record (encoded once per class)."""
+    world = lay.world
+    keys = [lay.class_of(r) for r in range(world)]
+    rep: dict[tuple, int] = {}
+    for r, k in enumerate(keys):
+        rep.setdefault(k, r)
+    rec_of = {k: lay.record(r, width) for k, r in rep.items()}
+    digest_of = {k: record_digest(rec) for k, rec in rec_of.items()}
+    group_cache: dict = {}
+    host = [hash64(f"host-{r // GPUS_PER_HOST}".encode()) for r in range(0, world, GPUS_PER_HOST)]
+    rows = np.zeros((world, 16), dtype=np.int64)
+    for r in range(world):
+        rows[r] = make_row(record=rec_of[keys[r]], save_id=SAVE_ID, problems=False, host=host[r // GPUS_PER_HOST],
+                           groups=lay.group_digests(r, group_cache), digest=digest_of[keys[r]])
+    cls = classes(rows)
+    return rows, cls, [rec_of[keys[int(o)]] for o in cls.owners]
 
 
 def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, memory: bool = True,
@@ -345,45 +507,41 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     md = read_metadata(directory)
     width = md.width()
     log(f"metadata: {len(lay.tensors)} tensors, {md_bytes / 1e6:.1f} MB (.metadata and chunk index)")
-    keys = [lay.class_of(r) for r in range(world)]
-    rep: dict[tuple, int] = {}
-    for r, k in enumerate(keys):
-        rep.setdefault(k, r)
-    rec_of = {k: lay.record(r, width) for k, r in rep.items()}
-    digest_of = {k: record_digest(rec) for k, rec in rec_of.items()}
-    group_cache: dict = {}
-    host = [hash64(f"host-{r // GPUS_PER_HOST}".encode()) for r in range(0, world, GPUS_PER_HOST)]
-    rows = np.zeros((world, 16), dtype=np.int64)
-    for r in range(world):
-        rows[r] = make_row(record=rec_of[keys[r]], save_id=SAVE_ID, problems=False, host=host[r // GPUS_PER_HOST],
-                           groups=lay.group_digests(r, group_cache), digest=digest_of[keys[r]])
-    cls = classes(rows)
-    records = [rec_of[keys[int(o)]] for o in cls.owners]
+    rows, cls, records = _world_rows(lay, width)
     log(f"{world} rows, {len(records)} distinct records ({sum(map(len, records)) / 1e6:.2f} MB)")
+    keys = None
+    if keyowners.use_key_owners(rows, cls, record_transfer(cls, world)):  # the loader's own choice
+        names = list(fqn_index(md))
+        keys = KeyOwnerWorld(rows, cls, records, md.key_arrays(names), len(names))
+        log(f"key owners: {int(keys.summary[:, keyowners.S_FLAG].sum())} ranks flagged")
     sampled = sorted({0, world // 2 + 3 if world > 8 else world // 2, world - 1})[:max(1, samples)]
     results = []
     for rank in sampled:
         state = lay.state_dict(rank)
+        if keys is not None:
+            keys.prepare(rank)
         gc.collect()
         phases = _Phases()
         start = time.process_time()
         os.environ["PIPELOAD_HOST_ID"] = f"host-{rank // GPUS_PER_HOST}"
-        gp, ex, n_shards = _plan_rank(lay, directory, rows, cls, records, rank, phases, state)
+        gp, ex, n_shards = _plan_rank(lay, directory, rows, cls, records, rank, phases, state, keys)
         cpu = time.process_time() - start
         peak = None
         if memory:
             del gp
             gc.collect()
             tracemalloc.start()
-            gp2, _, _ = _plan_rank(lay, directory, rows, cls, records, rank, _Phases(), state)
+            gp2, _, _ = _plan_rank(lay, directory, rows, cls, records, rank, _Phases(), state, keys)
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
             gp = gp2
         results.append(dict(rank=rank, cpu=cpu, peak=peak, phases=phases.timings, sent=ex.sent,
-                            received=ex.received, digest=gp.digest(), shards=n_shards,
+                            received=ex.received, digest=gp.digest(), shards=n_shards, path=ex.path,
                             ops=[(op.group, op.reader, op.shards) for op in gp.ops], gp=gp))
         log(f"rank {rank}: {cpu:.2f} s CPU, {len(gp.ops)} broadcasts")
-    # The whole plan, every component (each rank computes only its own), for balance and agreement.
+    del keys
+    # The whole plan, every component (each rank computes only its own), for balance and agreement: the
+    # digest path's (everything=True never asks the key owners), so sampled plans are compared with it.
     ex = SimExchange(rows, cls, records, sampled[0])
     os.environ["PIPELOAD_HOST_ID"] = f"host-{sampled[0] // GPUS_PER_HOST}"
     gp = exchange_and_plan(ex, sampled[0], world, md, list(fqn_index(md)), records[int(cls.of_rank[sampled[0]])], [],
@@ -392,9 +550,7 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     loads = np.asarray(gp.loads, dtype=np.float64)
     mean = loads.mean() if len(loads) else 0.0
     views = [r.pop("gp") for r in results]
-    identical = (all(v.creates == gp.creates for v in views)
-                 and all(gp.readers.get(k) == rd for v in views for k, rd in v.readers.items())
-                 and _orders_agree([r["ops"] for r in results]))
+    identical = _identical(views, results, gp)
     os.environ.pop("PIPELOAD_HOST_ID", None)
     md.tensors.index.close()
     tmp.cleanup()
@@ -413,9 +569,25 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
         "groups_created": len(gp.creates),
         "broadcasts_per_rank": max(len(r["ops"]) for r in results),
         "plans_identical": bool(identical),
+        "exchange_path": results[0]["path"],
         "phases": phases,
         "wall_s": time.perf_counter() - t0,
     }
+
+
+def _identical(views: list, results: list[dict], gp) -> bool:
+    """The sampled plans agree with the whole plan (the digest path's): readers, creations, the order of
+    shared broadcasts, and the first sampled rank's broadcasts exactly (sets by members)."""
+    return (all(v.creates == gp.creates for v in views)
+            and all(gp.readers.get(k) == rd for v in views for k, rd in v.readers.items())
+            and _orders_agree([r["ops"] for r in results])
+            and _by_members(views[0], results[0]["ops"]) == _by_members(gp, [(o.group, o.reader, o.shards)
+                                                                             for o in gp.ops]))
+
+
+def _by_members(gp, ops: list) -> list:
+    """``ops`` with each set id replaced by its members (paths number sets differently)."""
+    return [(gp.sets[g].members, r, shards) for g, r, shards in ops]
 
 
 def _orders_agree(op_lists: list[list]) -> bool:
@@ -445,6 +617,7 @@ def format_result(res: dict[str, Any]) -> str:
         f"  groups created      {res['groups_created']}",
         f"  broadcasts per rank {res['broadcasts_per_rank']}",
         f"  plans identical     {res['plans_identical']}",
+        f"  exchange path       {res['exchange_path']}",
         "  phases (s, max)     " + ", ".join(f"{k} {v:.3f}" for k, v in res["phases"].items()),
     ]
     return "\n".join(lines)
