@@ -38,7 +38,7 @@ from .errors import CheckpointFormatError, DistributedError, PipeloadError, Stat
 from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, encode_record, hash64, host_id,
                        make_row, record_transfer)
 from .globalplan import GlobalPlan, global_plan
-from . import formats
+from . import formats, storage
 from .metadata import Metadata
 from .planner import Binding, fqn_index, local_plan, piece_shard, plan_record, unbind
 from .reader import ChunkReader
@@ -74,6 +74,12 @@ class LoadStats:
     wall: float = 0.0
     plan_reused: bool = False  # the plan of an earlier load of the same checkpoint and tensors was reused
     format: str = ""  # layout of the checkpoint: "pipeload", "dcp" or "hf"
+    # object storage (s3:// and other URLs), this rank's process during the load; 0 for local files
+    requests: int = 0  # GET/HEAD/LIST requests sent, retries included
+    bytes_fetched: int = 0  # body bytes received from the store (staged parts, headers, metadata)
+    retries: int = 0
+    throttled: int = 0  # answers 503 SlowDown
+    max_inflight_requests: int = 0  # most requests in flight at once
 
 
 class _Clock:
@@ -168,6 +174,7 @@ async def _load(
     format: str | None = None,
     key_map: formats.KeyMap = None,
     cast: bool = False,
+    storage_options: dict | None = None,
 ) -> LoadStats:
     if max_inflight < 1:
         raise ValueError("max_inflight must be at least 1")
@@ -181,6 +188,9 @@ async def _load(
     t0 = time.perf_counter()
     clock = _Clock(stats.timings)
     directory = os.fspath(checkpoint_dir)
+    storage.configure(directory, storage_options)
+    fetched = storage.counters(reset_peak=True)
+    reuse_plan = reuse_plan and not storage.is_url(directory)  # (an object's version is pinned per plan)
     what = f"pipeload.load from {directory}"
     comm = Comm(process_group, timeout)
     collective = use_collectives and comm.size > 1
@@ -287,9 +297,20 @@ async def _load(
     stats.bytes_received = counters.bytes_received
     stats.broadcasts = counters.broadcasts
     stats.files_opened = reader.cache.opens
+    _storage_stats(stats, fetched)
     clock.lap("teardown")
     stats.wall = time.perf_counter() - t0
     return stats
+
+
+def _storage_stats(stats: LoadStats, before: dict[str, int]) -> None:
+    """The object-store counters this load added (the process's counters are cumulative)."""
+    now = storage.counters()
+    stats.requests = now["requests"] - before["requests"]
+    stats.bytes_fetched = now["bytes_fetched"] - before["bytes_fetched"]
+    stats.retries = now["retries"] - before["retries"]
+    stats.throttled = now["throttled"] - before["throttled"]
+    stats.max_inflight_requests = now["max_inflight"]
 
 
 def _strip(prep: _Prepared) -> None:
@@ -577,6 +598,10 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
             detects it (see :mod:`pipeload.formats`). ``LoadStats.format`` says which was read.
         key_map: renames checkpoint keys before matching them with the state dict: a dict (unlisted
             names kept) or a callable (returning None leaves the key out). ``strict`` sees the new names.
+        storage_options: for a checkpoint in object storage (``s3://bucket/prefix``): obstore's
+            configuration keys (``endpoint``, ``region``, ``access_key_id``, ...; default: the AWS_*
+            environment) and pipeload's ``part_size`` (8 MiB), ``max_requests`` (GETs in flight, 16),
+            ``retries`` (8), ``retry_base`` / ``retry_max`` (backoff seconds), ``retry_timeout``.
         cast: convert tensors whose stored dtype differs from the destination's while copying
             (default ``False``: a dtype mismatch is an error listing every such tensor).
 

@@ -22,6 +22,7 @@ from .errors import ChecksumError, CheckpointFormatError, ReadError
 from .metadata import _DTYPE_NAMES as _STORED  # safetensors dtype name -> torch dtype
 from .metadata import ObjectMeta, dtype_name, resolve_inside
 from .planner import ReadItem
+from . import storage
 
 
 def narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
@@ -166,9 +167,12 @@ class ChunkReader:
         self.format = ckpt.format
         self.cast = cast
         self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
-        if ckpt.opener is not None:
+        opener = ckpt.opener
+        if opener is None and storage.is_url(ckpt.root):  # safetensors objects, read by ranged GETs
+            opener = storage.open_safetensors
+        if opener is not None:
             self.cache.close()
-            self.cache = FileCache(self.cache.capacity, opener=ckpt.opener)
+            self.cache = FileCache(self.cache.capacity, opener=opener)
 
     def file(self, name: str) -> SafetensorsFile:
         """The open data file ``name`` of the attached checkpoint, checked unchanged since it was opened."""
@@ -179,7 +183,7 @@ class ChunkReader:
         path = self._paths.get(name)
         if path is None:
             resolve_inside(self.directory, name)  # a data file resolving outside the checkpoint is refused
-            path = self._paths[name] = os.path.join(self.directory, name)
+            path = self._paths[name] = storage.join(self.directory, name)
         f = self.cache.get(path)
         f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
         return f
@@ -209,7 +213,7 @@ class ChunkReader:
         try:
             for name in whole:
                 f = files[name] = self.file(name)
-                if type(f) is not SafetensorsFile:
+                if not hasattr(f, "willneed_tensors"):  # a safetensors file or object
                     raise TypeError(f"{name}: whole chunks are prefetched from safetensors files only")
             for item in items:
                 if item.nbytes == 0:
@@ -217,7 +221,7 @@ class ChunkReader:
                 f = files.get(item.file)
                 if f is None:
                     f = files[item.file] = self.file(item.file)
-                if item.lengths == item.chunk_lengths and type(f) is SafetensorsFile:  # a load in the saved layout
+                if item.lengths == item.chunk_lengths and hasattr(f, "willneed_tensors"):  # a load in the saved layout
                     whole.setdefault(item.file, []).append(item.key)
                     continue
                 start = f.entry(item.key)[2]
