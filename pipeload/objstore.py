@@ -192,7 +192,7 @@ class Store:
                     with COUNTERS.lock:
                         COUNTERS.inflight -= 1
             name = type(error).__name__
-            if name in _FATAL or isinstance(error, PipeloadError):
+            if name in _FATAL or isinstance(error, (PipeloadError, FileNotFoundError, PermissionError)):
                 raise ReadError(f"{self.url(key)}: {what}: {_cause(error)}") from None
             if _throttled(error):
                 with COUNTERS.lock:
@@ -283,7 +283,7 @@ def _cause(e: BaseException) -> str:
     text = " ".join(str(e).split())
     if name == "PreconditionError" or "412" in text[:200] or "PreconditionFailed" in text:
         return "the object was replaced since the load was planned (ETag no longer matches)"
-    if name == "NotFoundError":
+    if name == "NotFoundError" or isinstance(e, FileNotFoundError):
         return "the object does not exist (deleted or replaced since the load was planned)"
     return f"{name}: {text[:300]}"
 

@@ -198,6 +198,101 @@ def counters(reset_peak: bool = False) -> dict[str, int]:
     return COUNTERS.snapshot()
 
 
+# -- writing -------------------------------------------------------------------------------------------
+
+
+def create(path: str, buffering: int):
+    """A new file (``open(path, "wb")``) or object, written through ``write``; closing it completes it.
+
+    An object is uploaded by multipart upload in parts of the bucket's ``part_size`` (at least
+    5 MiB, S3's minimum), a small one by a single PUT; it becomes visible whole when closed, never
+    partly written."""
+    if not is_url(path):
+        return open(path, "wb", buffering=buffering)
+    store, key = store_of(path)
+    return _ObjectWriter(store, key)
+
+
+class _ObjectWriter:
+    def __init__(self, store, key: str):
+        self.store, self.key = store, key
+        self._w = store.ob.open_writer(store.store, key, buffer_size=max(5 << 20, store.part_size))
+
+    def write(self, data) -> int:
+        return self._w.write(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._w.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # an upload that failed is abandoned, never completed
+            try:
+                self._w.abort()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def durable(f) -> None:
+    """Make what was written to ``f`` durable before it is closed (fsync; objects: on completion)."""
+    if isinstance(f, _ObjectWriter):
+        return
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``; nothing for a prefix (object stores have no directories)."""
+    if not is_url(path):
+        os.makedirs(path, exist_ok=True)
+
+
+def remove(path: str) -> None:
+    """Delete a file or object; OSError when that fails (a missing object is not an error)."""
+    if not is_url(path):
+        os.unlink(path)
+        return
+    store, key = store_of(path)
+    try:
+        store.run(store.delete(key))
+    except Exception as e:  # noqa: BLE001 - reported as the local call would
+        raise OSError(str(e)) from None
+    store.pins.pop(key, None)
+
+
+def commit_objects(directory: str, md, write_index, previous_files) -> None:
+    """The commit of a save into object storage: the chunk index, then ``.metadata`` PUT last.
+
+    A PUT replaces an object atomically: a load that lists the prefix before this PUT sees the
+    previous ``.metadata`` and reads the previous data objects (kept until after the PUT); after it,
+    the new ones. Raises only before the PUT (a data object of this save missing). The previous
+    checkpoint's data objects are deleted after it, best effort.
+    """
+    from .metadata import METADATA_FILE
+
+    names = snapshot(directory)  # also drops stale pins of an earlier load of this prefix
+    missing = [n for n in md.files if n not in names]
+    if missing:
+        raise FileNotFoundError(f"data object(s) of this save missing before the commit: {', '.join(missing[:3])}")
+    previous = previous_files(directory)
+    index = write_index(directory, md)
+    store, key = store_of(join(directory, METADATA_FILE))
+    store.run(store.put(key, md.to_json_v2(index).encode()))  # the commit point
+    store.pins.pop(key, None)
+    for name in sorted(previous - {*md.files, index}):
+        try:
+            remove(join(directory, name))
+        except OSError:
+            pass
+
+
 def plain_name(name: str, where: str) -> str:
     """``name`` when it names an object directly under a checkpoint's prefix."""
     if not name or "/" in name or name in (".", ".."):
