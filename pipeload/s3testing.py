@@ -34,11 +34,13 @@ def free_port() -> int:
 class LocalS3:
     """moto's S3 server on 127.0.0.1:<free port>; a context manager."""
 
-    def __init__(self):
-        from moto.server import ThreadedMotoServer
+    def __init__(self, port: int | None = None):
+        """``port``: a server already running there (another process's): only its client is used."""
+        self.port = port or free_port()
+        if port is None:
+            from moto.server import ThreadedMotoServer
 
-        self.port = free_port()
-        self._server = ThreadedMotoServer(ip_address=HOST, port=self.port, verbose=False)
+            self._server = ThreadedMotoServer(ip_address=HOST, port=self.port, verbose=False)
 
     def start(self) -> "LocalS3":
         import logging
@@ -131,6 +133,9 @@ class Faults:
     preset: float = 0.0  # share of GETs whose connection is reset before an answer
     pshort: float = 0.0  # share of GETs whose body is cut in half (then the connection closes)
     only: str = ""  # faults only for paths containing this (e.g. ".safetensors")
+    # (path prefix, {"p503": .., "preset": .., "pshort": ..}): the first rule whose prefix starts the
+    # request's path sets its fault shares instead of the ones above
+    rules: list[tuple[str, dict]] = field(default_factory=list)
     seed: int = 0
     hook: Callable[[Request], None] | None = field(default=None, repr=False)  # runs before forwarding
 
@@ -201,8 +206,13 @@ class FaultProxy:
         f = self.faults
         if method != "GET" or (f.only and f.only not in path):
             return ""
+        shares = {"p503": f.p503, "preset": f.preset, "pshort": f.pshort}
+        for prefix, rule in f.rules:
+            if path.startswith(prefix):
+                shares = {k: rule.get(k, 0.0) for k in shares}
+                break
         x = self._rng.random()
-        for name, p in (("503", f.p503), ("reset", f.preset), ("short", f.pshort)):
+        for name, p in (("503", shares["p503"]), ("reset", shares["preset"]), ("short", shares["pshort"])):
             if x < p:
                 return name
             x -= p
