@@ -267,6 +267,24 @@ def remove(path: str) -> None:
     store.pins.pop(key, None)
 
 
+def put_bytes(path: str, data: bytes) -> None:
+    """One object written whole by a single PUT (atomic: readers see the old object or this one)."""
+    store, key = store_of(path)
+    store.run(store.put(key, data))
+    store.pins.pop(key, None)
+
+
+def size_of(path: str) -> int:
+    """Size of a file or object (an object's pinned size, else a HEAD); OSError when absent."""
+    if not is_url(path):
+        return os.stat(path).st_size
+    store, key = store_of(path)
+    try:
+        return store.version(key)[0]
+    except Exception as e:  # noqa: BLE001 - reported as os.stat would
+        raise OSError(str(e)) from None
+
+
 def commit_objects(directory: str, md, write_index, previous_files) -> None:
     """The commit of a save into object storage: the chunk index, then ``.metadata`` PUT last.
 
@@ -283,9 +301,7 @@ def commit_objects(directory: str, md, write_index, previous_files) -> None:
         raise FileNotFoundError(f"data object(s) of this save missing before the commit: {', '.join(missing[:3])}")
     previous = previous_files(directory)
     index = write_index(directory, md)
-    store, key = store_of(join(directory, METADATA_FILE))
-    store.run(store.put(key, md.to_json_v2(index).encode()))  # the commit point
-    store.pins.pop(key, None)
+    put_bytes(join(directory, METADATA_FILE), md.to_json_v2(index).encode())  # the commit point
     for name in sorted(previous - {*md.files, index}):
         try:
             remove(join(directory, name))

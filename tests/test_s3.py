@@ -280,3 +280,39 @@ def test_missing_extra_names_it(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "pipeload[s3]" in out.stdout, out.stdout + out.stderr
+
+
+def test_s3_tools(s3, tmp_path):
+    """inspect, verify and convert (to and from object storage) on s3:// URLs; the CLI from the AWS_* env."""
+    from pipeload.formats.convert import convert
+    from pipeload.inspect import inspect_checkpoint, verify_checkpoint
+
+    server, proxy = s3
+    opts = LocalS3.options(proxy.url(0))
+    sd = {"a": torch.randn(300, 200), "b": torch.arange(17), "step": 3}
+    pipeload.save(sd, str(tmp_path / "ck"))
+    server.upload(str(tmp_path / "ck"), "clean", "tools")
+    info = inspect_checkpoint("s3://clean/tools", storage_options=opts)
+    assert info["format"] == "pipeload" and len(info["files"]) == 1 and info["files"][0]["size"] > 240_000, info
+    assert verify_checkpoint("s3://clean/tools", storage_options=opts) == []
+    convert("s3://clean/tools", "s3://clean/tools-hf", to="hf", storage_options=opts)
+    out = {"a": torch.zeros(300, 200), "b": torch.zeros(17, dtype=torch.int64)}
+    assert pipeload.load(out, "s3://clean/tools-hf", storage_options=opts).format == "hf"
+    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"])
+    convert("s3://clean/tools-hf", str(tmp_path / "back"), storage_options=opts)
+    out = {"a": torch.zeros(300, 200), "b": torch.zeros(17, dtype=torch.int64)}
+    pipeload.load(out, str(tmp_path / "back"))
+    assert torch.equal(out["a"], sd["a"])
+    # a corrupted object fails verify, naming it
+    key = next(o["Key"] for o in server.client().list_objects_v2(Bucket="clean", Prefix="tools/")["Contents"]
+               if "/data-" in o["Key"])
+    body = bytearray(server.client().get_object(Bucket="clean", Key=key)["Body"].read())
+    body[-1] ^= 0xFF
+    server.client().put_object(Bucket="clean", Key=key, Body=bytes(body))
+    problems = verify_checkpoint("s3://clean/tools", storage_options=opts)
+    assert problems and "checksum" in problems[0], problems
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url(0), "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+    r = subprocess.run([sys.executable, "-m", "pipeload", "inspect", "s3://clean/tools-hf"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "hf" in r.stdout, r.stdout + r.stderr
