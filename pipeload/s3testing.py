@@ -31,33 +31,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux), so a crashed
+    test run never leaves a server behind."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class LocalS3:
-    """moto's S3 server on 127.0.0.1:<free port>; a context manager."""
+    """moto's S3 server (``python -m moto.server``) in a process of its own on 127.0.0.1:<free port>.
+
+    Its own process: moto copies every object it serves in Python, and sharing a GIL with the proxy
+    (or a test) would make the server the bottleneck. A context manager; stopped on exit."""
 
     def __init__(self, port: int | None = None):
         """``port``: a server already running there (another process's): only its client is used."""
         self.port = port or free_port()
-        if port is None:
-            from moto.server import ThreadedMotoServer
-
-            self._server = ThreadedMotoServer(ip_address=HOST, port=self.port, verbose=False)
+        self._proc = None
 
     def start(self) -> "LocalS3":
-        import logging
+        import subprocess
+        import sys
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-        self._server.start()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self._proc.poll() is None:
             try:
                 with socket.create_connection((HOST, self.port), timeout=1):
                     return self
             except OSError:
-                time.sleep(0.05)
+                time.sleep(0.1)
+        self.stop()
         raise RuntimeError(f"moto server did not start on {HOST}:{self.port}")
 
     def stop(self) -> None:
-        self._server.stop()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except Exception:  # noqa: BLE001 - it would not stop: kill it
+                self._proc.kill()
+                self._proc.wait(10)
+            self._proc = None
 
     def __enter__(self) -> "LocalS3":
         return self.start()
@@ -107,6 +126,8 @@ class Request:
     status: int = 0
     sent: int = 0  # body bytes sent to the client
     fault: str = ""
+    start: float = 0.0  # time.time() when the request arrived
+    end: float = 0.0  # when its answer was sent
 
 
 class _Bucket:
@@ -228,7 +249,7 @@ class FaultProxy:
                     return
                 method, path, headers = _parse_head(head)
                 body = await _read_body(reader, headers)
-                rec = Request(link, method, path, headers.get("range"))
+                rec = Request(link, method, path, headers.get("range"), start=time.time())
                 self.log.append(rec)
                 if self.faults.latency:
                     await asyncio.sleep(self.faults.latency)
@@ -250,7 +271,9 @@ class FaultProxy:
                     up = await asyncio.open_connection(HOST, self.upstream)
                 up[1].write(head + body)
                 await up[1].drain()
-                if not await self._answer(up[0], writer, rec, link):
+                ok = await self._answer(up[0], writer, rec, link)
+                rec.end = time.time()
+                if not ok:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
             return
@@ -278,7 +301,7 @@ class FaultProxy:
         left = int(headers.get("content-length", "0"))
         cut = left // 2 if rec.fault == "short" else left
         while left > 0:
-            data = await up_reader.read(min(left, 64 << 10))
+            data = await up_reader.read(min(left, 256 << 10))
             if not data:
                 raise ConnectionError("upstream closed")
             left -= len(data)

@@ -219,7 +219,8 @@ def test_s3_world(s3, tmp_path):
     throttled = sum(s["flaky"].throttled for s in res)
     flaky = _gets(proxy, "/flaky/big/")
     assert retries > 0 and throttled > 0, (retries, throttled)
-    assert sum(1 for r in flaky if r.fault) <= retries + sum(s["flaky"].retries for s in res)
+    faulted = sum(1 for r in flaky if r.fault) + sum(1 for r in _gets(proxy, "/flaky?") if r.fault)
+    assert retries <= faulted + sum(s["flaky_small"].retries for s in res), (retries, faulted)
     assert len(flaky) <= math.ceil(BIG_BYTES / part) + 2 * objects + retries
     for s in res:
         assert s["flaky"].max_inflight_requests >= 1
@@ -227,7 +228,7 @@ def test_s3_world(s3, tmp_path):
         msg, took = s["broken"]
         assert took < 15, (rank, took, msg)
         msg, _ = s["swap"]
-        assert data.get("swapped", "?") in msg or "failed on rank" in msg, msg
+        assert "swapped" in data and data["swapped"] in msg, (data, msg)
 
 
 SAVE_SCRIPT = textwrap.dedent("""
