@@ -131,16 +131,21 @@ class Request:
 
 
 class _Bucket:
-    """A token bucket of ``rate`` bytes/s: ``take(n)`` waits until n more bytes may pass."""
+    """A token bucket of ``rate`` bytes/s: ``take(n)`` waits until n more bytes may pass.
+
+    A wake-up later than asked (a busy machine) is made up for within ``BURST`` seconds, so the
+    average rate is the cap, not the cap less every oversleep."""
+
+    BURST = 0.25
 
     def __init__(self, rate: float | None):
-        self.rate, self.t = rate, 0.0
+        self.rate, self.t = rate, time.monotonic()  # no burst credit at the start
 
     async def take(self, n: int) -> None:
         if not self.rate:
             return
         now = time.monotonic()
-        self.t = max(self.t, now) + n / self.rate
+        self.t = max(self.t, now - self.BURST) + n / self.rate
         if self.t - now > 0.0005:
             await asyncio.sleep(self.t - now)
 
