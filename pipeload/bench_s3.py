@@ -38,8 +38,8 @@ class S3BenchConfig:
     size_mb: float = 256.0  # unique checkpoint bytes
     tensor_mb: float = 16.0  # each global tensor (sharded on tp)
     latency_ms: float = 20.0  # per request
-    conn_mbps: float = 1.0  # MiB/s per connection
-    link_mbps: float = 6.0  # MiB/s per node (all its connections)
+    conn_mbps: float = 0.5  # MiB/s per connection
+    link_mbps: float = 3.0  # MiB/s per node (all its connections)
     max_requests: int = 8  # GETs in flight per rank
     few_requests: int = 4  # the connection-bound case
     p503: float = 0.10

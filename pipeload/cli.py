@@ -66,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="file (default): the loaders above on local files; s3: pipeload from a local S3 server "
                    "(moto) behind an emulated network, read-once vs every rank reading, with and without 503s")
     b.add_argument("--latency-ms", type=float, default=20.0, help="s3: latency added to every request (20)")
-    b.add_argument("--conn-mbps", type=float, default=1.0, metavar="MIBPS", help="s3: cap per connection (1)")
-    b.add_argument("--link-mbps", type=float, default=6.0, metavar="MIBPS", help="s3: cap per node link (6)")
+    b.add_argument("--conn-mbps", type=float, default=0.5, metavar="MIBPS", help="s3: cap per connection (0.5)")
+    b.add_argument("--link-mbps", type=float, default=3.0, metavar="MIBPS", help="s3: cap per node link (3)")
     b.add_argument("--max-requests", type=int, default=8, help="s3: GETs in flight per rank (8)")
     b.add_argument("--p503", type=float, default=0.10, help="s3: share of data GETs answered 503 (0.10)")
     b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
