@@ -45,6 +45,7 @@ def box_span(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[in
 
 
 _MERGE_GAP = 1 << 20  # prefetch ranges closer than this are requested as one
+_OBJECTS_OPEN = 64  # objects of a checkpoint in object storage kept open (and their staged bytes)
 
 
 def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str) -> None:
@@ -167,12 +168,13 @@ class ChunkReader:
         self.format = ckpt.format
         self.cast = cast
         self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
-        opener = ckpt.opener
-        if opener is None and storage.is_url(ckpt.root):  # safetensors objects, read by ranged GETs
-            opener = storage.open_safetensors
+        opener, capacity = ckpt.opener, self.cache.capacity
+        if storage.is_url(ckpt.root):  # objects: reopening one costs a header GET and drops what it staged
+            opener = opener or storage.open_safetensors
+            capacity = max(capacity, _OBJECTS_OPEN)
         if opener is not None:
             self.cache.close()
-            self.cache = FileCache(self.cache.capacity, opener=opener)
+            self.cache = FileCache(capacity, opener=opener)
 
     def file(self, name: str) -> SafetensorsFile:
         """The open data file ``name`` of the attached checkpoint, checked unchanged since it was opened."""
