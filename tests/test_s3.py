@@ -177,7 +177,7 @@ def _gets(proxy, prefix: str, link=None):
     return [r for r in proxy.requests("GET", link) if r.path.startswith(prefix)]
 
 
-@pytest.mark.timeout(420)  # one spawned world for every case: ~40 s on an idle 2-core VM, 175 s under load 30
+@pytest.mark.timeout(420)  # one spawned world for every case: 106-175 s measured here under load average 15-30
 def test_s3_world(s3, tmp_path):
     server, proxy = s3
     data = {}
