@@ -26,7 +26,7 @@ import stat
 
 import numpy as np
 
-from ._fastio import SafetensorsFile
+from .storage import open_safetensors
 from .errors import CheckpointFormatError
 from .metadata import ChunkMeta, TensorMeta, _any_overlap, chunk_key, tiling_problem
 
@@ -102,7 +102,7 @@ class ChunkIndex:
                 a[name] = arr
         else:
             try:
-                self._file = SafetensorsFile(path)
+                self._file = open_safetensors(path)
             except FileNotFoundError:
                 raise CheckpointFormatError(f"{path}: the chunk index of this checkpoint is missing") from None
             except OSError as e:
@@ -342,7 +342,11 @@ def read_small_index(directory: str, name: str) -> bytes | None:
     ranks' own open of the file, which names them.
     """
     from .metadata import resolve_inside
+    from .storage import is_url, join, snapshot_size, read_bytes
 
+    if is_url(directory):  # the size pinned by the snapshot says whether it is small
+        size = snapshot_size(join(directory, name))
+        return read_bytes(join(directory, name), INLINE_INDEX) if size is not None and size <= INLINE_INDEX else None
     try:
         fd = os.open(resolve_inside(directory, name), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError, CheckpointFormatError):  # ValueError: a NUL in a hostile name

@@ -67,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, metavar="PNG", help="write a chart (needs matplotlib)")
     b.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (1800)")
     b.add_argument("--quiet", action="store_true", help="no progress lines")
+    b.add_argument("--storage", choices=("file", "s3"), default="file",
+                   help="file (default): the loaders above on local files; s3: pipeload from a local S3 server "
+                   "(moto) behind an emulated network, read-once vs every rank reading, with and without 503s")
+    b.add_argument("--latency-ms", type=float, default=20.0, help="s3: latency added to every request (20)")
+    b.add_argument("--conn-mbps", type=float, default=0.5, metavar="MIBPS", help="s3: cap per connection (0.5)")
+    b.add_argument("--link-mbps", type=float, default=3.0, metavar="MIBPS", help="s3: cap per node link (3)")
+    b.add_argument("--max-requests", type=int, default=8, help="s3: GETs in flight per rank (8)")
+    b.add_argument("--p503", type=float, default=0.10, help="s3: share of data GETs answered 503 (0.10)")
     b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
                    help="what pipeload loads: its own checkpoint (default), the one DCP wrote, or an HF-layout "
                    "copy; dcp/hf compare with dcp.load and a plain per-rank safetensors reader")
@@ -132,6 +140,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.storage == "s3":
+        from .bench_s3 import main as bench_s3
+
+        return bench_s3(args)
     from .bench import LOADERS, MODES, QUICK_MODES, BenchConfig, describe, format_table, headline, run_bench
 
     dp = args.dp if args.dp is not None else max(1, args.world // args.tp)

@@ -12,10 +12,16 @@ import os
 from collections import Counter, defaultdict
 from typing import Any
 
+from . import storage
 from .errors import CheckpointFormatError
 from .errors import TensorNotFoundError
 from .formats import open_checkpoint
 from .metadata import dtype_itemsize, resolve_inside
+
+
+def _configured(path, storage_options):
+    storage.configure(os.fspath(path), storage_options)
+    return path
 
 
 def _split_dims(shape: tuple[int, ...], chunks) -> tuple[int, ...]:
@@ -23,7 +29,8 @@ def _split_dims(shape: tuple[int, ...], chunks) -> tuple[int, ...]:
     return tuple(d for d in range(len(shape)) if any(c.lengths[d] != shape[d] for c in chunks))
 
 
-def inspect_checkpoint(path: str | os.PathLike, format: str | None = None) -> dict[str, Any]:
+def inspect_checkpoint(path: str | os.PathLike, format: str | None = None,
+                       storage_options: dict | None = None) -> dict[str, Any]:
     """A summary of the checkpoint at ``path``, of any layout pipeload reads (JSON-serialisable).
 
     Keys: ``path``, ``save_id``, ``world_size`` (of the save), ``version``, ``tensors`` / ``chunks`` /
@@ -34,7 +41,7 @@ def inspect_checkpoint(path: str | os.PathLike, format: str | None = None) -> di
     tensors), ``object_list`` (every object: fqn, file, bytes), ``format`` (pipeload, dcp, hf) and
     ``file_metadata`` (HF: each file's safetensors ``__metadata__``).
     """
-    ckpt = open_checkpoint(path, format)
+    ckpt = open_checkpoint(_configured(path, storage_options), format)
     directory, md = ckpt.root, ckpt.metadata
     per_file: dict[str, dict[str, Any]] = defaultdict(lambda: {"chunks": 0, "objects": 0, "payload_bytes": 0})
     dtypes: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
@@ -67,7 +74,7 @@ def inspect_checkpoint(path: str | os.PathLike, format: str | None = None) -> di
     file_bytes = 0
     for name in md.files:
         try:
-            size = os.stat(os.path.join(directory, name)).st_size
+            size = storage.size_of(os.path.join(directory, name))
             file_bytes += size
         except OSError:
             size = None
@@ -108,10 +115,10 @@ def inspect_checkpoint(path: str | os.PathLike, format: str | None = None) -> di
 
 
 def _open(path: str):
-    from ._fastio import SafetensorsFile
-
-    f = SafetensorsFile(path)
+    f = storage.open_safetensors(path)
     f.advise("sequential")  # verify reads every byte, front to back
+    if storage.is_url(path):  # every byte is needed: request them all now, as parallel ranged GETs
+        f.advise("willneed", f.data_offset, f.size)
     return f
 
 
@@ -125,7 +132,8 @@ def _decodes(data: bytearray) -> str | None:
     return None
 
 
-def verify_checkpoint(path: str | os.PathLike, format: str | None = None) -> list[str]:
+def verify_checkpoint(path: str | os.PathLike, format: str | None = None,
+                      storage_options: dict | None = None) -> list[str]:
     """Every problem of the checkpoint at ``path`` (any layout); an empty list when it is intact.
 
     Checks that the metadata (and a format-2 chunk index) parses and its chunks tile each tensor;
@@ -137,7 +145,7 @@ def verify_checkpoint(path: str | os.PathLike, format: str | None = None) -> lis
     Each problem reads ``<file>: <key>: <what>``.
     """
     try:
-        ckpt = open_checkpoint(path, format)
+        ckpt = open_checkpoint(_configured(path, storage_options), format)
     except CheckpointFormatError as e:
         return [str(e)]
     directory, md = ckpt.root, ckpt.metadata

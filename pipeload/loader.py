@@ -39,7 +39,7 @@ from .exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, e
                        make_row, record_transfer)
 from . import keyowners
 from .globalplan import GlobalPlan, global_plan
-from . import formats
+from . import formats, storage
 from .metadata import Metadata
 from .planner import Binding, fqn_index, local_plan, piece_shard, plan_record, unbind
 from .reader import ChunkReader
@@ -75,6 +75,12 @@ class LoadStats:
     wall: float = 0.0
     plan_reused: bool = False  # the plan of an earlier load of the same checkpoint and tensors was reused
     format: str = ""  # layout of the checkpoint: "pipeload", "dcp" or "hf"
+    # object storage (s3:// and other URLs), this rank's process during the load; 0 for local files
+    requests: int = 0  # GET/HEAD/LIST requests sent, retries included
+    bytes_fetched: int = 0  # body bytes received from the store (staged parts, headers, metadata)
+    retries: int = 0
+    throttled: int = 0  # answers 503 SlowDown
+    max_inflight_requests: int = 0  # most requests in flight at once
 
 
 class _Clock:
@@ -168,6 +174,7 @@ class _Options:
     format: str | None = None
     key_map: formats.KeyMap = None
     cast: bool = False
+    storage_options: dict | None = None
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -204,6 +211,7 @@ class _Run:
     guard: Guard
     stats: LoadStats = field(default_factory=LoadStats)
     clock: _Clock = None  # type: ignore[assignment]
+    fetched: dict = field(default_factory=dict)  # the object-store counters when the load started
 
     def __post_init__(self) -> None:
         self.clock = _Clock(self.stats.timings)
@@ -232,6 +240,8 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
     t0 = time.perf_counter()
     comm = Comm(opts.process_group, opts.timeout)
     run = _Run(os.fspath(checkpoint_dir), comm, opts.use_collectives and comm.size > 1, host_id(), guard)
+    storage.configure(run.directory, opts.storage_options)
+    run.fetched = storage.counters(reset_peak=True)
     contended = await guard.enter(comm, run.collective, run.what)  # see _busy.py
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
     device = comm.broadcast_device
@@ -268,7 +278,7 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
     """
     comm, start = run.comm, _Start(private_only=opts.broadcast_replicated_tensors is False)
     entry, found = None, None
-    if opts.reuse_plan and not contended:
+    if opts.reuse_plan and not contended and not storage.is_url(run.directory):  # (versions pinned per plan)
         # this rank's host is part of the key (not of the token, which all ranks share): it decides
         # which shards are broadcast, and PIPELOAD_HOST_ID may change between loads
         start.cache_key = plancache.key(comm.global_ranks, run.directory, (*opts.planned, run.host))
@@ -365,9 +375,20 @@ def _finish(run: _Run, reader: ChunkReader, counters: Counters, t0: float) -> Lo
     stats.bytes_received = counters.bytes_received
     stats.broadcasts = counters.broadcasts
     stats.files_opened = reader.cache.opens
+    _storage_stats(stats, run.fetched)
     run.clock.lap("teardown")
     stats.wall = time.perf_counter() - t0
     return stats
+
+
+def _storage_stats(stats: LoadStats, before: dict[str, int]) -> None:
+    """The object-store counters this load added (the process's counters are cumulative)."""
+    now = storage.counters()
+    stats.requests = now["requests"] - before["requests"]
+    stats.bytes_fetched = now["bytes_fetched"] - before["bytes_fetched"]
+    stats.retries = now["retries"] - before["retries"]
+    stats.throttled = now["throttled"] - before["throttled"]
+    stats.max_inflight_requests = now["max_inflight"]
 
 
 def _strip(prep: _Prepared) -> None:
@@ -676,6 +697,10 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
             detects it (see :mod:`pipeload.formats`). ``LoadStats.format`` says which was read.
         key_map: renames checkpoint keys before matching them with the state dict: a dict (unlisted
             names kept) or a callable (returning None leaves the key out). ``strict`` sees the new names.
+        storage_options: for a checkpoint in object storage (``s3://bucket/prefix``): obstore's
+            configuration keys (``endpoint``, ``region``, ``access_key_id``, ...; default: the AWS_*
+            environment) and pipeload's ``part_size`` (8 MiB), ``max_requests`` (GETs in flight, 16),
+            ``retries`` (8), ``retry_base`` / ``retry_max`` (backoff seconds), ``retry_timeout``.
         cast: convert tensors whose stored dtype differs from the destination's while copying
             (default ``False``: a dtype mismatch is an error listing every such tensor).
 

@@ -607,6 +607,9 @@ def resolve_inside(directory: str, name: str) -> str:
     checkpoint's data or an unrelated file.
     """
     path = os.path.join(directory, name)
+    if _is_url(directory):  # an object store has no links: a plain name stays under its prefix
+        plain_file_name(name, path)
+        return path
     root = os.path.realpath(directory)
     real = os.path.realpath(path)
     if os.path.dirname(real) != root:
@@ -617,6 +620,22 @@ def resolve_inside(directory: str, name: str) -> str:
     return path
 
 
+def _is_url(path: str) -> bool:
+    from .storage import is_url
+
+    return is_url(path)
+
+
+def _read_object(directory: str, path: str) -> bytes:
+    """``.metadata`` of a checkpoint in object storage, at the version its snapshot pinned."""
+    from .storage import read_bytes
+
+    try:
+        return read_bytes(path, MAX_METADATA_BYTES)
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{directory}: not a pipeload checkpoint (no {METADATA_FILE})") from None
+
+
 def read_metadata_bytes(directory: str) -> bytes:
     """The raw ``.metadata`` of a checkpoint directory; CheckpointFormatError naming it otherwise.
 
@@ -624,6 +643,8 @@ def read_metadata_bytes(directory: str) -> bytes:
     (:func:`resolve_inside`), and at most :data:`MAX_METADATA_BYTES` long.
     """
     path = metadata_path(directory)
+    if _is_url(directory):
+        return _read_object(directory, path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:

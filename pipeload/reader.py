@@ -22,6 +22,7 @@ from .errors import ChecksumError, CheckpointFormatError, ReadError
 from .metadata import _DTYPE_NAMES as _STORED  # safetensors dtype name -> torch dtype
 from .metadata import ObjectMeta, dtype_name, resolve_inside
 from .planner import ReadItem
+from . import storage
 
 
 def narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
@@ -44,6 +45,7 @@ def box_span(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[in
 
 
 _MERGE_GAP = 1 << 20  # prefetch ranges closer than this are requested as one
+_OBJECTS_OPEN = 64  # objects of a checkpoint in object storage kept open (and their staged bytes)
 
 
 def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str) -> None:
@@ -166,9 +168,13 @@ class ChunkReader:
         self.format = ckpt.format
         self.cast = cast
         self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
-        if ckpt.opener is not None:
+        opener, capacity = ckpt.opener, self.cache.capacity
+        if storage.is_url(ckpt.root):  # objects: reopening one costs a header GET and drops what it staged
+            opener = opener or storage.open_safetensors
+            capacity = max(capacity, _OBJECTS_OPEN)
+        if opener is not None:
             self.cache.close()
-            self.cache = FileCache(self.cache.capacity, opener=ckpt.opener)
+            self.cache = FileCache(capacity, opener=opener)
 
     def file(self, name: str) -> SafetensorsFile:
         """The open data file ``name`` of the attached checkpoint, checked unchanged since it was opened."""
@@ -179,7 +185,7 @@ class ChunkReader:
         path = self._paths.get(name)
         if path is None:
             resolve_inside(self.directory, name)  # a data file resolving outside the checkpoint is refused
-            path = self._paths[name] = os.path.join(self.directory, name)
+            path = self._paths[name] = storage.join(self.directory, name)
         f = self.cache.get(path)
         f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
         return f
@@ -209,7 +215,7 @@ class ChunkReader:
         try:
             for name in whole:
                 f = files[name] = self.file(name)
-                if type(f) is not SafetensorsFile:
+                if not hasattr(f, "willneed_tensors"):  # a safetensors file or object
                     raise TypeError(f"{name}: whole chunks are prefetched from safetensors files only")
             for item in items:
                 if item.nbytes == 0:
@@ -217,7 +223,7 @@ class ChunkReader:
                 f = files.get(item.file)
                 if f is None:
                     f = files[item.file] = self.file(item.file)
-                if item.lengths == item.chunk_lengths and type(f) is SafetensorsFile:  # a load in the saved layout
+                if item.lengths == item.chunk_lengths and hasattr(f, "willneed_tensors"):  # a load in the saved layout
                     whole.setdefault(item.file, []).append(item.key)
                     continue
                 start = f.entry(item.key)[2]

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import balance
+from . import balance, storage
 from ._busy import Guard
 from ._gcpause import paused_gc
 from .checksum import checksum, hasher
@@ -248,7 +248,7 @@ def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, 
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     sums: dict[str, str] = {}
-    with open(path, "wb", buffering=_WRITE_BUFFER) as f:
+    with storage.create(path, _WRITE_BUFFER) as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for (key, _, _, value), n in zip(items, sizes):
@@ -259,8 +259,7 @@ def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, 
             h.update(data)
             f.write(data)
             sums[key] = h.hexdigest()
-        f.flush()
-        os.fsync(f.fileno())
+        storage.durable(f)
     return sums
 
 
@@ -271,13 +270,15 @@ def write_chunk_index(directory: str, md: Metadata) -> str:
     """
     index = index_file_name(md.save_id)
     arrays = build_arrays(sorted(md.tensors), md.tensors, md.files)
-    _write_file(os.path.join(directory, index), md.save_id,
+    _write_file(storage.join(directory, index), md.save_id,
                 [(k, ARRAYS[k][0], a.shape, a.tobytes()) for k, a in arrays.items()])
     _fsync_dir(directory)
     return index
 
 
 def _fsync_dir(path: str) -> None:
+    if storage.is_url(path):  # an object is durable once its PUT (or multipart upload) completed
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -297,6 +298,8 @@ def _lock_directory(directory: str) -> tuple[int | None, str | None]:
     Either way it dies with the process, so a killed save never blocks the next one.
     """
     busy = f"another save into {directory} is in progress; save again after it"
+    if storage.is_url(directory):  # no lock on object storage: see docs/ARCHITECTURE.md
+        return None, None
     try:
         os.makedirs(directory, exist_ok=True)
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -349,6 +352,8 @@ def _commit(directory: str, md: Metadata) -> None:
     files the previous ``.metadata`` referenced are deleted: never another writer's files, and never
     leftovers of unknown origin.
     """
+    if storage.is_url(directory):
+        return storage.commit_objects(directory, md, write_chunk_index, _previous_files)
     missing = [n for n in md.files if not os.path.isfile(os.path.join(directory, n))]
     if missing:
         raise FileNotFoundError(
@@ -380,7 +385,8 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=None) -> None:
+def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=None,
+         storage_options: dict | None = None) -> None:
     """Save ``state_dict`` as a pipeload checkpoint; every rank of ``process_group`` must call it.
 
     Values may be ``torch.Tensor`` (whole on this rank), ``DTensor`` (Shard/Replicate placements on any
@@ -392,6 +398,7 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     """
     check_top(state_dict)
     directory = os.fspath(checkpoint_dir)
+    storage.configure(directory, storage_options)  # s3:// and other URLs (see pipeload.load)
     comm = Comm(process_group)
     with paused_gc(), Guard() as guard:
         contended = guard.enter_sync(comm, comm.size > 1, f"pipeload.save into {directory}",
@@ -432,13 +439,13 @@ def _save(state_dict: dict, directory: str, comm: Comm, guard: Guard, contended:
     # Write this rank's file. Failures are carried to the agreement below, never raised alone.
     mine = sorted((k for k, r in owners.items() if r == comm.rank), key=lambda k: (k[0] == "o", k))
     name = data_file_name(save_id, comm.rank)
-    path = os.path.join(directory, name)
+    path = storage.join(directory, name)
     error, sums = None, {}
     if comm.rank == 0:
         fd, error = _lock_directory(directory)
         lock += [fd] if fd is not None else []
     try:
-        os.makedirs(directory, exist_ok=True)  # every rank: rank 0 commits even when it writes no data
+        storage.makedirs(directory)  # every rank: rank 0 commits even when it writes no data
     except OSError as e:
         error = error or f"creating {directory}: {_error_text(e)}"
     if mine and error is None:
@@ -461,7 +468,7 @@ def _save(state_dict: dict, directory: str, comm: Comm, guard: Guard, contended:
     if failures:
         if mine:
             try:
-                os.unlink(path)
+                storage.remove(path)
             except OSError:
                 pass
         raise DistributedError("pipeload.save", failures)
@@ -492,7 +499,7 @@ def _save(state_dict: dict, directory: str, comm: Comm, guard: Guard, contended:
         comm.agree("pipeload.save", error)
     except DistributedError:
         try:
-            os.unlink(path)
+            storage.remove(path)
         except OSError:
             pass
         raise

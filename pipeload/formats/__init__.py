@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import CheckpointFormatError
 from ..metadata import METADATA_FILE, Metadata, TensorMeta, dtype_name
+from .. import storage
 from . import dcp, hf, native
 
 FORMATS = ("pipeload", "dcp", "hf")
@@ -61,6 +62,8 @@ def detect(path: str) -> str:
     - a ``.safetensors`` file, a directory with ``model.safetensors.index.json`` or with
       ``*.safetensors`` files: Hugging Face.
     """
+    if storage.is_url(path):
+        return _detect_url(path, None)
     if os.path.isfile(path):
         if path.endswith(".safetensors"):
             return "hf"
@@ -90,6 +93,19 @@ def detect(path: str) -> str:
     )
 
 
+def _detect_url(path: str, names) -> str:
+    """:func:`detect` for object storage, from ``names`` (the prefix's snapshot; None: LIST it now)."""
+    if path.endswith(".safetensors"):
+        return "hf"
+    names = storage.snapshot(path) if names is None else names
+    if METADATA_FILE in names:
+        head = storage.read_bytes(storage.join(path, METADATA_FILE), 1 << 30, keep=True)[:64].lstrip()
+        return "dcp" if head[:1] == b"\x80" else "pipeload"
+    if hf.INDEX_FILE in names or any(n.endswith(hf.SUFFIX) for n in names):
+        return "hf"
+    raise CheckpointFormatError(f"{path}: not a checkpoint (no {METADATA_FILE}, no *.safetensors objects)")
+
+
 def read_payload(path: str | os.PathLike, format: str | None = None) -> tuple[str, Any]:
     """What one rank reads for everyone: (format, layout-specific data), picklable.
 
@@ -97,18 +113,26 @@ def read_payload(path: str | os.PathLike, format: str | None = None) -> tuple[st
     each decodes the payload against its own (:func:`from_payload`).
     """
     path = os.fspath(path)
+    if storage.is_url(path):  # the versions every rank reads, pinned now: (format, data, versions)
+        root = os.path.dirname(path) if path.endswith(".safetensors") else path
+        versions = storage.snapshot(root)
+        format = _detect_url(path, versions) if format is None else format
     if format is None:
         format = detect(path)
     elif format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)} or None, got {format!r}")
     module = {"pipeload": native, "dcp": dcp, "hf": hf}[format]
+    if storage.is_url(path):
+        return format, module.read_payload(path), versions
     return format, module.read_payload(path)
 
 
 def from_payload(payload: tuple[str, Any], path: str | os.PathLike, key_map: KeyMap = None) -> Checkpoint:
     """Decode and validate a payload into the Checkpoint at this rank's ``path``; ``key_map`` renames keys."""
-    format, data = payload
+    format, data = payload[:2]
     path = os.fspath(path)
+    if len(payload) > 2:  # an object store's versions, as rank 0 listed them
+        storage.pin(os.path.dirname(path) if path.endswith(".safetensors") else path, payload[2])
     module = {"pipeload": native, "dcp": dcp, "hf": hf}[format]
     ckpt = Checkpoint(format, *module.from_payload(path, data))
     if format == "hf":

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .. import storage
 from ..checksum import hasher
 from ..errors import CheckpointFormatError
 from ..metadata import (
@@ -89,7 +90,7 @@ def _pack(sizes: Iterable[tuple[Any, int]], limit: int) -> list[list[Any]]:
 
 
 def _write(path: str, header: bytes, payloads: Iterable[memoryview], checksums: list[str] | None) -> None:
-    with open(path, "wb") as f:
+    with storage.create(path, -1) as f:
         f.write(header)
         for data in payloads:
             if checksums is not None:
@@ -97,11 +98,13 @@ def _write(path: str, header: bytes, payloads: Iterable[memoryview], checksums: 
                 h.update(data)
                 checksums.append(h.hexdigest())
             f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        storage.durable(f)
 
 
 def _commit(dst: str, name: str, text: str) -> None:
+    if storage.is_url(dst):  # one PUT, after every data object completed: the commit point
+        storage.put_bytes(storage.join(dst, name), text.encode())
+        return
     tmp = os.path.join(dst, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -116,7 +119,8 @@ def _commit(dst: str, name: str, text: str) -> None:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str = "pipeload", format: str | None = None,
-            key_map: KeyMap = None, file_bytes: int | None = None) -> dict[str, Any]:
+            key_map: KeyMap = None, file_bytes: int | None = None,
+            storage_options: dict | None = None) -> dict[str, Any]:
     """Write the checkpoint at ``src`` (any layout, or ``format``) to the directory ``dst``.
 
     ``to="pipeload"`` keeps every stored chunk and object (checksums computed); ``to="hf"`` writes
@@ -126,11 +130,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str = "pipelo
     """
     if to not in ("pipeload", "hf"):
         raise ValueError(f"to must be 'pipeload' or 'hf', got {to!r}")
+    for path in (src, dst):  # either may be an object-store URL
+        storage.configure(os.fspath(path), storage_options)
     ckpt = open_checkpoint(src, format, key_map)
     dst = os.fspath(dst)
-    if os.path.exists(os.path.join(dst, METADATA_FILE)) or os.path.exists(os.path.join(dst, INDEX_FILE)):
+    if storage.exists(os.path.join(dst, METADATA_FILE)) or storage.exists(os.path.join(dst, INDEX_FILE)):
         raise CheckpointFormatError(f"{dst}: already holds a checkpoint; convert into an empty directory")
-    os.makedirs(dst, exist_ok=True)
+    storage.makedirs(dst)
     with ChunkReader(ckpt.root) as reader:
         reader.attach(ckpt)
         if to == "pipeload":

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .._fastio import RawFile
+from ..storage import is_url, open_raw, read_bytes
 from ..errors import CheckpointFormatError, TensorNotFoundError
 from ..metadata import (
     METADATA_FILE,
@@ -96,6 +96,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_payload(path: str) -> bytes:
     md_path = os.path.join(path, METADATA_FILE)
     try:
+        if is_url(path):
+            return read_bytes(md_path, 1 << 30)
         with open(md_path, "rb") as f:
             return f.read()
     except OSError as e:
@@ -403,7 +405,7 @@ class DistcpFile:
 
     def __init__(self, path: str, items: dict[str, tuple]):
         self.path = path
-        self.raw = RawFile(path)
+        self.raw = open_raw(path)
         self._items = items
         self._resolved: dict[str, tuple] = {}
         self.fallbacks = 0

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from .._fastio import read_header
+from ..storage import is_url, listdir, read_bytes, read_header
 from ..errors import CheckpointFormatError
 from ..metadata import ChunkMeta, Metadata, TensorMeta, plain_file_name, tiling_problem, torch_dtype
 
@@ -31,7 +31,7 @@ MERGE_GAP = 4096  # prefetch: merge a rank's ranges only across a page (see Chec
 
 def is_hf_dir(path: str) -> bool:
     try:
-        names = os.listdir(path)
+        names = listdir(path)
     except OSError:
         return False
     from ..saver import DATA_FILE_RE
@@ -43,14 +43,17 @@ def is_hf_dir(path: str) -> bool:
 def read_payload(path: str) -> dict[str, Any]:
     """Root, index and every referenced file's header, as plain data (read once, sent to all)."""
     weight_map = None
-    if os.path.isfile(path):
+    if (path.endswith(SUFFIX) and is_url(path)) or os.path.isfile(path):
         root, files = _root(path, True), [os.path.basename(path)]
     else:
         root = path
         index_path = os.path.join(path, INDEX_FILE)
         try:
-            with open(index_path, "rb") as f:
-                doc = json.loads(f.read())
+            if is_url(path):
+                doc = json.loads(read_bytes(index_path, 1 << 30)) if INDEX_FILE in listdir(path) else None
+            else:
+                with open(index_path, "rb") as f:
+                    doc = json.loads(f.read())
         except FileNotFoundError:
             doc = None
         except (OSError, ValueError) as e:
@@ -66,7 +69,7 @@ def read_payload(path: str) -> dict[str, Any]:
             files = sorted(set(weight_map.values()))
         else:
             try:
-                files = sorted(n for n in os.listdir(path) if n.endswith(SUFFIX))
+                files = sorted(n for n in listdir(path) if n.endswith(SUFFIX))
             except OSError as e:
                 raise CheckpointFormatError(f"{path}: cannot list the directory ({e.strerror or e})") from None
             if not files:
@@ -77,7 +80,8 @@ def read_payload(path: str) -> dict[str, Any]:
             headers[name] = read_header(os.path.join(root, name))
         except OSError as e:
             raise CheckpointFormatError(f"{os.path.join(root, name)}: {e.strerror or e}") from None
-    return {"single": os.path.isfile(path), "weight_map": weight_map, "headers": headers}
+    single = (path.endswith(SUFFIX) and is_url(path)) or os.path.isfile(path)
+    return {"single": single, "weight_map": weight_map, "headers": headers}
 
 
 def _check_name(name: str, where: str) -> None:

@@ -1,0 +1,379 @@
+"""Loading and saving ``s3://`` checkpoints against a real S3 server (moto) on 127.0.0.1.
+
+One moto server per module, with a fault-injecting proxy in front of it that logs every request:
+one proxy port ("link") per rank, so requests and bytes are counted per rank. Faults are chosen by
+bucket (the proxy's rules match the request path), so one spawned world of 4 gloo ranks (TP2 x DP2,
+each rank its own emulated host) runs every sub-case: bit-exact loads of the pipeload, DCP and HF
+layouts, the bytes and GETs read-once costs, 503s/resets/short bodies, an exhausted retry budget, an
+object replaced mid-load, a save into S3 that loads back. A killed save runs in its own process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
+import pipeload  # noqa: E402
+from pipeload._world import run_world  # noqa: E402
+from pipeload.errors import PipeloadError  # noqa: E402
+from pipeload.s3testing import Faults, FaultProxy, LocalS3  # noqa: E402
+
+import layouts as L  # noqa: E402
+
+BIG = {f"w{i}": (1024, 1024) for i in range(4)}  # float32, 4 MiB each; sharded on tp, replicated on dp
+BIG_BYTES = sum(math.prod(s) * 4 for s in BIG.values())
+BUCKETS = ("clean", "flaky", "broken", "swap", "saves")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with LocalS3() as server:
+        for b in BUCKETS:
+            server.bucket(b)
+        faults = Faults(rules=[("/flaky/", {"p503": 0.10, "preset": 0.03, "pshort": 0.03}),
+                               ("/broken/big/data-", {"p503": 1.0})], seed=7)
+        with FaultProxy(server.port, links=4, faults=faults) as proxy:
+            yield server, proxy
+
+
+def _big(mesh, fill: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = {}
+    for name, shape in BIG.items():
+        g = L.global_value(name, shape, torch.float32) if fill else torch.zeros(shape)
+        out[name] = L.make_dtensor(g, mesh, [Replicate(), Shard(0)])
+    return out
+
+
+def _check_big(sd: dict, where: str) -> None:
+    for name, shape in BIG.items():
+        g = L.global_value(name, shape, torch.float32)
+        t = sd[name]
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        lengths, offsets = compute_local_shape_and_global_offset(g.shape, t.device_mesh, t.placements)
+        assert torch.equal(t.to_local(), L.narrow(g, offsets, lengths)), f"{where}: {name} differs"
+
+
+def _fails(fn, *needles) -> tuple[str, float]:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except PipeloadError as e:
+        msg = str(e)
+        for n in needles:
+            assert n in msg, f"rank {dist.get_rank()}: {n!r} not in error:\n{msg}"
+        return msg, time.monotonic() - t0
+    raise AssertionError(f"rank {dist.get_rank()}: expected a PipeloadError")
+
+
+def _setup(rank, root, meshes, server_url, port) -> None:
+    """Save the checkpoints locally (all ranks), then rank 0 uploads them to each bucket that needs them."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    mesh = meshes.get((2, 2))
+    pipeload.save(_big(mesh, True), os.path.join(root, "big"))
+    pipeload.save(L.build("tp2dp2", meshes), os.path.join(root, "small"))
+    dcp.save(L.build("tp2dp2", meshes), checkpoint_id=os.path.join(root, "dcp"))
+    if rank == 0:
+        hf = os.path.join(root, "hf")
+        os.makedirs(hf)
+        full = {k: L.global_value(k, s, d) for k, (s, d) in L.TENSORS.items()}
+        names = sorted(full)
+        save_file({k: full[k] for k in names[:5]}, os.path.join(hf, "model-1.safetensors"))
+        save_file({k: full[k] for k in names[5:]}, os.path.join(hf, "model-2.safetensors"))
+        up = LocalS3(port)
+        for bucket, prefix, local in (("clean", "big", "big"), ("clean", "big-every", "big"),
+                                      ("clean", "small", "small"), ("clean", "dcp", "dcp"), ("clean", "hf", "hf"),
+                                      ("flaky", "big", "big"), ("flaky", "small", "small"),
+                                      ("broken", "big", "big"), ("swap", "big", "big")):
+            up.upload(os.path.join(root, local), bucket, prefix)
+    dist.barrier()
+
+
+def world_s3(rank: int, world: int, root: str, port: int, links: list[str]) -> dict:
+    meshes = L.Meshes(world)
+    mesh = meshes.get((2, 2))
+    opts = LocalS3.options(links[rank])
+    t0 = time.monotonic()
+    _setup(rank, root, meshes, links[rank], port)
+    if rank == 0 and os.environ.get("S3_TEST_TIMES"):
+        print(f"setup {time.monotonic() - t0:.2f}", file=sys.stderr)
+    out: dict = {}
+
+    def big(url, fill=False, **kw):
+        sd = _big(mesh, fill)
+        stats = pipeload.load(sd, url, storage_options=opts, **kw)
+        _check_big(sd, url)
+        return stats
+
+    _t = [time.monotonic()]
+
+    def lap(what):
+        if rank == 0 and os.environ.get("S3_TEST_TIMES"):
+            print(f"{what}: {time.monotonic() - _t[0]:.2f}s", file=sys.stderr, flush=True)
+        _t[0] = time.monotonic()
+
+    lap("setup")
+    out["big"] = big("s3://clean/big")
+    lap("big")
+    out["big_every"] = big("s3://clean/big-every", broadcast_replicated_tensors=False)
+    lap('out["big_every"] = b')
+    for name in ("small", "dcp"):
+        sd = L.build("tp2dp2", meshes, fill=False)
+        out[name] = pipeload.load(sd, f"s3://clean/{name}", storage_options=opts)
+        L.check_values(sd)
+    sd = L.build("tp2dp2", meshes, fill=False, keys=set(L.TENSORS))
+    out["hf"] = pipeload.load(sd, "s3://clean/hf", storage_options=opts)
+    lap('out["hf"] = pipeload')
+    L.check_values(sd)
+
+    # 503s, resets and short bodies on the flaky bucket: retried, the values exact
+    out["flaky"] = big("s3://flaky/big")
+    lap('out["flaky"] = big("')
+    sd = L.build("tp2dp2", meshes, fill=False)
+    out["flaky_small"] = pipeload.load(sd, "s3://flaky/small", storage_options=opts)
+    lap('out["flaky_small"] =')
+    L.check_values(sd)
+
+    # every data GET answered 503: the budget runs out, every rank raises, promptly
+    tight = {**opts, "retries": 2, "retry_base": 0.01}
+    sd = _big(mesh, False)
+    out["broken"] = _fails(lambda: pipeload.load(sd, "s3://broken/big", storage_options=tight),
+                           "s3://broken/big/data-", "failed on rank", "503")
+    lap('"s3://broken/big/dat')
+
+    # the proxy replaces a data object at its first data GET: the load fails, never mixes versions
+    sd = _big(mesh, False)
+    out["swap"] = _fails(lambda: pipeload.load(sd, "s3://swap/big", storage_options=opts),
+                         "s3://swap/big/data-", "replaced")
+    lap('"s3://swap/big/data-')
+
+    # a save into S3 loads back exactly (pipeload layout, objects included)
+    sd = L.build("tp2dp2", meshes)
+    pipeload.save(sd, "s3://saves/ck", storage_options=opts)
+    sd = L.build("tp2dp2", meshes, fill=False)
+    out["saved"] = pipeload.load(sd, "s3://saves/ck", storage_options=opts)
+    lap('out["saved"] = pipel')
+    L.check_values(sd)
+    return out
+
+
+def _gets(proxy, prefix: str, link=None):
+    return [r for r in proxy.requests("GET", link) if r.path.startswith(prefix)]
+
+
+@pytest.mark.timeout(420)  # one spawned world for every case: 106-175 s measured here under load average 15-30
+def test_s3_world(s3, tmp_path):
+    server, proxy = s3
+    data = {}
+
+    def swap(req):  # first data GET of the swap bucket (past its header): replace that object
+        if req.path.startswith("/swap/big/data-") and req.range and not req.range.startswith("bytes=0-") \
+                and "swapped" not in data:
+            key = req.path[len("/swap/"):].split("?")[0]
+            body = server.client().get_object(Bucket="swap", Key=key)["Body"].read()
+            server.client().put_object(Bucket="swap", Key=key, Body=body[:-8] + b"\x00" * 8)
+            data["swapped"] = key
+
+    proxy.set(hook=swap)
+    links = [proxy.url(i) for i in range(4)]
+    try:
+        res = run_world(world_s3, 4, str(tmp_path), server.port, links, timeout=360, separate_hosts=True)
+    finally:
+        proxy.set(hook=None)
+    part = 8 << 20
+    objects = len(server.client().list_objects_v2(Bucket="clean", Prefix="big/")["Contents"])
+
+    # read once: the store sends each needed byte about once, in few large GETs
+    gets = _gets(proxy, "/clean/big/")
+    fetched = sum(r.sent for r in gets)
+    per_rank = {i: sum(r.sent for r in gets if r.link == i) for i in range(4)}
+    if os.environ.get("S3_TEST_TIMES"):
+        print("fetched", fetched, "unique", BIG_BYTES, "gets", len(gets), per_rank, file=sys.stderr)
+    assert fetched <= 1.02 * BIG_BYTES, (fetched, BIG_BYTES, per_rank)
+    assert len(gets) <= math.ceil(BIG_BYTES / part) + 2 * objects, [(r.link, r.path, r.range) for r in gets]
+    assert sum(s["big"].bytes_fetched for s in res) == fetched
+    assert sum(s["big"].bytes_received for s in res) > 0  # replicas were broadcast
+    # every rank reading for itself: each replicated byte is fetched by both of its holders
+    every = sum(r.sent for r in _gets(proxy, "/clean/big-every/"))
+    assert every >= 1.9 * BIG_BYTES, (every, BIG_BYTES)
+    for name in ("small", "dcp", "hf"):
+        assert res[0][name].format == {"small": "pipeload"}.get(name, name)
+
+    # faults: retried; the GETs beyond the fault-free bound are all answered by a retry
+    retries = sum(s["flaky"].retries for s in res)
+    throttled = sum(s["flaky"].throttled for s in res)
+    flaky = _gets(proxy, "/flaky/big/")
+    assert retries > 0 and throttled > 0, (retries, throttled)
+    faulted = sum(1 for r in flaky if r.fault) + sum(1 for r in _gets(proxy, "/flaky?") if r.fault)
+    assert retries <= faulted + sum(s["flaky_small"].retries for s in res), (retries, faulted)
+    assert len(flaky) <= math.ceil(BIG_BYTES / part) + 2 * objects + retries
+    for s in res:
+        assert s["flaky"].max_inflight_requests >= 1
+    for rank, s in enumerate(res):
+        msg, took = s["broken"]
+        assert took < 15, (rank, took, msg)
+        msg, _ = s["swap"]
+        assert "swapped" in data and data["swapped"] in msg, (data, msg)
+
+
+SAVE_SCRIPT = textwrap.dedent("""
+    import sys, torch, pipeload
+    from pipeload.s3testing import LocalS3
+    url, endpoint, value = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    sd = {"w": torch.full((1 << 20,), value), "step": int(value)}
+    pipeload.save(sd, url, storage_options=LocalS3.options(endpoint, part_size=5 << 20))
+""")
+
+
+def test_s3_killed_save_keeps_previous(s3, tmp_path):
+    """A save killed at its .metadata PUT (the proxy kills the process there) leaves the previous
+    checkpoint loading; the data objects it had uploaded are never referenced."""
+    server, proxy = s3
+    url = "s3://saves/killed"
+    subprocess.run([sys.executable, "-c", SAVE_SCRIPT, url, proxy.url(0), "1"], check=True, timeout=120)
+    state = {}
+
+    def kill(req):
+        if req.method == "PUT" and req.path.startswith("/saves/killed/.metadata") and "pid" in state:
+            os.kill(state["pid"], signal.SIGKILL)
+            req.fault = "reset"
+
+    proxy.set(hook=kill)
+    try:
+        p = subprocess.Popen([sys.executable, "-c", SAVE_SCRIPT, url, proxy.url(0), "2"])
+        state["pid"] = p.pid
+        assert p.wait(timeout=120) == -signal.SIGKILL
+    finally:
+        proxy.set(hook=None)
+    keys = [o["Key"] for o in server.client().list_objects_v2(Bucket="saves", Prefix="killed/")["Contents"]]
+    assert sum(k.startswith("killed/data-") for k in keys) == 2, keys  # the killed save's data is there
+    sd = {"w": torch.zeros(1 << 20), "step": 0}
+    stats = pipeload.load(sd, url, storage_options=LocalS3.options(proxy.url(0)))
+    assert torch.equal(sd["w"], torch.full((1 << 20,), 1.0)) and sd["step"] == 1
+    assert stats.requests >= 3 and stats.bytes_fetched >= 4 << 20
+
+
+def test_missing_extra_names_it(tmp_path):
+    """Without obstore the error names the extra that installs it (run in a process without it)."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["obstore"] = None  # as if not installed
+        import torch, pipeload
+        try:
+            pipeload.load({"x": torch.zeros(1)}, "s3://bucket/ckpt")
+        except pipeload.PipeloadError as e:
+            print("ERR", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pipeload[s3]" in out.stdout, out.stdout + out.stderr
+
+
+def test_s3_tools(s3, tmp_path):
+    """inspect, verify and convert (to and from object storage) on s3:// URLs; the CLI from the AWS_* env."""
+    from pipeload.formats.convert import convert
+    from pipeload.inspect import inspect_checkpoint, verify_checkpoint
+
+    server, proxy = s3
+    opts = LocalS3.options(proxy.url(0))
+    sd = {"a": torch.randn(300, 200), "b": torch.arange(17), "step": 3}
+    pipeload.save(sd, str(tmp_path / "ck"))
+    server.upload(str(tmp_path / "ck"), "clean", "tools")
+    info = inspect_checkpoint("s3://clean/tools", storage_options=opts)
+    assert info["format"] == "pipeload" and len(info["files"]) == 1 and info["files"][0]["size"] > 240_000, info
+    assert verify_checkpoint("s3://clean/tools", storage_options=opts) == []
+    convert("s3://clean/tools", "s3://clean/tools-hf", to="hf", storage_options=opts)
+    out = {"a": torch.zeros(300, 200), "b": torch.zeros(17, dtype=torch.int64)}
+    assert pipeload.load(out, "s3://clean/tools-hf", storage_options=opts).format == "hf"
+    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"])
+    convert("s3://clean/tools-hf", str(tmp_path / "back"), storage_options=opts)
+    out = {"a": torch.zeros(300, 200), "b": torch.zeros(17, dtype=torch.int64)}
+    pipeload.load(out, str(tmp_path / "back"))
+    assert torch.equal(out["a"], sd["a"])
+    # a corrupted object fails verify, naming it
+    key = next(o["Key"] for o in server.client().list_objects_v2(Bucket="clean", Prefix="tools/")["Contents"]
+               if "/data-" in o["Key"])
+    body = bytearray(server.client().get_object(Bucket="clean", Key=key)["Body"].read())
+    body[-1] ^= 0xFF
+    server.client().put_object(Bucket="clean", Key=key, Body=bytes(body))
+    problems = verify_checkpoint("s3://clean/tools", storage_options=opts)
+    assert problems and "checksum" in problems[0], problems
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url(0), "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+    r = subprocess.run([sys.executable, "-m", "pipeload", "inspect", "s3://clean/tools-hf"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "hf" in r.stdout, r.stdout + r.stderr
+
+
+def test_object_parts_views_and_header(s3, tmp_path):
+    """willneed → even parts of <= part_size, bounded in flight; views exact across parts; one GET for a
+    safetensors header; If-Match on every GET."""
+    from safetensors.torch import save_file
+
+    from pipeload import storage
+
+    server, proxy = s3
+    t = torch.arange(5 << 20, dtype=torch.int32)  # 20 MiB
+    save_file({"t": t, "u": torch.ones(3)}, str(tmp_path / "x.safetensors"))
+    server.client().upload_file(str(tmp_path / "x.safetensors"), "clean", "parts/x.safetensors")
+    storage.configure("s3://clean/parts", LocalS3.options(proxy.url(1), part_size=8 << 20, max_requests=2))
+    storage.snapshot("s3://clean/parts")
+    proxy.clear()
+    f = storage.open_safetensors("s3://clean/parts/x.safetensors")
+    assert len(proxy.requests("GET")) == 1 and sorted(f.keys()) == ["t", "u"]  # the header: one GET
+    _, _, start, end = f.entry("t")
+    before = storage.counters(reset_peak=True)
+    f.willneed_tensors(["t", "u"])
+    got = torch.frombuffer(bytearray(f.buffer("t")), dtype=torch.int32)
+    assert torch.equal(got, t)
+    gets = proxy.requests("GET")[1:]
+    assert len(gets) == 3 and all(r.sent <= 8 << 20 for r in gets), [(r.range, r.sent) for r in gets]
+    after = storage.counters()
+    assert after["max_inflight"] <= 2 and after["requests"] - before["requests"] == 3
+    assert sum(r.sent for r in gets) == f.size - 65536  # nothing fetched twice
+    out = torch.zeros(10, dtype=torch.int32)  # a box inside one part and across two
+    f.copy_box("t", "I32", (5 << 20,), ((2 << 20) - 5,), (10,), out.data_ptr(), (0,), (1,), (10,))
+    assert torch.equal(out, t[(2 << 20) - 5: (2 << 20) + 5])
+
+
+@pytest.mark.asyncio
+async def test_s3_load_async(s3, tmp_path):
+    """load_async from s3:// inside a running loop (asyncio and uvloop): the GETs run on pipeload's own
+    I/O loop, never blocking or borrowing the caller's."""
+    import uuid
+
+    server, proxy = s3
+    sd = {"a": torch.randn(500, 300), "n": 5}
+    pipeload.save(sd, str(tmp_path / "ck"))
+    prefix = f"async-{uuid.uuid4().hex[:8]}"
+    server.upload(str(tmp_path / "ck"), "clean", prefix)
+    out = {"a": torch.zeros(500, 300), "n": 0}
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await __import__("asyncio").sleep(0.001)
+            ticks += 1
+
+    import asyncio
+
+    ticker = asyncio.ensure_future(tick())
+    stats = await pipeload.load_async(out, f"s3://clean/{prefix}", storage_options=LocalS3.options(proxy.url(2)))
+    ticker.cancel()
+    assert torch.equal(out["a"], sd["a"]) and out["n"] == 5 and stats.bytes_fetched > 600_000
