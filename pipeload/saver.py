@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import balance
+from . import balance, stateful
 from ._busy import Guard
 from ._gcpause import paused_gc
 from .checksum import checksum, hasher
@@ -390,6 +390,7 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     written; a failed write raises :class:`DistributedError` on every rank and leaves no new loadable
     checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads).
     """
+    state_dict = stateful.expand(state_dict)[0]  # a Stateful value is saved as its state_dict()
     directory = os.fspath(checkpoint_dir)
     comm = Comm(process_group)
     with paused_gc(), Guard() as guard:
