@@ -172,6 +172,8 @@ def format_inspect(info: dict[str, Any], objects: bool = False) -> str:
         f"tensors     {info['tensors']} in {info['chunks']} chunks, {_size(info['tensor_bytes'])}",
         f"objects     {info['objects']}, {_size(info['object_bytes'])}",
         f"files       {len(info['files'])}, {_size(info['file_bytes'])} on disk",
+        *([f"sidecar     {info['sidecar']} ({'used by the next load' if info['sidecar'] == 'current' else 'built by the next load where the directory is writable'})"]
+          if info.get("sidecar") else []),
         "",
         "layout: "
         + f"{lay['whole']} tensors stored whole, {lay['chunked']} cut into chunks"

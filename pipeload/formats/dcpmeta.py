@@ -625,3 +625,19 @@ def _write_sidecar(path: str, blob: bytearray) -> None:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+def sidecar_state(path: str) -> str:
+    """``"absent"``, ``"current"`` (it would be used: built from this ``.metadata``, intact) or ``"stale"``
+    (another ``.metadata``'s, or damaged: it would be rebuilt)."""
+    from ..metadata import METADATA_FILE
+
+    if not os.path.lexists(os.path.join(path, SIDECAR)):
+        return "absent"
+    try:
+        with open(os.path.join(path, METADATA_FILE), "rb") as f:
+            st = os.fstat(f.fileno())
+            key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "xxh3": _digest(f)}
+    except OSError:
+        return "stale"
+    return "current" if _read_sidecar(path, key) is not None else "stale"
