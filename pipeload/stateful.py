@@ -43,6 +43,8 @@ class Expanded:
 
 def expand(state_dict: Any) -> tuple[Any, Expanded | None]:
     """(the state dict to load into or save, what to finish with, or None when it holds no Stateful)."""
+    if not isinstance(state_dict, (dict, list)):
+        return state_dict, None  # (flatten names what is wrong with it)
     done = Expanded()
     out = _expand(state_dict, done, set())
     return (state_dict, None) if out is state_dict else (out, done)
