@@ -37,3 +37,13 @@ __all__ = [
     "DistributedError",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``pipeload.dcp`` (the storage reader for ``dcp.load``) is imported on first use: it pulls in
+    torch.distributed.checkpoint, which a plain load does not need."""
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

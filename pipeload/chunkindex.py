@@ -81,11 +81,23 @@ def build_arrays(names: list[str], tensors: Mapping, files: list[str]) -> dict[s
 class ChunkIndex:
     """A mapped index file; arrays are zero-copy views of the mapping."""
 
-    def __init__(self, path: str, n_tensors: int, n_files: int, data: bytes | None = None):
+    def __init__(self, path: str, n_tensors: int, n_files: int, data: bytes | None = None,
+                 arrays: dict[str, np.ndarray] | None = None, checksums: bool = True):
+        """``arrays``: the arrays themselves (a foreign layout's table, :mod:`pipeload.formats.table`);
+        ``checksums=False``: the layout records none (``chunk_checksum`` is ignored, chunks carry "")."""
         self.path = path
         self._file = None
+        self.checksums = checksums
         a = {}
-        if data is not None:  # the whole file, read once by rank 0 and sent with .metadata
+        if arrays is not None:
+            for name, (_, np_dtype) in ARRAYS.items():
+                arr = arrays.get(name)
+                if name == "chunk_checksum" and arr is None and not checksums:
+                    arr = np.broadcast_to(np.uint64(0), arrays["chunk_file"].shape)
+                if arr is None or arr.dtype != np_dtype:
+                    raise CheckpointFormatError(f"{path}: chunk table has no {np.dtype(np_dtype)} array {name!r}")
+                a[name] = arr
+        elif data is not None:  # the whole file, read once by rank 0 and sent with .metadata
             try:
                 from safetensors.numpy import load
 
@@ -185,7 +197,7 @@ class ChunkIndex:
         for o, n, f, s in zip(offs, lens, fls, sums):
             o, n = tuple(o), tuple(n)
             key = chunk_key(fqn, o, n == shape)
-            out.append(ChunkMeta(o, n, files[f], key, f"{s:016x}"))
+            out.append(ChunkMeta(o, n, files[f], key, f"{s:016x}" if self.checksums else ""))
         return out
 
     def exact(self, tensors: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -284,7 +296,7 @@ class ChunkIndex:
         for h in hits:
             o, n = tuple(off[h][:ndim]), tuple(ln[h][:ndim])
             key = chunk_key(fqn, o, n == shape)
-            found.append(ChunkMeta(o, n, files[fl[h]], key, f"{int(sums[h]):016x}"))
+            found.append(ChunkMeta(o, n, files[fl[h]], key, f"{int(sums[h]):016x}" if self.checksums else ""))
         if len(found) > 1 and _any_overlap([(c.offsets, c.lengths) for c in found]):
             raise CheckpointFormatError(f"{self.path}: tensor {fqn!r}: chunks overlap")
         return found

@@ -126,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=int, default=3, help="ranks whose planning runs (default 3: first, middle, last)")
     s.add_argument("--no-memory", action="store_true", help="skip the second, memory-traced pass")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--format", choices=["pipeload", "dcp", "hf"], default="pipeload",
+                   help="layout of the simulated checkpoint's metadata: pipeload's (default), torch DCP's pickled "
+                   ".metadata, or Hugging Face's index and headers; dcp and hf also report rank 0's decode")
     return p
 
 
@@ -134,7 +137,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
     res = simulate(args.world, args.layout, optim=args.optim, samples=args.samples, memory=not args.no_memory,
-                   log=log)
+                   log=log, format=args.format)
     print(json.dumps(res, indent=2) if args.json else format_result(res))
     return 0 if res["plans_identical"] else 1
 
@@ -193,6 +196,8 @@ def format_inspect(info: dict[str, Any], objects: bool = False) -> str:
         f"tensors     {info['tensors']} in {info['chunks']} chunks, {_size(info['tensor_bytes'])}",
         f"objects     {info['objects']}, {_size(info['object_bytes'])}",
         f"files       {len(info['files'])}, {_size(info['file_bytes'])} on disk",
+        *([f"sidecar     {info['sidecar']} ({'used by the next load' if info['sidecar'] == 'current' else 'built by the next load where the directory is writable'})"]
+          if info.get("sidecar") else []),
         "",
         "layout: "
         + f"{lay['whole']} tensors stored whole, {lay['chunked']} cut into chunks"

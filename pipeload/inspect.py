@@ -15,7 +15,7 @@ from typing import Any
 from . import storage
 from .errors import CheckpointFormatError
 from .errors import TensorNotFoundError
-from .formats import open_checkpoint
+from .formats import detect, open_checkpoint
 from .metadata import dtype_itemsize, resolve_inside
 
 
@@ -39,9 +39,16 @@ def inspect_checkpoint(path: str | os.PathLike, format: str | None = None,
     file is missing), ``dtypes`` (per dtype: tensors, bytes), ``layout`` (tensors stored whole vs cut
     into chunks, by chunk count and by the dims they are cut along), ``largest`` (the 5 biggest
     tensors), ``object_list`` (every object: fqn, file, bytes), ``format`` (pipeload, dcp, hf) and
-    ``file_metadata`` (HF: each file's safetensors ``__metadata__``).
+    ``file_metadata`` (HF: each file's safetensors ``__metadata__``), ``sidecar`` (DCP: the chunk-table
+    sidecar as this call found it: absent, current or stale; reading the checkpoint may then write it).
     """
-    ckpt = open_checkpoint(_configured(path, storage_options), format)
+    path = _configured(path, storage_options)
+    sidecar = None
+    if not storage.is_url(path) and (format or detect(os.fspath(path))) == "dcp":
+        from .formats.dcpmeta import sidecar_state
+
+        sidecar = sidecar_state(os.fspath(path))
+    ckpt = open_checkpoint(path, format)
     directory, md = ckpt.root, ckpt.metadata
     per_file: dict[str, dict[str, Any]] = defaultdict(lambda: {"chunks": 0, "objects": 0, "payload_bytes": 0})
     dtypes: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
@@ -84,6 +91,7 @@ def inspect_checkpoint(path: str | os.PathLike, format: str | None = None,
         "path": os.fspath(path),
         "format": ckpt.format,
         "file_metadata": ckpt.file_metadata,
+        "sidecar": sidecar,
         "save_id": md.save_id,
         "world_size": md.world_size,
         "version": md.version,

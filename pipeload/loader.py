@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import plancache
+from . import plancache, stateful
 from ._busy import Guard
 from ._gcpause import paused_gc
 from .comm import Comm
@@ -131,8 +131,11 @@ def _progress_bar(enabled: bool, rank: int, total: int):
 
 async def load_async(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
     """Fill ``state_dict`` in place from ``checkpoint_dir``; see :func:`load` for the options."""
+    state_dict, stateful_values = stateful.expand(state_dict)  # Stateful values: pipeload/stateful.py
     with paused_gc(), Guard() as guard:
-        return await _load(state_dict, checkpoint_dir, guard, **options)
+        stats = await _load(state_dict, checkpoint_dir, guard, **options)
+    stateful.finish(stateful_values)  # only after a successful load
+    return stats
 
 
 @dataclass
@@ -666,7 +669,10 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
     The checkpoint may be pipeload's own, torch.distributed.checkpoint's, or Hugging Face safetensors
     (``format``); all load through the same plan, broadcasts and errors.
 
-    Tensors and DTensor local shards are copied into; Python objects are replaced in their containers.
+    Tensors and DTensor local shards are copied into; Python objects are replaced in their containers. A
+    ``Stateful`` value (``state_dict()``/``load_state_dict()``: a model, an optimizer, a wrapper of both)
+    at any depth is loaded as torch.distributed.checkpoint does: its ``state_dict()`` is loaded into, then
+    its ``load_state_dict()`` called with it, only when the load succeeded (:mod:`pipeload.stateful`).
     Each shard held by several ranks is read from storage once and broadcast to the others while the
     next shards are read. Returns this rank's :class:`LoadStats`.
 

@@ -193,6 +193,10 @@ class Metadata:
         sums = t.index.a["chunk_checksum"][r].astype(">u8").tobytes().hex()
         names = t.files
         out: list = [None] * len(rows)
+        if not t.index.checksums:  # a foreign layout: none recorded
+            for j, f in zip(np.flatnonzero(hit).tolist(), files):
+                out[j] = (names[f], "")
+            return out
         for k, (j, f) in enumerate(zip(np.flatnonzero(hit).tolist(), files)):
             out[j] = (names[f], sums[16 * k : 16 * k + 16])
         return out

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import balance, storage
+from . import balance, stateful, storage
 from ._busy import Guard
 from ._gcpause import paused_gc
 from .checksum import checksum, hasher
@@ -396,6 +396,7 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     written; a failed write raises :class:`DistributedError` on every rank and leaves no new loadable
     checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads).
     """
+    state_dict = stateful.expand(state_dict)[0]  # a Stateful value is saved as its state_dict()
     check_top(state_dict)
     directory = os.fspath(checkpoint_dir)
     storage.configure(directory, storage_options)  # s3:// and other URLs (see pipeload.load)

@@ -245,12 +245,18 @@ class Layout:
             f.write(md.to_json_v2(index))
         return sum(os.path.getsize(os.path.join(directory, n)) for n in (index, METADATA_FILE))
 
-    def record(self, rank: int, width: int) -> bytes:
-        """The record ``rank`` would send, encoded from its boxes by the loader's own encoder."""
+    def record(self, rank: int, width: int, affinity: bool = False) -> bytes:
+        """The record ``rank`` would send, encoded from its boxes by the loader's own encoder; ``affinity``:
+        with each shard's writer rank (a DCP checkpoint's files name it: :func:`pipeload.simforeign.writer`)."""
         bx = self.boxes(rank)
+        aff = None
+        if affinity:
+            from .simforeign import writer
+
+            aff = [writer(self, t, rank) for t, _, _ in bx]
         return encode_record([self.index[t.fqn] for t, _, _ in bx], [True] * len(bx),
                              padded([tuple(o) for _, o, _ in bx], width), padded([tuple(ln) for _, _, ln in bx], width),
-                             [self.index[o] for o in self.objects], width)
+                             [self.index[o] for o in self.objects], width, aff)
 
     def state_dict(self, rank: int) -> tuple[dict, dict[str, Box]]:
         """``rank``'s state dict (meta tensors of the local shapes) and the box of each tensor fqn."""
@@ -449,7 +455,8 @@ class _Phases:
         self.last = now
 
 
-def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, phases: _Phases, state, keys=None):
+def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, phases: _Phases, state, keys=None,
+               open_ckpt=None):
     """One rank's path from the start of load() to its first data read; returns (plan, exchange).
 
     ``state``: the rank's (state dict, boxes) from :meth:`Layout.state_dict`, built before the clock
@@ -457,11 +464,16 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
     load_async() pauses it for all of this.
     """
     with paused_gc():
-        md = Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory), directory=directory)
+        writer_of = None
+        if open_ckpt is None:
+            md = Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory), directory=directory)
+        else:  # a foreign layout (pipeload.simforeign): from the bytes rank 0 broadcasts
+            ckpt = open_ckpt()
+            md, writer_of = ckpt.metadata, ckpt.writer_of
         phases.lap("metadata")
         sd, boxes = state
         leaves = flatten(sd)
-        plan = local_plan(leaves, md, lambda t: True, box_of=lambda fqn, v, cache: boxes[fqn])
+        plan = local_plan(leaves, md, lambda t: True, box_of=lambda fqn, v, cache: boxes[fqn], writer_of=writer_of)
         if plan.problems:
             raise AssertionError(f"rank {rank}: local plan problems: {plan.problems[:3]}")
         names = list(fqn_index(md))
@@ -476,38 +488,48 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
     return gp, ex, len(plan.shards)
 
 
-def _world_rows(lay: Layout, width: int) -> tuple[np.ndarray, Classes, list[bytes]]:
-    """Every rank's exchange row, the classes, and each class's record (encoded once per class)."""
+def _world_rows(lay: Layout, width: int, dcp_writers: bool = False,
+                save_id: str = SAVE_ID) -> tuple[np.ndarray, Classes, list[bytes]]:
+    """Every rank's exchange row, the classes, and each class's record (encoded once per class;
+    ``dcp_writers``: with the writer affinity a DCP checkpoint's file names give)."""
     world = lay.world
     keys = [lay.class_of(r) for r in range(world)]
     rep: dict[tuple, int] = {}
     for r, k in enumerate(keys):
         rep.setdefault(k, r)
-    rec_of = {k: lay.record(r, width) for k, r in rep.items()}
+    rec_of = {k: lay.record(r, width, dcp_writers) for k, r in rep.items()}
     digest_of = {k: record_digest(rec) for k, rec in rec_of.items()}
     group_cache: dict = {}
     host = [hash64(f"host-{r // GPUS_PER_HOST}".encode()) for r in range(0, world, GPUS_PER_HOST)]
     rows = np.zeros((world, 16), dtype=np.int64)
     for r in range(world):
-        rows[r] = make_row(record=rec_of[keys[r]], save_id=SAVE_ID, problems=False, host=host[r // GPUS_PER_HOST],
+        rows[r] = make_row(record=rec_of[keys[r]], save_id=save_id, problems=False, host=host[r // GPUS_PER_HOST],
                            groups=lay.group_digests(r, group_cache), digest=digest_of[keys[r]])
     cls = classes(rows)
     return rows, cls, [rec_of[keys[int(o)]] for o in cls.owners]
 
 
 def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, memory: bool = True,
-             log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the planning path for ``samples`` ranks of a ``world``-rank load of ``layout``; a result dict."""
+             log: Callable[[str], None] | None = None, format: str = "pipeload") -> dict[str, Any]:
+    """Run the planning path for ``samples`` ranks of a ``world``-rank load of ``layout``; a result dict.
+    ``format``: the layout of the checkpoint's metadata (``dcp``, ``hf``: :mod:`pipeload.simforeign`)."""
     log = log or (lambda m: None)
     t0 = time.perf_counter()
     lay = Layout(layout, world, optim)
     tmp = tempfile.TemporaryDirectory(prefix="pipeload-simulate-")
     directory = tmp.name
-    md_bytes = lay.write_checkpoint_metadata(directory)
-    md = read_metadata(directory)
+    foreign = None
+    if format == "pipeload":
+        md_bytes = lay.write_checkpoint_metadata(directory)
+        md = read_metadata(directory)
+    else:
+        from .simforeign import prepare
+
+        foreign = prepare(lay, directory, format, memory, log)
+        md, md_bytes = foreign.md, foreign.metadata_bytes
     width = md.width()
     log(f"metadata: {len(lay.tensors)} tensors, {md_bytes / 1e6:.1f} MB (.metadata and chunk index)")
-    rows, cls, records = _world_rows(lay, width)
+    rows, cls, records = _world_rows(lay, width, foreign is not None and format == "dcp", md.save_id)
     log(f"{world} rows, {len(records)} distinct records ({sum(map(len, records)) / 1e6:.2f} MB)")
     keys = None
     if keyowners.use_key_owners(rows, cls, record_transfer(cls, world)):  # the loader's own choice
@@ -524,14 +546,15 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
         phases = _Phases()
         start = time.process_time()
         os.environ["PIPELOAD_HOST_ID"] = f"host-{rank // GPUS_PER_HOST}"
-        gp, ex, n_shards = _plan_rank(lay, directory, rows, cls, records, rank, phases, state, keys)
+        opener = foreign.open_ckpt if foreign else None
+        gp, ex, n_shards = _plan_rank(lay, directory, rows, cls, records, rank, phases, state, keys, opener)
         cpu = time.process_time() - start
         peak = None
         if memory:
             del gp
             gc.collect()
             tracemalloc.start()
-            gp2, _, _ = _plan_rank(lay, directory, rows, cls, records, rank, _Phases(), state, keys)
+            gp2, _, _ = _plan_rank(lay, directory, rows, cls, records, rank, _Phases(), state, keys, opener)
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
             gp = gp2
@@ -556,7 +579,7 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     tmp.cleanup()
     phases = {k: max(r["phases"].get(k, 0.0) for r in results) for k in results[0]["phases"]}
     return {
-        "layout": layout, "world": world, "optim": optim,
+        "layout": layout, "world": world, "optim": optim, "format": format, **(foreign.result if foreign else {}),
         "tensors": len(lay.tensors), "shards_per_rank": max(r["shards"] for r in results),
         "distinct_records": len(records), "metadata_bytes": md_bytes,
         "sampled_ranks": sampled,
@@ -603,7 +626,8 @@ def _orders_agree(op_lists: list[list]) -> bool:
 
 def format_result(res: dict[str, Any]) -> str:
     lines = [
-        f"layout {res['layout']}{' + optimizer' if res['optim'] else ''}, W = {res['world']}: "
+        f"layout {res['layout']}{' + optimizer' if res['optim'] else ''}, W = {res['world']}"
+        f"{'' if res.get('format', 'pipeload') == 'pipeload' else ', ' + res['format'] + ' metadata'}: "
         f"{res['tensors']} tensors, {res['shards_per_rank']} shards per rank, "
         f"{res['distinct_records']} distinct records, metadata {res['metadata_bytes'] / 1e6:.1f} MB",
         f"  per-rank CPU        {res['per_rank_cpu_s']:.3f} s (max over ranks {res['sampled_ranks']})",
@@ -620,4 +644,11 @@ def format_result(res: dict[str, Any]) -> str:
         f"  exchange path       {res['exchange_path']}",
         "  phases (s, max)     " + ", ".join(f"{k} {v:.3f}" for k, v in res["phases"].items()),
     ]
+    if res.get("format", "pipeload") != "pipeload":  # rank 0 decodes the foreign metadata for everyone
+        peak = res.get("rank0_peak_mb")
+        lines.insert(1, f"  rank 0 decode       {res['rank0_decode_s']:.3f} s, peak "
+                        f"{'-' if peak is None else f'{peak:.1f} MB'} (plain pickle.loads of the metadata "
+                        f"{res['rank0_pickle_loads_s']:.3f} s)"
+                        + (f"; with the sidecar {res['rank0_sidecar_s']:.3f} s" if "rank0_sidecar_s" in res else "")
+                        + f"; broadcast {res['broadcast_bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)

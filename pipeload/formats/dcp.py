@@ -15,8 +15,10 @@ A checkpoint is a pickled ``.metadata`` (``torch.distributed.checkpoint.metadata
 
 ``.metadata`` itself is untrusted input: it is unpickled with an allow-list of the DCP metadata
 classes and the few types they hold (torch.Size, dtypes, layouts, pathlib paths, containers). Any
-other global is refused with a CheckpointFormatError naming it; no code from the file runs.
-DCP records no checksums.
+other global is refused with a CheckpointFormatError naming it; no code from the file runs. Only the rank
+that reads it unpickles it, into a chunk table (:mod:`pipeload.formats.dcpmeta`, kept beside the
+checkpoint as a sidecar when the directory is writable); the other ranks receive the table and look
+their boxes up in it. DCP records no checksums.
 """
 
 from __future__ import annotations
@@ -35,16 +37,7 @@ import torch
 
 from ..storage import is_url, open_raw, read_bytes
 from ..errors import CheckpointFormatError, TensorNotFoundError
-from ..metadata import (
-    METADATA_FILE,
-    OBJECT_ENCODING,
-    ChunkMeta,
-    Metadata,
-    ObjectMeta,
-    TensorMeta,
-    dtype_name,
-    plain_file_name,
-)
+from ..metadata import METADATA_FILE
 from ..metadata import chunk_key as metadata_chunk_key
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
@@ -75,8 +68,9 @@ _ALLOWED = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, source: str):
-        super().__init__(io.BytesIO(data))
+    def __init__(self, data, source: str):
+        """``data``: the pickle's bytes, or a binary file positioned at its start."""
+        super().__init__(io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data)
         self.source = source
 
     def find_class(self, module: str, name: str) -> Any:
@@ -93,15 +87,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointFormatError(f"{self.source}: unexpected persistent id in the metadata pickle")
 
 
-def read_payload(path: str) -> bytes:
+def read_payload(path: str) -> bytes | bytearray:
+    """Rank 0's part: the checkpoint's chunk table (:mod:`pipeload.formats.dcpmeta`), from the sidecar
+    or decoded from the pickle; what every other rank receives instead of the pickle. In object storage
+    the pickle is fetched in one GET and decoded (no sidecar is kept there)."""
+    from .dcpmeta import read_table, table_of_pickle
+
+    if not is_url(path):
+        return read_table(path, _MetadataUnpickler)
     md_path = os.path.join(path, METADATA_FILE)
     try:
-        if is_url(path):
-            return read_bytes(md_path, 1 << 30)
-        with open(md_path, "rb") as f:
-            return f.read()
+        data = read_bytes(md_path, 1 << 30)
     except OSError as e:
         raise CheckpointFormatError(f"{md_path}: cannot read metadata ({e.strerror or e})") from None
+    return table_of_pickle(data, md_path, _MetadataUnpickler)
 
 
 def load_dcp_metadata(data: bytes, source: str) -> Any:
@@ -124,55 +123,12 @@ def chunk_key(fqn: str, offsets: tuple[int, ...]) -> str:
     return metadata_chunk_key(fqn, offsets, False)
 
 
-def from_payload(path: str, data: bytes):
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+def from_payload(path: str, data):
+    """(root, Metadata, opener, file metadata) of the table rank 0 sent, viewed in place on this rank."""
+    from .dcpmeta import open_table
 
-    source = os.path.join(path, METADATA_FILE)
-    dmd = load_dcp_metadata(data, source)
-    storage: dict[tuple, Any] = {}
-    for idx, info in (dmd.storage_data or {}).items():
-        storage[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = info
-    sid = getattr(getattr(dmd, "storage_meta", None), "save_id", None)
-    md = Metadata(save_id=str(sid or ""), world_size=0)
-    items: dict[tuple[str, str], tuple] = {}  # (file, key) -> (kind, dtype, lengths, offset, length, transforms)
-    files: dict[Any, str] = {}  # relative_path -> the checked file name (a checkpoint has a few files)
-
-    def where_of(fqn: str, offsets) -> tuple[str, int, int, tuple]:
-        info = storage.get((fqn, offsets))
-        if info is None:
-            raise CheckpointFormatError(f"{source}: no storage entry for {fqn!r} at {list(offsets or [])}")
-        rel = getattr(info, "relative_path", None)
-        f = files.get(rel) if type(rel) is str else None
-        if f is None:
-            f = plain_file_name(rel, f"{source}: {fqn!r}")
-            files[rel] = f
-        off, ln = getattr(info, "offset", None), getattr(info, "length", None)
-        if type(off) is not int or type(ln) is not int or off < 0 or ln < 0:
-            raise CheckpointFormatError(f"{source}: {fqn!r} has a bad byte range ({off!r}, {ln!r})")
-        return f, off, ln, tuple(getattr(info, "transform_descriptors", None) or ())
-
-    for fqn, m in dmd.state_dict_metadata.items():
-        if isinstance(m, BytesStorageMetadata):
-            f, off, ln, tr = where_of(fqn, None)
-            md.objects[fqn] = ObjectMeta(f, fqn, ln, "", OBJECT_ENCODING)
-            items[(f, fqn)] = ("object", "U8", (ln,), off, ln, tr)
-        elif isinstance(m, TensorStorageMetadata):
-            try:
-                dtype = dtype_name(m.properties.dtype)
-            except KeyError:
-                raise CheckpointFormatError(f"{source}: tensor {fqn!r} has dtype {m.properties.dtype}, which safetensors names do not cover") from None
-            chunks = []
-            for c in m.chunks:
-                offsets, lengths = tuple(map(int, c.offsets)), tuple(map(int, c.sizes))
-                f, off, ln, tr = where_of(fqn, offsets)
-                key = chunk_key(fqn, offsets)
-                items[(f, key)] = ("tensor", dtype, lengths, off, ln, tr)
-                chunks.append(ChunkMeta(offsets, lengths, f, key, ""))
-            md.tensors[fqn] = TensorMeta(dtype, tuple(map(int, m.size)), tuple(chunks))
-        else:
-            raise CheckpointFormatError(f"{source}: {fqn!r} has unknown metadata {type(m).__name__}")
-    md.validate_geometry(source)
-    return path, md, _Opener(items), {}
+    md, opener = open_table(data, os.path.join(path, METADATA_FILE))
+    return path, md, opener, {}
 
 
 _WRITER = re.compile(r"__(\d+)_\d+\.distcp")
@@ -182,18 +138,6 @@ def writer_of(file: str) -> int:
     """The rank that wrote a ``.distcp`` file (FileSystemWriter names them ``__<rank>_<i>.distcp``), or -1."""
     m = _WRITER.fullmatch(file)
     return int(m.group(1)) if m else -1
-
-
-class _Opener:
-    """FileCache opener: a ``.distcp`` path -> a DistcpFile that knows the items stored in it."""
-
-    def __init__(self, items: dict[tuple[str, str], tuple]):
-        self.by_file: dict[str, dict[str, tuple]] = collections.defaultdict(dict)
-        for (f, key), v in items.items():
-            self.by_file[f][key] = v
-
-    def __call__(self, path: str) -> "DistcpFile":
-        return DistcpFile(path, self.by_file.get(os.path.basename(path), {}))
 
 
 # -- torch.save blobs ----------------------------------------------------------------------------------

@@ -40,8 +40,14 @@ def is_hf_dir(path: str) -> bool:
     return INDEX_FILE in names or any(n.endswith(SUFFIX) and not DATA_FILE_RE.match(n) for n in names)
 
 
-def read_payload(path: str) -> dict[str, Any]:
-    """Root, index and every referenced file's header, as plain data (read once, sent to all)."""
+def read_payload(path: str):
+    """The chunk table (:mod:`pipeload.formats.table`) of the checkpoint, decoded here from its index and
+    headers: what every other rank receives."""
+    return table_of(read_raw(path), path)
+
+
+def read_raw(path: str) -> dict[str, Any]:
+    """Root, index and every referenced file's header, as plain data (the reads of :func:`read_payload`)."""
     weight_map = None
     if (path.endswith(SUFFIX) and is_url(path)) or os.path.isfile(path):
         root, files = _root(path, True), [os.path.basename(path)]
@@ -102,8 +108,8 @@ def _root(path: str, single: bool) -> str:
     return (os.path.dirname(path) or ".") if single else path
 
 
-def from_payload(path: str, data: dict[str, Any]):
-    """(root, Metadata, opener, file metadata) of the checkpoint at ``path`` (this rank's copy)."""
+def _decode_raw(path: str, data: dict[str, Any]):
+    """(root, Metadata with every chunk, file metadata) of what :func:`read_raw` read."""
     root, weight_map, headers = _root(path, data["single"]), data["weight_map"], data["headers"]
     parts: dict[str, list[tuple[str, tuple[int, ...], ChunkMeta]]] = {}
     file_metadata: dict[str, dict[str, str]] = {}
@@ -155,4 +161,86 @@ def from_payload(path: str, data: dict[str, Any]):
         if problem:
             raise CheckpointFormatError(f"{path}: tensor {key!r}: {problem}")
         md.tensors[key] = TensorMeta(dtypes.pop(), shape, metas)
-    return root, md, None, file_metadata
+    return root, md, file_metadata
+
+
+def table_of(raw: dict[str, Any], path: str):
+    """The table blob of what :func:`read_raw` read: tensors sorted by name, their chunks, the files."""
+    import numpy as np
+
+    from ..chunkindex import build_arrays
+    from . import table
+
+    _, md, file_metadata = _decode_raw(path, raw)
+    names = sorted(md.tensors)
+    files = md.files
+    arrays = build_arrays(names, {n: md.tensors[n]._replace(chunks=tuple(c._replace(checksum="0" * 16)
+                                                                          for c in md.tensors[n].chunks))
+                                  for n in names}, files)
+    del arrays["chunk_checksum"]
+    partial = {n: [list(c.offsets) for c in md.tensors[n].chunks] for n in names
+               if any(c.lengths != md.tensors[n].shape for c in md.tensors[n].chunks)}
+    facts = {"layout": "hf", "single": bool(raw["single"]), "names": names,
+             "dtypes": [md.tensors[n].dtype for n in names], "ndims": [len(md.tensors[n].shape) for n in names],
+             "files": files, "file_metadata": file_metadata, "partial": partial}
+    return table.encode({k: np.asarray(v) for k, v in arrays.items()}, facts)
+
+
+def from_payload(path: str, blob):
+    """(root, Metadata, opener, file metadata) of the table rank 0 sent, viewed in place on this rank."""
+    from ..chunkindex import ChunkIndex, IndexedTensors
+    from . import table
+
+    source = os.path.join(path, INDEX_FILE) if not os.path.isfile(path) else path
+    arrays, facts = table.decode(blob, source)
+    if facts.get("layout") != "hf" or type(facts.get("single")) is not bool:
+        raise CheckpointFormatError(f"{source}: not a Hugging Face table")
+    names = table.str_list(facts.get("names"), "names", source)
+    dtypes = table.str_list(facts.get("dtypes"), "dtypes", source)
+    files = [plain_file_name(f, f"{source}: files") for f in table.str_list(facts.get("files"), "files", source)]
+    ndims, partial, file_metadata = facts.get("ndims"), facts.get("partial"), facts.get("file_metadata")
+    if type(ndims) is not list or type(partial) is not dict or type(file_metadata) is not dict:
+        raise CheckpointFormatError(f"{source}: table facts are malformed")
+    idx = ChunkIndex(source, len(names), len(files), arrays=arrays, checksums=False)
+    md = Metadata(save_id="", world_size=0)
+    md.tensors = IndexedTensors(idx, names, dtypes, ndims, files)
+    md.index_file, md.data_files = INDEX_FILE, files
+    opener = _Stored(partial) if partial else None
+    return _root(path, facts["single"]), md, opener, file_metadata
+
+
+class _Stored:
+    """Opener for files holding parts of a tensor (``saved_offsets``): a chunk's key ``name@offsets``
+    (the engine's name of a part) is the file's tensor ``name``."""
+
+    def __init__(self, partial: dict):
+        from ..metadata import chunk_key
+
+        self.stored = {chunk_key(n, tuple(o), False): n for n, offs in partial.items() for o in offs}
+
+    def __call__(self, path: str):
+        from .._fastio import SafetensorsFile
+
+        return _Renamed(SafetensorsFile(path), self.stored)
+
+
+class _Renamed:
+    """A SafetensorsFile whose tensors are also found by the engine's chunk keys."""
+
+    def __init__(self, f, stored: dict):
+        self._f, self._stored = f, stored
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def entry(self, key):
+        return self._f.entry(self._stored.get(key, key))
+
+    def buffer(self, key):
+        return self._f.buffer(self._stored.get(key, key))
+
+    def copy_box(self, key, *args, **kwargs):
+        return self._f.copy_box(self._stored.get(key, key), *args, **kwargs)
+
+    def willneed_tensors(self, keys, *args, **kwargs):
+        return self._f.willneed_tensors([self._stored.get(k, k) for k in keys], *args, **kwargs)
