@@ -31,6 +31,7 @@ import re
 import uuid
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -407,8 +408,43 @@ def _save(state_dict: dict, directory: str, comm: Comm, guard: Guard, contended:
           lock: list[int]) -> None:
     """``contended``: why this rank must not save (see _busy.py), carried into the first gather.
 
-    Rank 0 takes the directory's lock after validation, before anything is written; the lock's fd
-    is appended to ``lock`` for the caller to release.
+    The three phases run in this order on every rank, each issuing its collectives in the same
+    order everywhere. Rank 0 takes the directory's lock in :func:`write_phase`, after validation and
+    before anything is written; its fd lands in ``lock`` for the caller to release.
+    """
+    plan = plan_phase(state_dict, directory, comm, contended)
+    plan.locks = lock
+    error, sums = write_phase(plan, directory, comm)
+    error = error or guard.late(comm)  # an operation overlapped this one: nothing may be committed
+    commit_phase(plan, directory, comm, error, sums)
+
+
+@dataclass
+class SavePlan:
+    """What one rank writes and what the commit needs, decided identically on every rank.
+
+    ``items`` are this rank's owned entries in write order, each ``(storage key, dtype, shape, tensor
+    or bytes)``: tensors first (sorted by key), then Python objects. ``tensors`` is the global table
+    ``{fqn: (dtype, global shape)}``; ``owners`` maps every chunk/object key to its writer rank and
+    ``object_sizes`` ``{(rank, fqn): nbytes}`` the serialised objects every rank holds. ``locks``
+    collects rank 0's directory lock fd for the caller to release.
+    """
+
+    save_id: str
+    rank: int
+    file: str
+    items: list[tuple[str, str, tuple[int, ...], Any]]
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    owners: dict[tuple, int]
+    object_sizes: dict[tuple[int, str], int]
+    locks: list[int] = field(default_factory=list)
+
+
+def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | None) -> SavePlan:
+    """Validate and plan; no I/O. Any rank's problem raises :class:`StateDictError` on every rank.
+
+    One collective (the plans' all-gather, carrying rank 0's fresh save id). ``contended`` is this
+    rank's reason not to save, reported like a problem of its state dict.
     """
     entries: list[tuple] = []
     payload: dict = {}
@@ -427,60 +463,64 @@ def _save(state_dict: dict, directory: str, comm: Comm, guard: Guard, contended:
     owners, tensors, plan_problems = plan_save([g[1] for g in gathered])
     if plan_problems:
         raise StateDictError("pipeload.save: ranks disagree about the state dict", plan_problems)
-
-    # Write this rank's file. Failures are carried to the agreement below, never raised alone.
     mine = sorted((k for k, r in owners.items() if r == comm.rank), key=lambda k: (k[0] == "o", k))
-    name = data_file_name(save_id, comm.rank)
-    path = os.path.join(directory, name)
+    items = []
+    for k in mine:
+        if k[0] == "t":
+            dtype, shape = tensors[k[1]]
+            items.append((chunk_key(k[1], k[2], k[3] == shape), dtype, k[3], payload[k]))
+        else:
+            data = payload[k]
+            items.append((object_key(k[1]), "U8", (len(data),), data))
+    object_sizes = {(r, e[1]): e[2] for r, g in enumerate(gathered) for e in g[1] if e[0] == "o"}
+    return SavePlan(save_id, comm.rank, data_file_name(save_id, comm.rank), items, tensors, owners,
+                    object_sizes)
+
+
+def write_phase(plan: SavePlan, directory: str, comm: Comm) -> tuple[str | None, dict[str, str]]:
+    """Write this rank's file durably; ``(error or None, {storage key: checksum})``. No collective.
+
+    Failures are returned, never raised: the commit's agreement makes every rank raise together.
+    Rank 0 takes the directory's lock here (its fd goes to ``plan.locks``).
+    """
+    path = os.path.join(directory, plan.file)
     error, sums = None, {}
     if comm.rank == 0:
         fd, error = _lock_directory(directory)
-        lock += [fd] if fd is not None else []
+        plan.locks += [fd] if fd is not None else []
     try:
         os.makedirs(directory, exist_ok=True)  # every rank: rank 0 commits even when it writes no data
     except OSError as e:
         error = error or f"creating {directory}: {_error_text(e)}"
-    if mine and error is None:
-        items = []
-        for k in mine:
-            if k[0] == "t":
-                dtype, shape = tensors[k[1]]
-                items.append((chunk_key(k[1], k[2], k[3] == shape), dtype, k[3], payload[k]))
-            else:
-                data = payload[k]
-                items.append((object_key(k[1]), "U8", (len(data),), data))
+    if plan.items and error is None:
         try:
-            sums = _write_file(path, save_id, items)
+            sums = _write_file(path, plan.save_id, plan.items)
             _fsync_dir(directory)
         except Exception as e:  # noqa: BLE001
             error = f"writing {path}: {_error_text(e)}"
-    error = error or guard.late(comm)  # an operation overlapped this one: nothing may be committed
+    return error, sums
+
+
+def _remove_own_file(plan: SavePlan, directory: str) -> None:
+    if plan.items:
+        try:
+            os.unlink(os.path.join(directory, plan.file))
+        except OSError:
+            pass
+
+
+def commit_phase(plan: SavePlan, directory: str, comm: Comm, error: str | None, sums: dict[str, str]) -> None:
+    """Agree on the writes, then rank 0 commits; every rank raises if any rank failed.
+
+    Two collectives: the results' all-gather and the commit's agreement. A failure before the
+    commit removes this rank's file, so no new checkpoint is left behind.
+    """
     results = comm.all_gather_object((error, sums), "pipeload.save")
     failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
     if failures:
-        if mine:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        _remove_own_file(plan, directory)
         raise DistributedError("pipeload.save", failures)
-
-    md = Metadata(save_id=save_id, world_size=comm.size)
-    all_sums = [s for _, s in results]
-    chunks: dict[str, list[ChunkMeta]] = defaultdict(list)
-    object_sizes = {(r, e[1]): e[2] for r, g in enumerate(gathered) for e in g[1] if e[0] == "o"}
-    for key, owner in owners.items():
-        fname = data_file_name(save_id, owner)
-        if key[0] == "t":
-            _, fqn, offsets, lengths = key
-            skey = chunk_key(fqn, offsets, lengths == tensors[fqn][1])
-            chunks[fqn].append(ChunkMeta(offsets, lengths, fname, skey, all_sums[owner][skey]))
-        else:
-            okey = object_key(key[1])
-            md.objects[key[1]] = ObjectMeta(fname, okey, object_sizes[owner, key[1]], all_sums[owner][okey])
-    for fqn, cs in chunks.items():
-        dtype, shape = tensors[fqn]
-        md.tensors[fqn] = TensorMeta(dtype, shape, tuple(sorted(cs, key=lambda c: c.offsets)))
+    md = _metadata(plan, [s for _, s in results], comm.size)
     error = None
     if comm.rank == 0:
         try:
@@ -490,8 +530,25 @@ def _save(state_dict: dict, directory: str, comm: Comm, guard: Guard, contended:
     try:
         comm.agree("pipeload.save", error)
     except DistributedError:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        _remove_own_file(plan, directory)
         raise
+
+
+def _metadata(plan: SavePlan, all_sums: list[dict[str, str]], world: int) -> Metadata:
+    """The checkpoint's :class:`Metadata` from the plan and every rank's checksums."""
+    md = Metadata(save_id=plan.save_id, world_size=world)
+    tensors = plan.tensors
+    chunks: dict[str, list[ChunkMeta]] = defaultdict(list)
+    for key, owner in plan.owners.items():
+        fname = data_file_name(plan.save_id, owner)
+        if key[0] == "t":
+            _, fqn, offsets, lengths = key
+            skey = chunk_key(fqn, offsets, lengths == tensors[fqn][1])
+            chunks[fqn].append(ChunkMeta(offsets, lengths, fname, skey, all_sums[owner][skey]))
+        else:
+            okey = object_key(key[1])
+            md.objects[key[1]] = ObjectMeta(fname, okey, plan.object_sizes[owner, key[1]], all_sums[owner][okey])
+    for fqn, cs in chunks.items():
+        dtype, shape = tensors[fqn]
+        md.tensors[fqn] = TensorMeta(dtype, shape, tuple(sorted(cs, key=lambda c: c.offsets)))
+    return md
