@@ -59,7 +59,7 @@ def _silent_peers(comm: "Comm") -> str:
         import hashlib
         import time
 
-        group = hashlib.sha1(",".join(map(str, comm.global_ranks)).encode()).hexdigest()[:16]
+        group = hashlib.sha1((comm.probe_tag + ",".join(map(str, comm.global_ranks))).encode()).hexdigest()[:16]
         gen = _probes[group] = _probes.get(group, 0) + 1
         prefix = f"pipeload/alive/{group}/{gen}/"
         me = dist.get_rank()
@@ -75,6 +75,7 @@ def _silent_peers(comm: "Comm") -> str:
             return (f"; {comm.size - arrived} of the group's {comm.size} ranks stopped answering (dead, or "
                     f"stuck outside this call)")
         silent = [r for r, g in enumerate(comm.global_ranks) if g != me and not store.check([prefix + str(g)])]
+        comm.silent_ranks = silent
         if not silent:
             return ""
         return f"; rank(s) {', '.join(map(str, silent))} stopped answering (dead, or stuck outside this call)"
@@ -97,6 +98,8 @@ class Comm:
             self.timeout = timedelta(seconds=float(timeout or 1800))
             return
         self._silent: str | None = None
+        self.silent_ranks: list[int] = []  # filled by the probe after a failed collective
+        self.probe_tag = ""  # sets apart the probes of two groups of the same ranks (a save's own group)
         self.pg = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.pg)
         if self.rank < 0:
