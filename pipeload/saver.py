@@ -32,7 +32,7 @@ import uuid
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -236,8 +236,14 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, ...], Any]]) -> dict[str, str]:
-    """Write ``items`` [(key, dtype, shape, tensor-or-bytes)] as one safetensors file; {key: checksum}."""
+def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, ...], Any]],
+                on_written: Callable[[int], None] | None = None) -> dict[str, str]:
+    """Write ``items`` [(key, dtype, shape, tensor-or-bytes)] as one safetensors file; {key: checksum}.
+
+    ``on_written(n)``, when given, is called once the first n items' bytes are in the file (or in its
+    write buffer, a copy); a background save releases its caller there. Each item is looked up only
+    when its turn comes.
+    """
     header: dict[str, Any] = {"__metadata__": {"format": "pipeload", "save_id": save_id}}
     start = 0
     sizes = []
@@ -252,7 +258,8 @@ def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, 
     with open(path, "wb", buffering=_WRITE_BUFFER) as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for (key, _, _, value), n in zip(items, sizes):
+        for i, n in enumerate(sizes):
+            key, _, _, value = items[i]
             data = memoryview(value) if isinstance(value, bytes) else _host_bytes(value)
             if data.nbytes != n:
                 raise RuntimeError(f"{key!r} changed size while being saved")
@@ -260,6 +267,9 @@ def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, 
             h.update(data)
             f.write(data)
             sums[key] = h.hexdigest()
+            del data, value
+            if on_written is not None:
+                on_written(i + 1)
         f.flush()
         os.fsync(f.fileno())
     return sums
@@ -381,7 +391,8 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=None) -> None:
+def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=None, background: bool = False,
+         staging_bytes: int | None = None):
     """Save ``state_dict`` as a pipeload checkpoint; every rank of ``process_group`` must call it.
 
     Values may be ``torch.Tensor`` (whole on this rank), ``DTensor`` (Shard/Replicate placements on any
@@ -390,9 +401,20 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     once. Bad input raises :class:`StateDictError` on every rank, naming the key, before anything is
     written; a failed write raises :class:`DistributedError` on every rank and leaves no new loadable
     checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads).
+
+    ``background=True`` returns a :class:`pipeload.background.SaveHandle` once this rank's chunks are
+    copied into staging (at most ``staging_bytes``; default all it owns): the caller may then change
+    or free every tensor; writing and the commit go on in a worker thread (see
+    :mod:`pipeload.background`). Saves on one group run one at a time: any save first waits for the
+    group's background save in flight to finish.
     """
+    from . import background as bg
+
     directory = os.fspath(checkpoint_dir)
     comm = Comm(process_group)
+    bg.wait_previous(comm)
+    if background:
+        return bg.save(state_dict, directory, comm, staging_bytes)
     with paused_gc(), Guard() as guard:
         contended = guard.enter_sync(comm, comm.size > 1, f"pipeload.save into {directory}",
                                      comm.timeout.total_seconds())
@@ -438,6 +460,7 @@ class SavePlan:
     owners: dict[tuple, int]
     object_sizes: dict[tuple[int, str], int]
     locks: list[int] = field(default_factory=list)
+    on_written: Callable[[int], None] | None = None  # see _write_file (a background save's hand-over)
 
 
 def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | None) -> SavePlan:
@@ -494,7 +517,7 @@ def write_phase(plan: SavePlan, directory: str, comm: Comm) -> tuple[str | None,
         error = error or f"creating {directory}: {_error_text(e)}"
     if plan.items and error is None:
         try:
-            sums = _write_file(path, plan.save_id, plan.items)
+            sums = _write_file(path, plan.save_id, plan.items, plan.on_written)
             _fsync_dir(directory)
         except Exception as e:  # noqa: BLE001
             error = f"writing {path}: {_error_text(e)}"
