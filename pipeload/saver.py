@@ -525,11 +525,24 @@ def write_phase(plan: SavePlan, directory: str, comm: Comm) -> tuple[str | None,
 
 
 def _remove_own_file(plan: SavePlan, directory: str) -> None:
-    if plan.items:
+    """Remove this rank's new data file after a failure, unless rank 0 already committed this save.
+
+    The final agreement can fail after the rename (a rank dying in between, likelier with a long
+    background write): the committed ``.metadata`` then names this file, which must stay.
+    """
+    if plan.items and not _committed(directory, plan.save_id):
         try:
             os.unlink(os.path.join(directory, plan.file))
         except OSError:
             pass
+
+
+def _committed(directory: str, save_id: str) -> bool:
+    try:
+        doc = json.loads(read_metadata_bytes(directory))
+    except (CheckpointFormatError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("save_id") == save_id
 
 
 def commit_phase(plan: SavePlan, directory: str, comm: Comm, error: str | None, sums: dict[str, str]) -> None:
