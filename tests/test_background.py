@@ -338,3 +338,36 @@ def test_wait_and_a_failed_write_in_one_process(tmp_path):
     got = {"w": torch.zeros(1 << 20)}
     pipeload.load(got, tmp_path / "y")  # the first save's checkpoint
     assert bool((got["w"] == 1).all())
+
+
+@pytest.mark.parametrize("staging_bytes", [None, 0, 5000])
+def test_snapshot_of_every_kind_of_tensor(tmp_path, staging_bytes):
+    """Dtypes, a non-contiguous view, a conjugate view, an empty and a 0-d tensor, a tied weight; the
+    staging bound cutting the file anywhere: the checkpoint holds the values at the call."""
+    model = nn.Linear(24, 40)
+    base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
+    sd = collections.OrderedDict(
+        model=model.state_dict(), tied=model.weight, bf16=torch.linspace(-1, 1, 77).bfloat16(),
+        mask=torch.arange(33) % 3 == 0, ids=torch.arange(19, dtype=torch.int64) * 2**40,
+        strided=base.t(), conj=torch.complex(torch.arange(5.0), torch.ones(5)).conj(), empty=torch.empty(0, 3),
+        scalar=torch.tensor(2.5), step=11)
+    want = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items() if k != "model"}
+    want_model = {k: v.clone() for k, v in sd["model"].items()}
+    h = pipeload.save(sd, tmp_path / "k", background=True, staging_bytes=staging_bytes)
+    with torch.no_grad():
+        for v in [*sd["model"].values(), sd["bf16"], sd["ids"], base, sd["scalar"]]:
+            v.zero_()
+    h.wait(30)
+    assert h.staged_bytes <= (h.owned_bytes if staging_bytes is None else staging_bytes + 64 * 8)
+    got = {"model": {k: torch.empty_like(v) for k, v in want_model.items()},
+           **{k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in want.items()}}
+    got["strided"] = torch.empty(10, 6, dtype=torch.float64)
+    got["conj"] = torch.empty(5, dtype=torch.complex64)
+    pipeload.load(got, tmp_path / "k")
+    for k, v in want_model.items():
+        assert torch.equal(got["model"][k], v), k
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v.resolve_conj()), k
+        else:
+            assert got[k] == v, k
