@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, metavar="PNG", help="write a chart (needs matplotlib)")
     b.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (1800)")
     b.add_argument("--quiet", action="store_true", help="no progress lines")
+    b.add_argument("--save", action="store_true",
+                   help="benchmark saving instead: write and memcpy floors, pipeload.save blocking and in the "
+                   "background, dcp.save and dcp.async_save (--world, --tp, --dp, --size, --seed, --repeats, "
+                   "--dir, --out, --timeout apply)")
     b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
                    help="what pipeload loads: its own checkpoint (default), the one DCP wrote, or an HF-layout "
                    "copy; dcp/hf compare with dcp.load and a plain per-rank safetensors reader")
@@ -125,10 +129,38 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0 if res["plans_identical"] else 1
 
 
+def _bench_save(args: argparse.Namespace, dp: int) -> int:
+    import json
+
+    from . import bench_save
+    from ._world import WorldError
+
+    cfg = bench_save.SaveBenchConfig(world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed,
+                                     repeats=args.repeats, dir=args.dir, timeout=args.timeout, quiet=args.quiet)
+    try:
+        result = bench_save.run(cfg)
+    except ValueError as e:
+        print(f"pipeload bench --save: {e}", file=sys.stderr)
+        return 2
+    except WorldError as e:
+        print(f"pipeload bench --save: failed\n{e}", file=sys.stderr)
+        return 1
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"{args.world} ranks (TP{args.tp} x DP{dp}), {args.size:g} MiB model, owned MiB per rank "
+          f"{result['owned_mib']}, {args.repeats} repeats (medians)\n")
+    print(bench_save.format_table(result))
+    print(f"\ntotal {result['total_seconds']:.0f} s" + (f"; results in {args.out}" if args.out else ""))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, describe, format_table, run_bench
 
     dp = args.dp if args.dp is not None else max(1, args.world // args.tp)
+    if args.save:
+        return _bench_save(args, dp)
     cfg = BenchConfig(
         world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed, repeats=args.repeats,
         modes=tuple(args.modes), loaders=tuple(args.loaders), read_mbps=args.read_mbps, dir=args.dir,
