@@ -371,3 +371,29 @@ def test_snapshot_of_every_kind_of_tensor(tmp_path, staging_bytes):
             assert torch.equal(got[k], v.resolve_conj()), k
         else:
             assert got[k] == v, k
+
+
+def test_bench_save_summary_and_targets():
+    """The save benchmark's reduction over ranks and its target checks (the world itself runs in `pipeload bench --save`)."""
+    from pipeload import bench_save
+
+    def rank(r):
+        run = lambda s, **kw: {"seconds": s, "peak_rss_over_base": 1 << 20, **kw}  # noqa: E731
+        bg = dict(blocked=0.05 + r / 100, plan=0.01, snapshot=0.04 + r / 100, staged=64 << 20, allocations=0,
+                  staging=64 << 20)
+        return {"rank": r, "owned": 64 << 20, "runs": {
+            "memcpy floor": [run(0.03 + r / 1000)] * 3, "write floor": [run(1.0)] * 3,
+            "pipeload.save": [run(1.08)] * 3, "background first": [run(1.2, **{**bg, "allocations": 1})],
+            "background": [run(1.1, **bg)] * 3, "dcp.save": [run(1.3)] * 3,
+            "dcp.async_save": [run(2.0, blocked=0.5)] * 3}}
+
+    rows = bench_save.summarize([rank(r) for r in range(4)])
+    by = {r["method"]: r for r in rows}
+    assert by["memcpy floor"]["seconds"] == pytest.approx(0.033)  # the slowest rank's median
+    assert by["background"]["blocked"] == pytest.approx(0.08) and by["background"]["allocations"] == [0] * 4
+    targets = {t["target"]: t for t in bench_save.check_targets(rows, [64 << 20] * 4)}
+    assert not targets["background blocked (s)"]["ok"]  # 0.08 > 1.2 x 0.033 + 0.02
+    assert targets["background commit / write floor"]["ok"] and targets["pipeload.save / write floor"]["ok"]
+    assert targets["staging allocations on later saves"]["ok"]
+    text = bench_save.format_table({"rows": rows, "targets": list(targets.values())})
+    assert "MISS background blocked" in text and "plan 0.010 + snapshot" in text
