@@ -22,9 +22,17 @@ from .errors import (
     TensorNotFoundError,
 )
 from .loader import LoadStats, load, load_async
-from .plancache import clear as clear_plan_cache
 from .background import SaveHandle, save_async
 from .saver import save
+
+
+def clear_plan_cache() -> None:
+    """Forget every kept load plan (destroying the groups those loads created) and every kept save plan."""
+    from . import plancache, savecache
+
+    plancache.clear()
+    savecache.clear()
+
 
 __all__ = [
     "save",

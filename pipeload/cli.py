@@ -103,13 +103,15 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "simulate",
-        help="run the load's planning path for W simulated ranks and report its cost per rank",
+        help="run the load's (or the save's) planning path for W simulated ranks and report its cost per rank",
         description="Build every rank's exchange row and plan record for a layout of W ranks, then run "
         "the loader's own planning path (metadata parse, local plan, exchange, global plan) for a few "
         "sampled ranks with a simulated exchange. Reports CPU and peak memory per rank, exchange bytes, "
         "reader balance, groups created, and whether every sampled rank took the same decisions. "
-        "Exit 1 when they did not.",
+        "With --op save, the saver's own planning (pipeload.saver.plan_phase) runs instead, and rank 0's "
+        "commit (what it receives, the chunk index and .metadata it writes). Exit 1 when they did not.",
     )
+    s.add_argument("--op", choices=["load", "save"], default="load", help="the planning to simulate (default load)")
     s.add_argument("--world", type=int, required=True, help="simulated ranks (a multiple of 8; 64 for dense-pp8)")
     s.add_argument("--layout", required=True, choices=["dense", "dense-pp8", "moe", "fsdp"])
     s.add_argument("--optim", action="store_true", help="add AdamW state (exp_avg, exp_avg_sq, step) per parameter")
@@ -120,12 +122,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from .simsave import format_save_result, simulate_save
     from .simulate import format_result, simulate
 
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
-    res = simulate(args.world, args.layout, optim=args.optim, samples=args.samples, memory=not args.no_memory,
-                   log=log)
-    print(json.dumps(res, indent=2) if args.json else format_result(res))
+    run, fmt = (simulate_save, format_save_result) if args.op == "save" else (simulate, format_result)
+    res = run(args.world, args.layout, optim=args.optim, samples=args.samples, memory=not args.no_memory, log=log)
+    print(json.dumps(res, indent=2) if args.json else fmt(res))
     return 0 if res["plans_identical"] else 1
 
 

@@ -230,6 +230,29 @@ class Comm:
             raise self._fail(what, "all-reduce of requested keys", e) from e
         return t.cpu().numpy()
 
+    def gather_to_first(self, data: bytes, sizes: np.ndarray, what: str = "pipeload") -> list[bytes] | None:
+        """Every rank's ``data`` on rank 0 (``sizes``: every rank's length, known to all); None elsewhere.
+
+        One gather (not an all-gather) of blocks padded to the largest size: rank 0 receives
+        ``W x max(sizes)`` bytes, every other rank only sends its own.
+        """
+        if self.size == 1:
+            return [data]
+        pad = max(1, int(np.max(sizes)))
+        buf = torch.zeros(pad, dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(self.broadcast_device)
+        out = [torch.empty(pad, dtype=torch.uint8, device=self.broadcast_device) for _ in range(self.size)] \
+            if self.rank == 0 else None
+        try:
+            dist.gather(buf, out, dst=self.global_ranks[0], group=self.pg)
+        except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
+            raise self._fail(what, "gather of chunk rows to rank 0", e) from e
+        if out is None:
+            return None
+        return [t.cpu().numpy().tobytes()[: int(n)] for t, n in zip(out, sizes)]
+
     def transfer_records(self, t: Transfer, cls: Classes, mine: bytes, what: str = "pipeload") -> list[bytes]:
         """The record of every class (``cls``), moved as ``t`` says; this rank's own class costs nothing."""
         me = int(cls.of_rank[self.rank])
