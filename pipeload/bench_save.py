@@ -5,8 +5,8 @@ side in one run, each ``repeats`` times (the median is reported, the first backg
 
 - ``write floor``: every rank writes and fsyncs as many bytes as it owns in pipeload's plan, into a
   file of its own, all ranks at once (what any save of these bytes must at least pay here);
-- ``memcpy floor``: every rank copies the bytes it owns once, into a buffer allocated and touched
-  before (what a snapshot must at least pay);
+- ``memcpy floor``: every rank copies the bytes it owns once, all ranks at once, into a buffer
+  allocated and touched before (what a snapshot must at least pay);
 - ``pipeload.save`` (blocking), ``pipeload.save(background=True)`` (time the caller is blocked, and
   time until every rank's ``wait()`` returned: the commit), ``dcp.save``, ``dcp.async_save`` with its
   defaults and with ``DefaultStager(StagingOptions(...))`` where torch has it (pinned/shared/async
@@ -150,7 +150,10 @@ def _rank_main(rank: int, world: int, cfg: SaveBenchConfig) -> dict[str, Any]:
     src = torch.empty(owned, dtype=torch.uint8).fill_(1)
     dst = torch.empty(owned, dtype=torch.uint8).fill_(0)
     os.makedirs(here("floor"), exist_ok=True)
+    import torch.distributed as dist
+
     for _ in range(cfg.repeats):
+        dist.barrier()  # every rank copies at once, as every rank snapshots at once
         t0 = time.perf_counter()
         dst.copy_(src)
         record("memcpy floor", time.perf_counter() - t0, None)
