@@ -36,8 +36,6 @@ tables of ``K`` keys): receive ``16 W`` bytes of plan-reuse words, ``8 W x ROW_W
 
 from __future__ import annotations
 
-import hashlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 

@@ -32,9 +32,9 @@ import torch
 
 from . import savecache, saveplan
 from ._gcpause import paused_gc
-from .exchange import received_bytes, record_transfer
+from .exchange import received_bytes
 from .saveplan import KIND_OBJECT, KIND_TENSOR, LocalRecord
-from .simulate import GPUS_PER_HOST, Layout
+from .simulate import Layout
 from .statedict import Box
 
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32}
