@@ -36,8 +36,6 @@ tables of ``K`` keys): receive ``16 W`` bytes of plan-reuse words, ``8 W x ROW_W
 
 from __future__ import annotations
 
-import hashlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -359,15 +357,19 @@ def plan(xc: Exchanged, me: int, *, everything: bool = False) -> Plan:
     order, starts = _row_groups(keys)
     sizes = np.asarray([len(m) for m in rcls.members], dtype=np.int64)
     holders = np.add.reduceat(sizes[cl[order]], starts) if len(order) else np.zeros(0, np.int64)
-    first = order[starts]
+    # the groups in the order of their first row (found in one pass, no sort): the gathers below then
+    # read the rows in order, and each record's rows arrive in key order
+    mark = np.full(len(keys), -1, dtype=np.int64)
+    mark[order[starts]] = np.arange(len(starts))
+    groups = mark[mark >= 0]
+    first = order[starts[groups]]
     fw = weights[first]
-    if np.all(fw > 0):
-        groups = np.arange(len(fw))
-    else:
-        groups = np.flatnonzero(_drop_empty(index[first], offsets[first], lengths[first], fw))
-    chunks = keys[first[groups]]  # one gather of whole rows; the columns are views of it
+    if not np.all(fw > 0):
+        keep = _drop_empty(index[first], offsets[first], lengths[first], fw)
+        groups, first, fw = groups[keep], first[keep], fw[keep]
+    chunks = keys if len(first) == len(keys) else keys[first]  # (all rows distinct: first is every row)
     p.chunk_index, p.chunk_offsets, p.chunk_lengths = chunks[:, 0], chunks[:, 1 : 1 + width], chunks[:, 1 + width :]
-    p.chunk_weight = fw[groups]
+    p.chunk_weight = fw
     p.problems = _tiling_problems(p)
     if p.problems:
         return p
@@ -456,7 +458,10 @@ def _tiling_problems(p: Plan) -> list[str]:
     width = off.shape[1]
     col = np.arange(width)
     real = col[None, :] < nd[:, None]
-    inside = np.all(~real | ((off >= 0) & (ln >= 0) & (off + ln <= p.shape[idx])), axis=1)
+    inside = np.ones(len(idx), dtype=bool)
+    for d in range(width):  # column by column: no (chunks x width) temporaries
+        o, m = off[:, d], ln[:, d]
+        inside &= ((o >= 0) & (m >= 0) & (o + m <= p.shape[:, d][idx])) | (nd <= d)
     total = _sums(idx, np.prod(np.where(real, ln, 1), axis=1), n)
     numel = np.prod(np.where(col[None, :] < p.ndim[:, None], p.shape, 1), axis=1)
     count = np.bincount(idx, minlength=n)
@@ -503,7 +508,7 @@ def _grid_dim(idx, off, ln, real, shape, n) -> tuple[np.ndarray, np.ndarray]:
         return grid, count
     top_o, top_m = int(o.max()) + 1, int(m.max()) + 1
     if o.min() >= 0 and m.min() >= 0 and n * top_o * top_m < 2**62:  # one packed int64 per interval
-        v = np.sort((k * top_o + o) * top_m + m)
+        v = np.sort((k * top_o + o) * top_m + m, kind="stable")  # runs of ascending keys: a merge
         k, rest = np.divmod(v, top_o * top_m)
         o, m = np.divmod(rest, top_m)
     else:

@@ -32,9 +32,9 @@ import torch
 
 from . import savecache, saveplan
 from ._gcpause import paused_gc
-from .exchange import received_bytes, record_transfer
+from .exchange import received_bytes
 from .saveplan import KIND_OBJECT, KIND_TENSOR, LocalRecord
-from .simulate import GPUS_PER_HOST, Layout
+from .simulate import Layout
 from .statedict import Box
 
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32}
@@ -180,6 +180,7 @@ def simulate_save(world: int, layout: str, *, optim: bool = False, samples: int 
         "exchange_bytes_sent": max(r["sent"] for r in results),
         "exchange_bytes_received": max(r["received"] for r in results),
         "writer_balance": float(loads.max() / mean) if mean else 1.0,
+        "writer_balance_bound": float(max(full.chunk_weight.max(initial=0), mean) / mean) if mean else 1.0,
         "plans_identical": bool(identical),
         **commit,
         "wall_s": time.perf_counter() - t0,
@@ -246,7 +247,8 @@ def format_save_result(res: dict[str, Any]) -> str:
         f"  per-rank peak       {peak}",
         f"  exchange            sent {res['exchange_bytes_sent'] / 1e6:.3f} MB, "
         f"received {res['exchange_bytes_received'] / 1e6:.3f} MB per rank",
-        f"  writer balance      {res['writer_balance']:.3f} (max/mean)",
+        f"  writer balance      {res['writer_balance']:.3f} (max/mean; bound {res['writer_balance_bound']:.3f}: "
+        f"the largest chunk)",
         f"  plans identical     {res['plans_identical']}",
         f"  rank 0 commit       {res['rank0_commit_s']:.3f} s{cpeak}, received "
         f"{res['rank0_commit_bytes_received'] / 1e6:.3f} MB, wrote {res['metadata_bytes'] / 1e6:.2f} MB",
