@@ -5,6 +5,9 @@ Public API::
     pipeload.save(state_dict, "ckpt/")                       # every rank of the group
     stats = pipeload.load(state_dict, "ckpt/")               # fills state_dict in place
     stats = await pipeload.load_async(state_dict, "ckpt/")   # same, inside a running event loop
+    handle = pipeload.save(state_dict, "ckpt/", background=True)  # returns after the snapshot
+    handle.wait()                                            # the commit (or the save's error)
+    await pipeload.save_async(state_dict, "ckpt/")           # the same, awaited
 """
 
 from .errors import (
@@ -14,15 +17,27 @@ from .errors import (
     HeaderError,
     PipeloadError,
     ReadError,
+    SaveTimeoutError,
     StateDictError,
     TensorNotFoundError,
 )
 from .loader import LoadStats, load, load_async
-from .plancache import clear as clear_plan_cache
+from .background import SaveHandle, save_async
 from .saver import save
+
+
+def clear_plan_cache() -> None:
+    """Forget every kept load plan (destroying the groups those loads created) and every kept save plan."""
+    from . import plancache, savecache
+
+    plancache.clear()
+    savecache.clear()
+
 
 __all__ = [
     "save",
+    "save_async",
+    "SaveHandle",
     "load",
     "load_async",
     "LoadStats",
@@ -35,6 +50,7 @@ __all__ = [
     "StateDictError",
     "ReadError",
     "DistributedError",
+    "SaveTimeoutError",
 ]
 __version__ = "0.1.0"
 

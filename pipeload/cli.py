@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--link-mbps", type=float, default=3.0, metavar="MIBPS", help="s3: cap per node link (3)")
     b.add_argument("--max-requests", type=int, default=8, help="s3: GETs in flight per rank (8)")
     b.add_argument("--p503", type=float, default=0.10, help="s3: share of data GETs answered 503 (0.10)")
+    b.add_argument("--save", action="store_true",
+                   help="benchmark saving instead: write and memcpy floors, pipeload.save blocking and in the "
+                   "background, dcp.save and dcp.async_save (--world, --tp, --dp, --size, --seed, --repeats, "
+                   "--dir, --out, --timeout apply)")
     b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
                    help="what pipeload loads: its own checkpoint (default), the one DCP wrote, or an HF-layout "
                    "copy; dcp/hf compare with dcp.load and a plain per-rank safetensors reader")
@@ -112,16 +116,17 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "simulate",
-        help="run the load's planning path for W simulated ranks and report its cost per rank",
+        help="run the load's (or the save's) planning path for W simulated ranks and report its cost per rank",
         description="Build every rank's exchange row and plan record for a layout of W ranks, then run "
         "the loader's own planning path (metadata parse, local plan, exchange, global plan) for a few "
         "sampled ranks with a simulated exchange. Reports CPU and peak memory per rank, exchange bytes, "
         "reader balance, groups created, and whether every sampled rank took the same decisions. "
-        "Exit 1 when they did not.",
+        "With --op save, the saver's own planning (pipeload.saver.plan_phase) runs instead, and rank 0's "
+        "commit (what it receives, the chunk index and .metadata it writes). Exit 1 when they did not.",
     )
+    s.add_argument("--op", choices=["load", "save"], default="load", help="the planning to simulate (default load)")
     s.add_argument("--world", type=int, required=True, help="simulated ranks (a multiple of 8; 64 for dense-pp8)")
     s.add_argument("--layout", required=True, choices=["dense", "dense-pp8", "moe", "fsdp"])
-    s.add_argument("--op", default="load", choices=["load"], help="the planning path simulated (default load)")
     s.add_argument("--optim", action="store_true", help="add AdamW state (exp_avg, exp_avg_sq, step) per parameter")
     s.add_argument("--samples", type=int, default=3, help="ranks whose planning runs (default 3: first, middle, last)")
     s.add_argument("--no-memory", action="store_true", help="skip the second, memory-traced pass")
@@ -133,13 +138,41 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from .simsave import format_save_result, simulate_save
     from .simulate import format_result, simulate
 
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
-    res = simulate(args.world, args.layout, optim=args.optim, samples=args.samples, memory=not args.no_memory,
-                   log=log, format=args.format)
-    print(json.dumps(res, indent=2) if args.json else format_result(res))
+    run, fmt = (simulate_save, format_save_result) if args.op == "save" else (simulate, format_result)
+    kw = {} if args.op == "save" else {"format": args.format}
+    res = run(args.world, args.layout, optim=args.optim, samples=args.samples, memory=not args.no_memory, log=log, **kw)
+    print(json.dumps(res, indent=2) if args.json else fmt(res))
     return 0 if res["plans_identical"] else 1
+
+
+def _bench_save(args: argparse.Namespace, dp: int) -> int:
+    import json
+
+    from . import bench_save
+    from ._world import WorldError
+
+    cfg = bench_save.SaveBenchConfig(world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed,
+                                     repeats=args.repeats, dir=args.dir, timeout=args.timeout, quiet=args.quiet)
+    try:
+        result = bench_save.run(cfg)
+    except ValueError as e:
+        print(f"pipeload bench --save: {e}", file=sys.stderr)
+        return 2
+    except WorldError as e:
+        print(f"pipeload bench --save: failed\n{e}", file=sys.stderr)
+        return 1
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"{args.world} ranks (TP{args.tp} x DP{dp}), {args.size:g} MiB model, owned MiB per rank "
+          f"{result['owned_mib']}, {args.repeats} repeats (medians)\n")
+    print(bench_save.format_table(result))
+    print(f"\ntotal {result['total_seconds']:.0f} s" + (f"; results in {args.out}" if args.out else ""))
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -150,6 +183,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import LOADERS, MODES, QUICK_MODES, BenchConfig, describe, format_table, headline, run_bench
 
     dp = args.dp if args.dp is not None else max(1, args.world // args.tp)
+    if args.save:
+        return _bench_save(args, dp)
     modes = args.modes or (MODES if args.full else QUICK_MODES)
     loaders = args.loaders or (LOADERS if args.full else None)
     cfg = BenchConfig(

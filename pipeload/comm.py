@@ -59,7 +59,7 @@ def _silent_peers(comm: "Comm") -> str:
         import hashlib
         import time
 
-        group = hashlib.sha1(",".join(map(str, comm.global_ranks)).encode()).hexdigest()[:16]
+        group = hashlib.sha1((comm.probe_tag + ",".join(map(str, comm.global_ranks))).encode()).hexdigest()[:16]
         gen = _probes[group] = _probes.get(group, 0) + 1
         prefix = f"pipeload/alive/{group}/{gen}/"
         me = dist.get_rank()
@@ -75,6 +75,7 @@ def _silent_peers(comm: "Comm") -> str:
             return (f"; {comm.size - arrived} of the group's {comm.size} ranks stopped answering (dead, or "
                     f"stuck outside this call)")
         silent = [r for r, g in enumerate(comm.global_ranks) if g != me and not store.check([prefix + str(g)])]
+        comm.silent_ranks = silent
         if not silent:
             return ""
         return f"; rank(s) {', '.join(map(str, silent))} stopped answering (dead, or stuck outside this call)"
@@ -97,6 +98,8 @@ class Comm:
             self.timeout = timedelta(seconds=float(timeout or 1800))
             return
         self._silent: str | None = None
+        self.silent_ranks: list[int] = []  # filled by the probe after a failed collective
+        self.probe_tag = ""  # sets apart the probes of two groups of the same ranks (a save's own group)
         self.pg = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.pg)
         if self.rank < 0:
@@ -226,6 +229,29 @@ class Comm:
         except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
             raise self._fail(what, "all-reduce of requested keys", e) from e
         return t.cpu().numpy()
+
+    def gather_to_first(self, data: bytes, sizes: np.ndarray, what: str = "pipeload") -> list[bytes] | None:
+        """Every rank's ``data`` on rank 0 (``sizes``: every rank's length, known to all); None elsewhere.
+
+        One gather (not an all-gather) of blocks padded to the largest size: rank 0 receives
+        ``W x max(sizes)`` bytes, every other rank only sends its own.
+        """
+        if self.size == 1:
+            return [data]
+        pad = max(1, int(np.max(sizes)))
+        buf = torch.zeros(pad, dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(self.broadcast_device)
+        out = [torch.empty(pad, dtype=torch.uint8, device=self.broadcast_device) for _ in range(self.size)] \
+            if self.rank == 0 else None
+        try:
+            dist.gather(buf, out, dst=self.global_ranks[0], group=self.pg)
+        except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
+            raise self._fail(what, "gather of chunk rows to rank 0", e) from e
+        if out is None:
+            return None
+        return [t.cpu().numpy().tobytes()[: int(n)] for t, n in zip(out, sizes)]
 
     def transfer_records(self, t: Transfer, cls: Classes, mine: bytes, what: str = "pipeload") -> list[bytes]:
         """The record of every class (``cls``), moved as ``t`` says; this rank's own class costs nothing."""

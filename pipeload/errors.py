@@ -63,3 +63,7 @@ class DistributedError(PipeloadError):
             body = msg.rstrip().replace("\n", "\n    ")
             lines.append(f"  [rank {rank}] {body}")
         super().__init__("\n".join(lines))
+
+
+class SaveTimeoutError(PipeloadError, TimeoutError):
+    """A background save's ``wait(timeout)`` gave up before the save finished (the save goes on)."""

@@ -1,19 +1,21 @@
 """``pipeload.save()``: every rank streams the chunks it owns into its own safetensors file.
 
-Order of a save (every rank of the group):
+Order of a save (every rank of the group), in three phases:
 
-1. Local plan, no I/O: flatten the state dict, resolve each tensor's box, serialise Python objects and
-   check they load back under ``torch.load(weights_only=True)``. Problems are collected, not raised.
-2. One all-gather of the compact plans (and rank 0's fresh save id). Any rank's problem raises on
-   every rank, before a single byte is written.
-3. Pure global plan: the same on every rank. Replicated chunks are written once; the owner of each
-   is chosen by :func:`pipeload.balance.assign` (largest first, fewest bytes so far, ties to the lower
-   rank). Dtype/shape disagreements and chunks that do not tile their tensor are rejected here.
-4. Each rank writes its file ``data-<save id>-<rank>.safetensors``, tensor by tensor (one tensor's
-   host copy at a time, never a second copy of the state dict), checksumming while it writes, then
-   fsyncs the file and the directory.
-5. All ranks agree on success; rank 0 then writes ``.metadata`` (temporary name, fsync, rename, fsync):
-   that rename is the commit point. The data files of the checkpoint it replaces are deleted after it.
+1. :func:`plan_phase`, no I/O: two words per rank decide whether every rank reuses the plan of the
+   previous save (:mod:`pipeload.savecache`; rank 0's word is the fresh save id). Otherwise each rank
+   builds its columnar record (:mod:`pipeload.saveplan`: name table and shard record; objects
+   serialised and checked to load back under ``weights_only=True``), the rows and the distinct records
+   are exchanged, and every rank derives the same plan: replicated chunks written once, by the writer
+   the design's greedy picks. Any rank's problem, and any disagreement between ranks, raises on every
+   rank before a single byte is written.
+2. :func:`write_phase`: each rank writes ``data-<save id>-<rank>.safetensors``, tensor by tensor (one
+   tensor's host copy at a time, never a second copy of the state dict), checksumming while it writes,
+   then fsyncs the file and the directory.
+3. :func:`commit_phase`: two words per rank agree on the writes; each rank's chunk rows (box,
+   checksum) are gathered to rank 0, which writes the chunk index and ``.metadata`` (temporary name,
+   fsync, rename, fsync): that rename is the commit point. The data files of the checkpoint it
+   replaces are deleted after it. One word per rank agrees on the commit.
 
 Because data file names carry the save id, an unfinished save never mixes with a finished one: until
 the new ``.metadata`` lands, the directory loads as the previous checkpoint (or not at all).
@@ -28,34 +30,32 @@ import json
 import math
 import os
 import re
-import uuid
+import time
 import warnings
 from collections import defaultdict
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
-from . import balance, stateful, storage
+from . import balance, savecache, saveplan, stateful, storage
 from ._busy import Guard
 from ._gcpause import paused_gc
-from .checksum import checksum, hasher
+from .checksum import hasher
 from .chunkindex import ARRAYS, build_arrays, index_file_name
 from .comm import Comm
 from .errors import CheckpointFormatError, DistributedError, StateDictError
 from .metadata import (
     METADATA_FILE,
-    ChunkMeta,
     Metadata,
     ObjectMeta,
     TensorMeta,
-    chunk_key,
     dtype_itemsize,
-    dtype_name,
     read_metadata_bytes,
-    storable_dtype,
     tiling_problem,
 )
-from .statedict import check_top, flatten, is_tensor, tensor_box
+from .statedict import check_top, flatten
 
 DATA_FILE_RE = re.compile(r"^(data-[0-9a-f]{16}-\d{5,}|index-[0-9a-f]{16})\.safetensors$")
 _WRITE_BUFFER = 8 << 20
@@ -93,47 +93,13 @@ def encode_object(value: Any) -> bytes:
     return data
 
 
-def _local_plan(leaves) -> tuple[list[tuple], dict, list[str]]:
-    """(compact entries for the gather, {key: payload} of what this rank could write, problems)."""
-    entries: list[tuple] = []
-    payload: dict[tuple, Any] = {}
-    problems: list[str] = []
-    boxes: dict = {}
-    for fqn, leaf in sorted(leaves.items()):
-        v = leaf.value
-        if is_tensor(v):
-            if v.layout != torch.strided or v.is_nested:
-                problems.append(f"{fqn!r}: tensors with layout {v.layout} cannot be stored; convert to dense")
-                continue
-            if v.device.type == "meta":
-                problems.append(f"{fqn!r}: tensor on the meta device has no data to store")
-                continue
-            if not storable_dtype(v.dtype):
-                problems.append(f"{fqn!r}: dtype {v.dtype} has no safetensors name")
-                continue
-            try:
-                box = tensor_box(fqn, v, boxes)
-            except ValueError as e:
-                problems.append(str(e))
-                continue
-            if box.local is None:
-                continue  # outside the DTensor's mesh: holds nothing
-            key = ("t", fqn, box.offsets, box.lengths)
-            entries.append(("t", fqn, dtype_name(v.dtype), box.global_shape, box.offsets, box.lengths))
-            payload[key] = box.local
-        else:
-            try:
-                data = encode_object(v)
-            except ValueError as e:
-                problems.append(f"{fqn!r}: {e}")
-                continue
-            entries.append(("o", fqn, len(data), checksum(data)))
-            payload[("o", fqn)] = data
-    return entries, payload, problems
-
-
 def plan_save(per_rank: list[list[tuple]]) -> tuple[dict[tuple, int], dict[str, tuple], list[str]]:
-    """Pure global plan: ({key: owner rank}, {fqn: (dtype, shape)}, problems). Same on every rank."""
+    """The reference plan over every rank's entries: ({key: owner rank}, {fqn: (dtype, shape)}, problems).
+
+    What the save ran on every rank before it was planned through the exchange (W x S entries in
+    Python); kept as the rule :mod:`pipeload.saveplan` must reproduce (the tests compare them). Entries
+    are ``("t", fqn, dtype, global shape, offsets, lengths)`` and ``("o", fqn, nbytes, checksum)``.
+    """
     problems: list[str] = []
     holders: dict[tuple, list[int]] = defaultdict(list)
     weights: dict[tuple, int] = {}
@@ -235,8 +201,14 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, ...], Any]]) -> dict[str, str]:
-    """Write ``items`` [(key, dtype, shape, tensor-or-bytes)] as one safetensors file; {key: checksum}."""
+def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, ...], Any]],
+                on_written: Callable[[int], None] | None = None) -> dict[str, str]:
+    """Write ``items`` [(key, dtype, shape, tensor-or-bytes)] as one safetensors file; {key: checksum}.
+
+    ``on_written(n)``, when given, is called once the first n items' bytes are in the file (or in its
+    write buffer, a copy); a background save releases its caller there. Each item is looked up only
+    when its turn comes.
+    """
     header: dict[str, Any] = {"__metadata__": {"format": "pipeload", "save_id": save_id}}
     start = 0
     sizes = []
@@ -251,7 +223,8 @@ def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, 
     with storage.create(path, _WRITE_BUFFER) as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for (key, _, _, value), n in zip(items, sizes):
+        for i, n in enumerate(sizes):
+            key, _, _, value = items[i]
             data = memoryview(value) if isinstance(value, bytes) else _host_bytes(value)
             if data.nbytes != n:
                 raise RuntimeError(f"{key!r} changed size while being saved")
@@ -259,17 +232,22 @@ def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, 
             h.update(data)
             f.write(data)
             sums[key] = h.hexdigest()
+            del data, value
+            if on_written is not None:
+                on_written(i + 1)
         storage.durable(f)
     return sums
 
 
-def write_chunk_index(directory: str, md: Metadata) -> str:
-    """Write format 2's chunk index of ``md`` into ``directory``, durably; its file name.
+def write_chunk_index(directory: str, md: Metadata, arrays: dict[str, np.ndarray] | None = None) -> str:
+    """Write format 2's chunk index of ``md`` (or the given ``arrays``) into ``directory``, durably;
+    its file name.
 
     It must be durable before the ``.metadata`` that names it is renamed into place.
     """
     index = index_file_name(md.save_id)
-    arrays = build_arrays(sorted(md.tensors), md.tensors, md.files)
+    if arrays is None:
+        arrays = build_arrays(sorted(md.tensors), md.tensors, md.files)
     _write_file(storage.join(directory, index), md.save_id,
                 [(k, ARRAYS[k][0], a.shape, a.tobytes()) for k, a in arrays.items()])
     _fsync_dir(directory)
@@ -342,7 +320,7 @@ def _previous_files(directory: str) -> set[str]:
     return {name for name in names if isinstance(name, str) and DATA_FILE_RE.match(name)}
 
 
-def _commit(directory: str, md: Metadata) -> None:
+def _commit(directory: str, md: Metadata, arrays: dict[str, np.ndarray] | None = None) -> None:
     """Rank 0: write ``.metadata`` atomically, then remove the data files of the checkpoint it replaced.
 
     Raises only while the previous state is intact (before the rename): also when a data file of this
@@ -353,7 +331,7 @@ def _commit(directory: str, md: Metadata) -> None:
     leftovers of unknown origin.
     """
     if storage.is_url(directory):
-        return storage.commit_objects(directory, md, write_chunk_index, _previous_files)
+        return storage.commit_objects(directory, md, lambda d, m: write_chunk_index(d, m, arrays), _previous_files)
     missing = [n for n in md.files if not os.path.isfile(os.path.join(directory, n))]
     if missing:
         raise FileNotFoundError(
@@ -363,7 +341,7 @@ def _commit(directory: str, md: Metadata) -> None:
     previous = _previous_files(directory)
     final = os.path.join(directory, METADATA_FILE)
     tmp = os.path.join(directory, f"{METADATA_FILE}.tmp-{md.save_id}")
-    index = write_chunk_index(directory, md)
+    index = write_chunk_index(directory, md, arrays)
     with open(tmp, "w") as f:
         f.write(md.to_json_v2(index))
         f.flush()
@@ -385,8 +363,21 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=None,
-         storage_options: dict | None = None) -> None:
+@dataclass
+class SaveStats:
+    """This rank's view of one save: seconds from the start of ``save()`` to the end of planning (the
+    first byte is written next), writing this rank's file, and the agreement and commit; whether the
+    plan of an earlier save was reused; the items this rank wrote."""
+
+    plan_s: float = 0.0
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    plan_reused: bool = False
+    items_written: int = 0
+
+
+def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=None, background: bool = False,
+         staging_bytes: int | None = None, storage_options: dict | None = None):
     """Save ``state_dict`` as a pipeload checkpoint; every rank of ``process_group`` must call it.
 
     Values may be ``torch.Tensor`` (whole on this rank), ``DTensor`` (Shard/Replicate placements on any
@@ -394,113 +385,236 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     (Python objects are assumed equal on every rank: one copy is stored). Replicated chunks are written
     once. Bad input raises :class:`StateDictError` on every rank, naming the key, before anything is
     written; a failed write raises :class:`DistributedError` on every rank and leaves no new loadable
-    checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads).
+    checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads). A later save of a state
+    dict of the same layout on the same group reuses the plan (:mod:`pipeload.savecache`). Returns this
+    rank's :class:`SaveStats`.
+
+    ``background=True`` returns a :class:`pipeload.background.SaveHandle` instead, once this rank's
+    chunks are copied into staging (at most ``staging_bytes``; default all it owns): the caller may
+    then change or free every tensor; writing and the commit go on in a worker thread (see
+    :mod:`pipeload.background`). Saves on one group run one at a time: any save first waits for the
+    group's background save in flight to finish. ``Stateful`` values are saved as their ``state_dict()``.
+    ``storage_options``: for a URL (``s3://bucket/prefix``), as for :func:`pipeload.load`.
     """
+    from . import background as bg
+
     state_dict = stateful.expand(state_dict)[0]  # a Stateful value is saved as its state_dict()
     check_top(state_dict)
     directory = os.fspath(checkpoint_dir)
     storage.configure(directory, storage_options)  # s3:// and other URLs (see pipeload.load)
     comm = Comm(process_group)
+    bg.wait_previous(comm)
+    if background:
+        return bg.save(state_dict, directory, comm, staging_bytes)
+    stats = SaveStats()
+    start = time.perf_counter()
     with paused_gc(), Guard() as guard:
         contended = guard.enter_sync(comm, comm.size > 1, f"pipeload.save into {directory}",
                                      comm.timeout.total_seconds())
         lock: list[int] = []
         try:
-            _save(state_dict, directory, comm, guard, contended, lock)
+            _save(state_dict, directory, comm, guard, contended, lock, stats, start)
         finally:
             for fd in lock:
                 os.close(fd)
+    return stats
 
 
 def _save(state_dict: dict, directory: str, comm: Comm, guard: Guard, contended: str | None,
-          lock: list[int]) -> None:
+          lock: list[int], stats: SaveStats, start: float) -> None:
     """``contended``: why this rank must not save (see _busy.py), carried into the first gather.
 
-    Rank 0 takes the directory's lock after validation, before anything is written; the lock's fd
-    is appended to ``lock`` for the caller to release.
+    The three phases run in this order on every rank, each issuing its collectives in the same
+    order everywhere. Rank 0 takes the directory's lock in :func:`write_phase`, after validation and
+    before anything is written; its fd lands in ``lock`` for the caller to release.
     """
-    entries: list[tuple] = []
-    payload: dict = {}
-    problems = [contended] if contended else []
+    plan = plan_phase(state_dict, directory, comm, contended)
+    plan.locks = lock
+    t1 = time.perf_counter()
+    stats.plan_s, stats.plan_reused, stats.items_written = t1 - start, plan.reused, len(plan.items)
+    error, sums = write_phase(plan, directory, comm)
+    error = error or guard.late(comm)  # an operation overlapped this one: nothing may be committed
+    t2 = time.perf_counter()
+    stats.write_s = t2 - t1
+    commit_phase(plan, directory, comm, error, sums)
+    stats.commit_s = time.perf_counter() - t2
+
+
+@dataclass
+class SavePlan:
+    """What one rank writes and what the commit needs, decided identically on every rank.
+
+    ``items`` are this rank's owned entries in write order, each ``(storage key, dtype, shape, tensor
+    or bytes)``: tensors first (by key), then Python objects. ``rows`` are the same entries as the
+    commit reports them (``(key index, offsets, lengths)`` for a chunk, ``(key index,)`` for an
+    object), ``table`` the key table of the whole save (names, kinds, dtypes, shapes: what rank 0
+    writes into ``.metadata``). ``reused``: planned by an earlier save (:mod:`pipeload.savecache`).
+    ``locks`` collects rank 0's directory lock fd for the caller to release.
+    """
+
+    save_id: str
+    rank: int
+    file: str
+    items: list[tuple[str, str, tuple[int, ...], Any]]
+    rows: list[tuple]
+    table: saveplan.Plan
+    reused: bool = False
+    locks: list[int] = field(default_factory=list)
+    on_written: Callable[[int], None] | None = None  # see _write_file (a background save's hand-over)
+
+    @property
+    def tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``{fqn: (dtype, global shape)}`` of every tensor of the save (built on each call)."""
+        t = self.table
+        return {t.names[k]: (t.dtype_name(k), t.shape_of(k)) for k in np.flatnonzero(t.kind == saveplan.KIND_TENSOR)}
+
+
+def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | None, *, box_of=None) -> SavePlan:
+    """Validate and plan; no I/O. Any rank's problem raises :class:`StateDictError` on every rank.
+
+    ``box_of``: how a tensor's box is resolved (default :func:`~pipeload.statedict.tensor_box`; the
+    simulation, :mod:`pipeload.simsave`, passes the boxes of its virtual meshes).
+
+    Collectives, the same on every rank in this order: the reuse words (:mod:`pipeload.savecache`;
+    they carry rank 0's fresh save id); unless every rank reuses its kept plan, the exchange of
+    :func:`pipeload.saveplan.exchange`. ``contended`` is this rank's reason not to save, reported
+    like a problem of its state dict.
+    """
+    what = f"pipeload.save into {directory}"
+    offer = savecache.offer(comm, state_dict) if not contended else None
+    save_word = savecache.new_save_word() if comm.rank == 0 else 0
+    words = comm.gather_rows(np.array([offer.token if offer else 0, save_word], dtype=np.int64), what,
+                             "all-gather of save plan tokens")
+    save_id = savecache.save_id_of(int(words[0, 1]))
+    if savecache.all_reuse(words[:, 0]):
+        return _plan_from(offer.entry, offer.items, save_id, comm.rank, reused=True)
+    rec = saveplan.LocalRecord([], [], {}, [contended] if contended else []).encode()
+    leaves = None
     if not contended:
         try:
-            entries, payload, problems = _local_plan(flatten(state_dict))
+            leaves = flatten(state_dict)
+            rec = saveplan.local_record(leaves, box_of)
         except Exception as e:  # noqa: BLE001 - raised below on every rank, never on this one alone
-            entries, payload, problems = [], {}, [f"{type(e).__name__}: {e}"]
-    save_id = uuid.uuid4().hex[:16] if comm.rank == 0 else None
-    gathered = comm.all_gather_object((problems, entries, save_id), "pipeload.save")
-    all_problems = [f"rank {r}: {p}" for r, g in enumerate(gathered) for p in g[0]]
-    if all_problems:
-        raise StateDictError(f"pipeload.save into {directory}: cannot save", all_problems)
-    save_id = gathered[0][2]
-    owners, tensors, plan_problems = plan_save([g[1] for g in gathered])
-    if plan_problems:
-        raise StateDictError("pipeload.save: ranks disagree about the state dict", plan_problems)
+            rec = saveplan.LocalRecord([], [], {}, [f"{type(e).__name__}: {e}"]).encode()
+    try:
+        xc = saveplan.exchange(comm, rec, rec.problems, what)
+    except saveplan.SaveProblems as e:
+        raise StateDictError(f"{what}: cannot save",
+                             [f"rank {r}: {p}" for r, ps in sorted(e.failures.items()) for p in ps]) from None
+    table = saveplan.plan(xc, comm.rank)
+    if table.problems:
+        raise StateDictError("pipeload.save: ranks disagree about the state dict", table.problems)
+    if table.differing_objects:
+        a, b = table.differing_objects
+        warnings.warn(f"pipeload.save: Python objects differ between ranks (ranks {a} and {b} hold the same keys "
+                      f"with different values); one rank's value is stored", RuntimeWarning, stacklevel=4)
+    entry = savecache.Entry.of(table, rec, comm.rank, xc.rows)
+    if leaves is not None:
+        savecache.store(comm, state_dict, leaves, entry)
+    return _plan_from(entry, savecache.items_of(entry, rec.payload), save_id, comm.rank, reused=False)
 
-    # Write this rank's file. Failures are carried to the agreement below, never raised alone.
-    mine = sorted((k for k, r in owners.items() if r == comm.rank), key=lambda k: (k[0] == "o", k))
-    name = data_file_name(save_id, comm.rank)
-    path = storage.join(directory, name)
+
+def _plan_from(entry, items, save_id: str, rank: int, reused: bool) -> SavePlan:
+    return SavePlan(save_id, rank, data_file_name(save_id, rank), items, entry.rows, entry.table, reused)
+
+
+def write_phase(plan: SavePlan, directory: str, comm: Comm) -> tuple[str | None, dict[str, str]]:
+    """Write this rank's file durably; ``(error or None, {storage key: checksum})``. No collective.
+
+    Failures are returned, never raised: the commit's agreement makes every rank raise together.
+    Rank 0 takes the directory's lock here (its fd goes to ``plan.locks``).
+    """
+    path = storage.join(directory, plan.file)
     error, sums = None, {}
     if comm.rank == 0:
         fd, error = _lock_directory(directory)
-        lock += [fd] if fd is not None else []
+        plan.locks += [fd] if fd is not None else []
     try:
         storage.makedirs(directory)  # every rank: rank 0 commits even when it writes no data
     except OSError as e:
         error = error or f"creating {directory}: {_error_text(e)}"
-    if mine and error is None:
-        items = []
-        for k in mine:
-            if k[0] == "t":
-                dtype, shape = tensors[k[1]]
-                items.append((chunk_key(k[1], k[2], k[3] == shape), dtype, k[3], payload[k]))
-            else:
-                data = payload[k]
-                items.append((object_key(k[1]), "U8", (len(data),), data))
+    if plan.items and error is None:
         try:
-            sums = _write_file(path, save_id, items)
+            sums = _write_file(path, plan.save_id, plan.items, plan.on_written)
             _fsync_dir(directory)
         except Exception as e:  # noqa: BLE001
             error = f"writing {path}: {_error_text(e)}"
-    error = error or guard.late(comm)  # an operation overlapped this one: nothing may be committed
-    results = comm.all_gather_object((error, sums), "pipeload.save")
-    failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
-    if failures:
-        if mine:
-            try:
-                storage.remove(path)
-            except OSError:
-                pass
-        raise DistributedError("pipeload.save", failures)
+    return error, sums
 
-    md = Metadata(save_id=save_id, world_size=comm.size)
-    all_sums = [s for _, s in results]
-    chunks: dict[str, list[ChunkMeta]] = defaultdict(list)
-    object_sizes = {(r, e[1]): e[2] for r, g in enumerate(gathered) for e in g[1] if e[0] == "o"}
-    for key, owner in owners.items():
-        fname = data_file_name(save_id, owner)
-        if key[0] == "t":
-            _, fqn, offsets, lengths = key
-            skey = chunk_key(fqn, offsets, lengths == tensors[fqn][1])
-            chunks[fqn].append(ChunkMeta(offsets, lengths, fname, skey, all_sums[owner][skey]))
-        else:
-            okey = object_key(key[1])
-            md.objects[key[1]] = ObjectMeta(fname, okey, object_sizes[owner, key[1]], all_sums[owner][okey])
-    for fqn, cs in chunks.items():
-        dtype, shape = tensors[fqn]
-        md.tensors[fqn] = TensorMeta(dtype, shape, tuple(sorted(cs, key=lambda c: c.offsets)))
+
+def _remove_own_file(plan: SavePlan, directory: str) -> None:
+    """Remove this rank's new data file after a failure, unless rank 0 already committed this save.
+
+    The final agreement can fail after the rename (a rank dying in between, likelier with a long
+    background write): the committed ``.metadata`` then names this file, which must stay.
+    """
+    if plan.items and not _committed(directory, plan.save_id):
+        try:
+            storage.remove(storage.join(directory, plan.file))
+        except OSError:
+            pass
+
+
+def _committed(directory: str, save_id: str) -> bool:
+    try:
+        doc = json.loads(read_metadata_bytes(directory))
+    except (CheckpointFormatError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("save_id") == save_id
+
+
+def commit_phase(plan: SavePlan, directory: str, comm: Comm, error: str | None, sums: dict[str, str]) -> None:
+    """Agree on the writes, gather the files' chunk rows to rank 0, which commits; every rank raises if
+    any rank failed.
+
+    Collectives, in this order on every rank: one all-gather of two words per rank (failed, bytes of its
+    chunk rows), and only on a failure the error texts; the gather of the chunk rows to rank 0 (what
+    rank 0 receives grows with the chunks of the checkpoint, what the others receive does not); the
+    commit's agreement (one word per rank). A failure before the commit removes this rank's file.
+    """
+    what = "pipeload.save"
+    mine = _file_rows(plan, sums) if error is None else b""
+    words = comm.gather_rows(np.array([error is not None, len(mine)], dtype=np.int64), what,
+                             "agreement on the writes")
+    if words[:, 0].any():
+        errors = comm.all_gather_object(error, what)
+        _remove_own_file(plan, directory)
+        raise DistributedError(what, {r: e for r, e in enumerate(errors) if e is not None})
+    gathered = comm.gather_to_first(mine, words[:, 1], what)
     error = None
     if comm.rank == 0:
         try:
-            _commit(directory, md)
+            _commit(directory, *commit_metadata(plan, gathered, comm.size))
         except Exception as e:  # noqa: BLE001
             error = f"committing {os.path.join(directory, METADATA_FILE)}: {_error_text(e)}"
     try:
-        comm.agree("pipeload.save", error)
+        comm.agree(what, error)
     except DistributedError:
-        try:
-            storage.remove(path)
-        except OSError:
-            pass
+        _remove_own_file(plan, directory)
         raise
+
+
+def _file_rows(plan: SavePlan, sums: dict[str, str]) -> bytes:
+    """This rank's file as the commit needs it (:func:`pipeload.saveplan.encode_file_rows`)."""
+    width = plan.table.shape.shape[1]
+    t = [(row, key) for (key, *_), row in zip(plan.items, plan.rows) if len(row) == 3]
+    o = [(row[0], len(value), key) for (key, _, _, value), row in zip(plan.items, plan.rows) if len(row) == 1]
+    pad = lambda x: tuple(x) + (0,) * (width - len(x))  # noqa: E731
+    return saveplan.encode_file_rows(
+        [r[0] for r, _ in t], saveplan.checksum_words([sums[k] for _, k in t]),
+        np.asarray([pad(r[1]) for r, _ in t], dtype=np.int64).reshape(len(t), width),
+        np.asarray([pad(r[2]) for r, _ in t], dtype=np.int64).reshape(len(t), width),
+        [x[0] for x in o], [x[1] for x in o], saveplan.checksum_words([sums[x[2]] for x in o]))
+
+
+def commit_metadata(plan: SavePlan, per_rank, world: int) -> tuple[Metadata, dict[str, np.ndarray]]:
+    """Rank 0: the checkpoint's :class:`Metadata` (format 2, its chunks in the index arrays) and the
+    chunk index arrays, from every rank's file rows."""
+    names, tensors, files, arrays, objects = saveplan.index_arrays(
+        plan.table, per_rank, lambda r: data_file_name(plan.save_id, r))
+    md = Metadata(save_id=plan.save_id, world_size=world, version=2, index_file=index_file_name(plan.save_id),
+                  data_files=files)
+    md.tensors = {n: TensorMeta(*tensors[n], ()) for n in names}
+    for fqn, (fname, nbytes, csum) in objects.items():
+        md.objects[fqn] = ObjectMeta(fname, object_key(fqn), nbytes, csum)
+    return md, arrays

@@ -579,7 +579,8 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     tmp.cleanup()
     phases = {k: max(r["phases"].get(k, 0.0) for r in results) for k in results[0]["phases"]}
     return {
-        "layout": layout, "world": world, "optim": optim, "format": format, **(foreign.result if foreign else {}),
+        "op": "load", "layout": layout, "world": world, "optim": optim, "format": format,
+        **(foreign.result if foreign else {}),
         "tensors": len(lay.tensors), "shards_per_rank": max(r["shards"] for r in results),
         "distinct_records": len(records), "metadata_bytes": md_bytes,
         "sampled_ranks": sampled,
