@@ -4,13 +4,13 @@ from setuptools import Extension, setup
 
 extensions = [
     Extension(
-        "pipeload._fastio",
-        ["pipeload/_fastio.pyx"],
-        depends=["pipeload/_guard.h"],
+        "pipeload.io._fastio",
+        ["pipeload/io/_fastio.pyx"],
+        depends=["pipeload/io/_guard.h"],
         extra_compile_args=["-O3"],
     ),
-    Extension("pipeload._greedy", ["pipeload/_greedy.pyx"], extra_compile_args=["-O3"]),
-    Extension("pipeload._leafplan", ["pipeload/_leafplan.pyx"], extra_compile_args=["-O3"]),
+    Extension("pipeload.plan._greedy", ["pipeload/plan/_greedy.pyx"], extra_compile_args=["-O3"]),
+    Extension("pipeload.plan._leafplan", ["pipeload/plan/_leafplan.pyx"], extra_compile_args=["-O3"]),
 ]
 
 setup(

@@ -1,4 +1,4 @@
-"""Benchmark of pipeload._fastio against safetensors and numpy, measured side by side in one run.
+"""Benchmark of pipeload.io._fastio against safetensors and numpy, measured side by side in one run.
 
     /work/venv/bin/python bench/bench_fastio.py [--quick]
 
@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pipeload._fastio import FileCache, SafetensorsFile  # noqa: E402
+from pipeload.io._fastio import FileCache, SafetensorsFile  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -238,7 +238,7 @@ def main():
     w1 = max(len(r[1]) for r in rows)
     w2 = max(len(r[2]) for r in rows)
     w3 = max(len(r[3]) for r in rows)
-    print(f"pipeload._fastio benchmark ({os.cpu_count()} CPUs, torch {torch.__version__}, "
+    print(f"pipeload.io._fastio benchmark ({os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"medians of repeated runs{', QUICK sizes' if args.quick else ''})")
     print(f"{'measurement':<{w0}}  {'pipeload':>{w1}}  {'baseline':<{w2}}  {'ratio':<{w3}}  target")
     print("-" * (w0 + w1 + w2 + w3 + 20))

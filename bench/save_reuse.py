@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _rank(rank: int, world: int, tp: int, size_mb: float, saves: int, directory: str) -> dict:
     import pipeload
-    from pipeload import synth
+    from pipeload.tools import synth
 
     mesh = synth.make_mesh(world, tp, world // tp)
     sd = synth.build_state_dict(mesh, 0, size_mb)
@@ -41,7 +41,7 @@ def _rank(rank: int, world: int, tp: int, size_mb: float, saves: int, directory:
 
 
 def main(argv=None) -> int:
-    from pipeload._world import run_world
+    from pipeload.tools._world import run_world
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=4)

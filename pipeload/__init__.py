@@ -10,25 +10,17 @@ Public API::
     await pipeload.save_async(state_dict, "ckpt/")           # the same, awaited
 """
 
-from .errors import (
-    CheckpointFormatError,
-    ChecksumError,
-    DistributedError,
-    HeaderError,
-    PipeloadError,
-    ReadError,
-    SaveTimeoutError,
-    StateDictError,
-    TensorNotFoundError,
-)
-from .loader import LoadStats, load, load_async
-from .background import SaveHandle, save_async
-from .saver import save
+from .errors import (CheckpointFormatError, ChecksumError, DistributedError, HeaderError, PipeloadError,
+                     ReadError, SaveTimeoutError, StateDictError, TensorNotFoundError)
+from .engine.loader import LoadStats, load, load_async
+from .save.api import save, save_async
+from .save.background import SaveHandle
 
 
 def clear_plan_cache() -> None:
     """Forget every kept load plan (destroying the groups those loads created) and every kept save plan."""
-    from . import plancache, savecache
+    from .plan import plancache
+    from .save import savecache
 
     plancache.clear()
     savecache.clear()

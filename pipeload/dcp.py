@@ -39,10 +39,10 @@ from torch.distributed.checkpoint import StorageReader as _DcpReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ._fastio import RawFile
+from .io._fastio import RawFile
 from .errors import CheckpointFormatError, ReadError
 from .formats.dcp import _Unexpected, load_dcp_metadata, locate_tensor
-from .metadata import METADATA_FILE, plain_file_name, read_metadata_bytes, resolve_inside
+from .formats.metadata import METADATA_FILE, plain_file_name, read_metadata_bytes, resolve_inside
 
 __all__ = ["StorageReader"]
 

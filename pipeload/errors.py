@@ -18,7 +18,7 @@ class CheckpointFormatError(PipeloadError):
 
 
 class HeaderError(CheckpointFormatError):
-    """A safetensors header violates the format (raised by ``pipeload._fastio``)."""
+    """A safetensors header violates the format (raised by ``pipeload.io._fastio``)."""
 
 
 class TensorNotFoundError(CheckpointFormatError, KeyError):

@@ -157,7 +157,7 @@ def random_build(rng: random.Random, meshes: Meshes, fill: bool, layout=None):
 
 def flat_items(sd: dict):
     """(fqn, value) of every leaf, named the way pipeload names them."""
-    from pipeload.statedict import flatten
+    from pipeload.plan.statedict import flatten
 
     return [(fqn, leaf.value) for fqn, leaf in flatten(sd).items()]
 

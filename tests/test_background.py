@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 import pipeload
 from pipeload.errors import DistributedError, PipeloadError
-from pipeload.metadata import METADATA_FILE, read_metadata
+from pipeload.formats.metadata import METADATA_FILE, read_metadata
 
 from test_faults import _spawn_survivors
-from pipeload._world import run_world
+from pipeload.tools._world import run_world
 
 BIG = 8 << 20  # bytes of each rank's shard of the sharded tensor: a write that takes a while
 
@@ -375,7 +375,7 @@ def test_snapshot_of_every_kind_of_tensor(tmp_path, staging_bytes):
 
 def test_bench_save_summary_and_targets():
     """The save benchmark's reduction over ranks and its target checks (the world itself runs in `pipeload bench --save`)."""
-    from pipeload import bench_save
+    from pipeload.tools.bench import save as bench_save
 
     def rank(r):
         run = lambda s, **kw: {"seconds": s, "peak_rss_over_base": 1 << 20, **kw}  # noqa: E731

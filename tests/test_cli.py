@@ -12,11 +12,11 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import pipeload
-from pipeload import bench, synth
-from pipeload._fastio import SafetensorsFile
-from pipeload.cli import main
-from pipeload.inspect import inspect_checkpoint, verify_checkpoint
-from pipeload.metadata import METADATA_FILE, Metadata, read_metadata
+from pipeload.tools import bench, synth
+from pipeload.io._fastio import SafetensorsFile
+from pipeload.tools.cli import main
+from pipeload.tools.inspect import inspect_checkpoint, verify_checkpoint
+from pipeload.formats.metadata import METADATA_FILE, Metadata, read_metadata
 
 SMALL = dict(layers=1, experts=2)
 
@@ -333,7 +333,7 @@ def _mismatch_case(rank, world):
 
 @pytest.mark.timeout(60)
 def test_a_mismatch_on_one_rank_fails_every_rank():
-    from pipeload._world import run_world
+    from pipeload.tools._world import run_world
 
     for msg in run_world(_mismatch_case, 2, timeout=50):
         assert msg is not None

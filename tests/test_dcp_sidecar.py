@@ -19,11 +19,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import pipeload
-from pipeload.cli import main
+from pipeload.tools.cli import main
 from pipeload.errors import CheckpointFormatError
 from pipeload.formats import dcp as dcp_layout
 from pipeload.formats import dcpmeta, open_checkpoint
-from pipeload.inspect import inspect_checkpoint
+from pipeload.tools.inspect import inspect_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore::UserWarning")
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import pipeload
-from pipeload._world import run_world
+from pipeload.tools._world import run_world
 from pipeload.errors import PipeloadError
 
 import layouts as L
@@ -70,7 +70,7 @@ def world4(rank: int, world: int, root: str, from2: str) -> dict:
     out["tp2dp2"] = _load_check("tp2dp2", meshes, c("tp2dp2"))
     out["local_bytes"] = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
                              for _, t in L.flat_items(L.build("tp2dp2", meshes)) if isinstance(t, torch.Tensor))
-    md = pipeload.metadata.read_metadata(c("tp2dp2"))
+    md = pipeload.formats.metadata.read_metadata(c("tp2dp2"))
     out["object_bytes"] = sum(o.nbytes for o in md.objects.values())
     out["tp2dp2_dir"] = c("tp2dp2")
     out["tp2dp2_nobatch"] = _load_check("tp2dp2", meshes, c("tp2dp2"), broadcast_batch_bytes=0, max_inflight=2)
@@ -87,7 +87,7 @@ def world4(rank: int, world: int, root: str, from2: str) -> dict:
     out["w2_plain_to_w4"] = _load_check("shard1", meshes, os.path.join(from2, "2-plain"), verify_checksums=True)
 
     # Transformer-MoE-shaped layout (~3,000 tensors, TP2xDP2) at the default batch size.
-    from pipeload import synth
+    from pipeload.tools import synth
 
     moe = os.path.join(root, "4-moe")
     pipeload.save(synth.build_state_dict(meshes.get((2, 2)), 0, 4), moe)
@@ -145,7 +145,7 @@ def _gather_cases(rank, pair) -> list:
     """Plan rows gathered and flags united by gloo's one-round all-to-all and by the all-gather and
     all-reduce other backends use, over the world and over a subgroup, blocking and started early: every
     result must be the stacked rows, every union the element-wise maximum. Returns each mismatch."""
-    from pipeload.comm import Comm
+    from pipeload.engine.comm import Comm
 
     bad = []
     for name, group, ranks in (("world", None, [0, 1, 2, 3]), ("pair", pair, [rank // 2 * 2, rank // 2 * 2 + 1])):
@@ -173,7 +173,7 @@ def _box_cache_cases(meshes) -> list:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from pipeload.statedict import tensor_box
+    from pipeload.plan.statedict import tensor_box
 
     cache, bad, n = {}, [], 0
     kinds = [Replicate(), Shard(0), Shard(1), Shard(-1)]
@@ -432,7 +432,7 @@ def test_save_writes_each_chunk_once(worlds):
 
     _, r4, _ = worlds
     ckpt = r4[0]["tp2dp2_dir"]
-    md = pipeload.metadata.read_metadata(ckpt)
+    md = pipeload.formats.metadata.read_metadata(ckpt)
     payload = 0
     for name in md.files:
         with safe_open(os.path.join(ckpt, name), "pt") as f:  # plain safetensors, any tool opens it

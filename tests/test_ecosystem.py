@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import pipeload
-from pipeload._world import run_world
+from pipeload.tools._world import run_world
 
 WORLD_TIMEOUT = 200
 

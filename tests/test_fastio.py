@@ -1,4 +1,4 @@
-"""pipeload._fastio: the mmap reader, checked against safetensors as the oracle, on real files."""
+"""pipeload.io._fastio: the mmap reader, checked against safetensors as the oracle, on real files."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file as np_save_file
 from safetensors.torch import save_file as torch_save_file
 
-from pipeload import _fastio
-from pipeload._fastio import DTYPE_BITS, DTYPE_SIZES, FileCache, SafetensorsFile, read_header
+from pipeload.io import _fastio
+from pipeload.io._fastio import DTYPE_BITS, DTYPE_SIZES, FileCache, SafetensorsFile, read_header
 from pipeload.errors import CheckpointFormatError, HeaderError, ReadError, TensorNotFoundError
 
 # --------------------------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ def test_module_does_not_import_torch():
         "import sys, types\n"
         f"pkg = types.ModuleType('pipeload'); pkg.__path__ = [{os.path.join(root, 'pipeload')!r}]\n"
         "sys.modules['pipeload'] = pkg\n"
-        "import pipeload._fastio\n"
+        "import pipeload.io._fastio\n"
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -460,7 +460,7 @@ def test_unreadable_raises_permission_error(tmp_path):
         "import sys, types\n"
         f"pkg = types.ModuleType('pipeload'); pkg.__path__ = [{os.path.join(root, 'pipeload')!r}]\n"
         "sys.modules['pipeload'] = pkg\n"
-        "from pipeload._fastio import SafetensorsFile\n"
+        "from pipeload.io._fastio import SafetensorsFile\n"
         "try:\n"
         f"    SafetensorsFile({path!r})\n"
         "except PermissionError as e:\n"
@@ -875,7 +875,7 @@ def _copy_box_cases(tmp_path):
 def test_opening_a_cold_file_reads_its_header_and_nothing_else(tmp_path):
     """Opening reads the header only: no readahead into the tensors (on shared storage those bytes are
     other ranks' shares). Residency in the page cache, after dropping the file, counts what was read."""
-    from pipeload.bench import drop_cache, resident_bytes
+    from pipeload.tools.bench import drop_cache, resident_bytes
 
     path = str(tmp_path / "cold.safetensors")
     np_save_file({f"t{i:04d}": np.full(4096, i, np.float32) for i in range(512)}, path)  # 8 MiB of tensors
@@ -889,7 +889,7 @@ def test_opening_a_cold_file_reads_its_header_and_nothing_else(tmp_path):
 
 
 def test_willneed_tensors_requests_exactly_the_named_ranges_merged(tmp_path):
-    from pipeload.bench import drop_cache, resident_bytes
+    from pipeload.tools.bench import drop_cache, resident_bytes
 
     path = str(tmp_path / "w.safetensors")
     np_save_file({f"t{i:02d}": np.full(16384, i, np.float32) for i in range(64)}, path)  # 64 KiB each
@@ -917,7 +917,7 @@ def test_willneed_tensors_requests_exactly_the_named_ranges_merged(tmp_path):
 def test_raw_file_copy_box_reads_a_chunk_at_an_offset_and_refuses_one_past_the_end(tmp_path):
     """``RawFile.copy_box`` (DCP's items read in place): the chunk is where the layout says, checked
     against the file's size before anything is copied."""
-    from pipeload._fastio import RawFile
+    from pipeload.io._fastio import RawFile
 
     t = torch.arange(6 * 4096, dtype=torch.float32).reshape(6, 4096)
     path = str(tmp_path / "raw.bin")

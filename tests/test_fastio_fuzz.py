@@ -1,4 +1,4 @@
-"""Differential fuzz of the header validator: pipeload._fastio against safetensors (the Rust oracle).
+"""Differential fuzz of the header validator: pipeload.io._fastio against safetensors (the Rust oracle).
 
 Seeded mutations of valid files and generated headers: pipeload must never crash, must raise only
 HeaderError on a bad file, and must accept exactly the files ``safetensors.safe_open`` accepts,
@@ -15,7 +15,7 @@ import struct
 import pytest
 from safetensors import safe_open
 
-from pipeload._fastio import DTYPE_BITS, SafetensorsFile
+from pipeload.io._fastio import DTYPE_BITS, SafetensorsFile
 from pipeload.errors import HeaderError
 
 DTYPES = sorted(DTYPE_BITS)

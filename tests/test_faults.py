@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 import pipeload
-from pipeload import inspect as pinspect
-from pipeload._fastio import SafetensorsFile
-from pipeload._world import _rank_main, run_world
+from pipeload.tools import inspect as pinspect
+from pipeload.io._fastio import SafetensorsFile
+from pipeload.tools._world import _rank_main, run_world
 from pipeload.errors import CheckpointFormatError, DistributedError, PipeloadError, ReadError
-from pipeload.metadata import METADATA_FILE, Metadata, read_metadata
-from pipeload.reader import copy_box
+from pipeload.formats.metadata import METADATA_FILE, Metadata, read_metadata
+from pipeload.io.reader import copy_box
 
 BIG = 200 << 20  # bytes of the tensor truncated under the reader
 
@@ -102,7 +102,7 @@ _TRUNCATE_CHILD = textwrap.dedent(
     outcomes = []
     for attempt in range(6):
         if attempt == 3:  # the same through the mapping: a strided or small box's path, SIGBUS-guarded
-            pipeload._fastio._set_pread_min(1 << 62)
+            pipeload.io._fastio._set_pread_min(1 << 62)
         os.truncate(data_file, size)  # zeros again: the checkpoint is whole
         dst = {{"w": torch.ones({n})}}
         done = threading.Event()
@@ -145,8 +145,8 @@ _SLOW_OPEN_CHILD = textwrap.dedent(
     import os, subprocess, sys, threading, time
     import numpy as np
     from safetensors.numpy import save_file
-    from pipeload import bench
-    from pipeload._fastio import SafetensorsFile
+    from pipeload.tools import bench
+    from pipeload.io._fastio import SafetensorsFile
     d = {d!r}
     path, big = os.path.join(d, "t.safetensors"), os.path.join(d, "big.bin")
     save_file({{f"t{{i}}": np.zeros(256, np.float32) for i in range(2000)}}, path)  # a 100 KiB header
@@ -230,7 +230,7 @@ def test_metadata_fifo_and_dev_zero_refused(tmp_path):
 
 def test_metadata_size_limit(tmp_path, monkeypatch):
     pipeload.save({"a": torch.ones(2)}, tmp_path)
-    monkeypatch.setattr(pipeload.metadata, "MAX_METADATA_BYTES", 100)
+    monkeypatch.setattr(pipeload.formats.metadata, "MAX_METADATA_BYTES", 100)
     with pytest.raises(CheckpointFormatError, match="over the 100-byte limit"):
         read_metadata(tmp_path)
 
@@ -283,8 +283,8 @@ def _deflated_object_checkpoint(path) -> None:
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
         z.writestr("archive/data.pkl", b"\x00" * (16 << 20))
     data = buf.getvalue()
-    from pipeload.checksum import checksum
-    from pipeload.saver import _write_file
+    from pipeload.io.checksum import checksum
+    from pipeload.save.saver import _write_file
 
     o = md.objects["obj"]
     sums = _write_file(os.path.join(path, o.file), md.save_id, [(o.key, "U8", (len(data),), data)])
@@ -387,7 +387,7 @@ def test_small_metadata_faults(tmp_path):
 
 
 def test_stored_dtype_differs_from_metadata(tmp_path):
-    from pipeload.saver import _write_file
+    from pipeload.save.saver import _write_file
 
     pipeload.save({"a": torch.ones(4)}, tmp_path)
     md = read_metadata(tmp_path)
@@ -400,7 +400,7 @@ def test_stored_dtype_differs_from_metadata(tmp_path):
 # -- concurrent saves into one directory (real processes) -------------------------------------------------
 
 # Another process saving into the directory, reduced to what matters: it holds the save lock (the
-# same flock on the directory that pipeload.saver._lock_directory takes; no torch import, so it is quick).
+# same flock on the directory that pipeload.save.saver._lock_directory takes; no torch import, so it is quick).
 _HOLD_LOCK = textwrap.dedent(
     """
     import fcntl, os, sys, time
@@ -470,7 +470,7 @@ def test_commit_deletes_only_the_replaced_checkpoints_files(tmp_path):
 
 
 def test_commit_refuses_when_a_data_file_vanished(tmp_path):
-    from pipeload.saver import _commit
+    from pipeload.save.saver import _commit
 
     pipeload.save({"a": torch.ones(2)}, tmp_path)
     md = read_metadata(tmp_path)

@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import save_file
 
 import pipeload
-from pipeload.cli import main
+from pipeload.tools.cli import main
 from pipeload.errors import CheckpointFormatError, StateDictError
 from pipeload.formats import detect, open_checkpoint
 from pipeload.formats.dcp import DistcpFile
-from pipeload.inspect import inspect_checkpoint, verify_checkpoint
+from pipeload.tools.inspect import inspect_checkpoint, verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -309,7 +309,7 @@ def test_inspect_verify_convert(tmp_path, dcp_dir, capsys):
 
 
 def test_rawfile_views(tmp_path):
-    from pipeload._fastio import FileCache, RawFile
+    from pipeload.io._fastio import FileCache, RawFile
     from pipeload.errors import ReadError
 
     p = tmp_path / "blob.bin"

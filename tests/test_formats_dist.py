@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeload
-from pipeload._world import run_world
+from pipeload.tools._world import run_world
 from pipeload.formats.dcp import writer_of as dcp_writer_of
 
 WORLD_TIMEOUT = 150

@@ -1,4 +1,4 @@
-"""Each step of the global plan's pipeline (pipeload.globalplan) on its own, and the pipeline as a whole.
+"""Each step of the global plan's pipeline (pipeload.plan.globalplan) on its own, and the pipeline as a whole.
 
 The inputs are built through the loader's own exchange formats (records, rows, classes), as
 ``tests/test_planner.py`` does; each test states the invariant of one step.
@@ -11,9 +11,9 @@ import random
 import numpy as np
 import pytest
 
-from pipeload import balance
-from pipeload import globalplan as G
-from pipeload.exchange import classes, decode_record, encode_record, group_digest, make_row
+from pipeload.plan import balance
+from pipeload.plan import globalplan as G
+from pipeload.plan.exchange import classes, decode_record, encode_record, group_digest, make_row
 
 from test_planner import ITEMSIZE, _random_payloads, plan_all
 

@@ -1,4 +1,4 @@
-"""Key owners (pipeload.keyowners): the R = 1 path finds the shared keys without every record on every
+"""Key owners (pipeload.plan.keyowners): the R = 1 path finds the shared keys without every record on every
 rank, and takes exactly the digest path's decisions, on random layouts (through the simulated
 exchange, which models both all-to-alls) and in a real 4-rank gloo world (through the real ones)."""
 
@@ -14,16 +14,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import pipeload
-from pipeload import keyowners
-from pipeload import simulate as sim
-from pipeload._world import run_world
-from pipeload.comm import Comm
-from pipeload.exchange import F_KEYOWNER, classes, decode_record, encode_record, group_digest, make_row, record_transfer
-from pipeload.globalplan import global_plan
-from pipeload.loader import exchange_and_plan
-from pipeload.metadata import read_metadata
-from pipeload.planner import fqn_index, local_plan, plan_record
-from pipeload.statedict import flatten, mesh_groups, meshes_of
+from pipeload.plan import keyowners
+from pipeload.tools import simulate as sim
+from pipeload.tools._world import run_world
+from pipeload.engine.comm import Comm
+from pipeload.plan.exchange import (F_KEYOWNER, classes, decode_record, encode_record, group_digest, make_row,
+                                    record_transfer)
+from pipeload.plan.globalplan import global_plan
+from pipeload.engine.loader import exchange_and_plan
+from pipeload.formats.metadata import read_metadata
+from pipeload.plan.planner import fqn_index, local_plan, plan_record
+from pipeload.plan.statedict import flatten, mesh_groups, meshes_of
 
 import layouts as L
 

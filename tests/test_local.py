@@ -109,7 +109,7 @@ def test_sync_loads_keep_the_main_threads_loop_and_close_other_threads_loops(tmp
     closed when it returns."""
     import threading
 
-    from pipeload import loader
+    from pipeload.engine import loader
 
     src = _sd()
     pipeload.save(src, tmp_path)
@@ -254,7 +254,7 @@ def test_loads_into_parameters(tmp_path):
 def test_gc_pause_nests_and_restores():
     import gc
 
-    from pipeload._gcpause import paused_gc
+    from pipeload.engine._gcpause import paused_gc
 
     assert gc.isenabled()
     with paused_gc():
@@ -285,8 +285,8 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 def test_format_1_checkpoints_still_load():
     """A checkpoint written by the release that wrote format 1 (kept as a fixture) loads exactly."""
     import layouts as L
-    from pipeload.inspect import inspect_checkpoint, verify_checkpoint
-    from pipeload.metadata import read_metadata
+    from pipeload.tools.inspect import inspect_checkpoint, verify_checkpoint
+    from pipeload.formats.metadata import read_metadata
 
     fixture = os.path.join(FIXTURES, "v1")
     assert read_metadata(fixture).version == 1
@@ -302,7 +302,7 @@ def test_format_2_index_is_read_only_where_needed_and_validated(tmp_path):
     """Format 2 keeps chunks in a safetensors index; a damaged index is a named CheckpointFormatError."""
     from safetensors import safe_open
 
-    from pipeload.metadata import read_metadata
+    from pipeload.formats.metadata import read_metadata
 
     full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
     pipeload.save({"w": full, "s": 3}, tmp_path)
@@ -322,9 +322,9 @@ def test_format_2_index_is_read_only_where_needed_and_validated(tmp_path):
 
 def test_format_2_chunk_files_survive_an_objects_only_file(tmp_path):
     """The index numbers chunk files in the .metadata file list, which also lists objects-only files."""
-    from pipeload.chunkindex import ARRAYS, build_arrays, index_file_name
-    from pipeload.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta, read_metadata
-    from pipeload.saver import _write_file
+    from pipeload.formats.chunkindex import ARRAYS, build_arrays, index_file_name
+    from pipeload.formats.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta, read_metadata
+    from pipeload.save.saver import _write_file
 
     md = Metadata("0" * 16, 2, {"w": TensorMeta("F32", (4,), (ChunkMeta((0,), (4,), "b.safetensors", "w", "1" * 16),))},
                   {"o": ObjectMeta("a.safetensors", "o#object", 3, "2" * 16)})
@@ -339,7 +339,7 @@ def test_format_2_chunk_files_survive_an_objects_only_file(tmp_path):
 
 def test_format_2_index_mapped_or_sent_loads_the_same(tmp_path):
     """A small index travels with .metadata; a large one is mapped by each rank: both paths load alike."""
-    from pipeload import chunkindex
+    from pipeload.formats import chunkindex
 
     full = torch.arange(300 * 7, dtype=torch.float64).reshape(300, 7)
     pipeload.save({"w": full, "v": torch.ones(3)}, tmp_path)
@@ -358,9 +358,9 @@ def test_format_2_exact_chunk_lookup_agrees_with_the_chunk_list(tmp_path):
     and nothing for boxes that span, split or miss chunks (those resolve box by box)."""
     import random
 
-    from pipeload.chunkindex import ARRAYS, build_arrays, index_file_name
-    from pipeload.metadata import ChunkMeta, Metadata, TensorMeta, read_metadata
-    from pipeload.saver import _write_file
+    from pipeload.formats.chunkindex import ARRAYS, build_arrays, index_file_name
+    from pipeload.formats.metadata import ChunkMeta, Metadata, TensorMeta, read_metadata
+    from pipeload.save.saver import _write_file
 
     rng = random.Random(7)
     tensors = {"scalar": TensorMeta("F32", (), (ChunkMeta((), (), "d.safetensors", "scalar", "0" * 16),))}
@@ -396,9 +396,9 @@ def test_format_2_exact_chunk_lookup_agrees_with_the_chunk_list(tmp_path):
 def test_every_mismatch_is_named_alike_in_both_metadata_formats(tmp_path):
     """The local plan checks each leaf against the checkpoint's tensor table (format 2: columns compared in
     place; format 1: a dict of TensorMeta): the same problems, each naming the key and both sides."""
-    from pipeload.metadata import Metadata, read_metadata
-    from pipeload.planner import local_plan
-    from pipeload.statedict import flatten
+    from pipeload.formats.metadata import Metadata, read_metadata
+    from pipeload.plan.planner import local_plan
+    from pipeload.plan.statedict import flatten
 
     pipeload.save({"a": torch.ones(4, 3), "b": torch.ones(4), "c": torch.ones(2, 2, 2), "d": torch.tensor(1.0),
                    "e": torch.ones(2, 3), "obj": {"k": 1}, "t": torch.ones(2)}, tmp_path)
@@ -428,9 +428,9 @@ def test_a_malformed_box_is_a_problem_not_a_crash(tmp_path):
     """The compiled local plan indexes a box's offsets and lengths without bounds checks: a box whose
     offsets or lengths do not match its tensor's rank (from a ``box_of`` such as the simulation's) must be
     refused as a problem naming the key before any of it is read."""
-    from pipeload.metadata import read_metadata
-    from pipeload.planner import local_plan
-    from pipeload.statedict import Box, flatten
+    from pipeload.formats.metadata import read_metadata
+    from pipeload.plan.planner import local_plan
+    from pipeload.plan.statedict import Box, flatten
 
     pipeload.save({"a": torch.ones(4, 3), "b": torch.ones(2), "c": torch.ones(3, 2)}, tmp_path)
     md = read_metadata(tmp_path)

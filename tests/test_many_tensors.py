@@ -70,7 +70,7 @@ def _world(rank: int, world: int, directory: str) -> dict:
 
 @pytest.mark.timeout(240)
 def test_hundred_thousand_small_tensors_round_trip(tmp_path):
-    from pipeload._world import run_world
+    from pipeload.tools._world import run_world
 
     out = run_world(_world, 2, str(tmp_path / "ck"), timeout=180, separate_hosts=True)
     for rank, r in enumerate(out):

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import pipeload
-from pipeload import inspect as pinspect
+from pipeload.tools import inspect as pinspect
 from pipeload.errors import PipeloadError
-from pipeload.metadata import METADATA_FILE, Metadata, read_metadata
+from pipeload.formats.metadata import METADATA_FILE, Metadata, read_metadata
 
 CASES = int(os.environ.get("PIPELOAD_FUZZ_CASES", "300"))
 SEED = int(os.environ.get("PIPELOAD_FUZZ_SEED", "20261201"))

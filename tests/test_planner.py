@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeload import balance
+from pipeload.plan import balance
 from pipeload.errors import CheckpointFormatError
-from pipeload.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
-from pipeload.exchange import classes, decode_record, encode_record, group_digest, make_row
-from pipeload.globalplan import global_plan
-from pipeload.planner import DestShard, LocalPlan, local_plan, plan_record
-from pipeload.saver import plan_save
-from pipeload.statedict import flatten, is_container
+from pipeload.formats.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
+from pipeload.plan.exchange import classes, decode_record, encode_record, group_digest, make_row
+from pipeload.plan.globalplan import global_plan
+from pipeload.plan.planner import DestShard, LocalPlan, local_plan, plan_record
+from pipeload.save.saver import plan_save
+from pipeload.plan.statedict import flatten, is_container
 
 
 ITEMSIZE = 4
@@ -253,7 +253,7 @@ def _md(tensors: dict[str, TensorMeta]) -> Metadata:
 def test_row_helpers_match_numpy_row_semantics():
     """The global plan's row helpers: _unique_rows is numpy's row-wise unique (first index, inverse; set ids
     follow its order), _row_tuples cuts each row to its own width, as Python ints."""
-    from pipeload.globalplan import _row_tuples, _unique_rows
+    from pipeload.plan.globalplan import _row_tuples, _unique_rows
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -292,7 +292,7 @@ def _greedy_oracle(order, weight, sid, prefer, cap, members, loads):
 def test_assign_readers_is_the_plain_rule_over_overlapping_sets(seed):
     """The array greedy (lazily refreshed heaps, one per holder set) against the rule written plainly,
     on sets that share ranks (so heap entries go stale), with and without writers' affinity."""
-    from pipeload._greedy import assign_readers
+    from pipeload.plan._greedy import assign_readers
 
     rng = np.random.default_rng(seed)
     world, n_sets, n = 12, 7, 400
@@ -346,7 +346,7 @@ def _cut_oracle(weight, rows, sizes):
 def test_cut_stream_is_the_rule_written_plainly(seed):
     """Stream cutting over arrays against the rule written plainly: shards that cannot be cut (no rows,
     no bytes), segment ends that fall on half a row (rounded half to even), empty segments."""
-    from pipeload._greedy import cut_stream
+    from pipeload.plan._greedy import cut_stream
 
     rng = np.random.default_rng(seed)
     n_shards, members = int(rng.integers(1, 60)), int(rng.integers(1, 20))
@@ -389,7 +389,7 @@ def _batch_oracle(groups: list[int], weights: list[int], batch: int, align: int)
 def test_batch_ops_is_the_rule_written_plainly(seed):
     """Batching over arrays against the plain rule: pieces at or over the batch size alone, batches that
     close on the piece crossing it (each piece rounded up to the alignment), open ones last by first piece."""
-    from pipeload._greedy import batch_ops
+    from pipeload.plan._greedy import batch_ops
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(0, 400))
@@ -444,7 +444,7 @@ def test_plan_save_writes_replicas_once_and_checks_tiling():
 
 
 def _moe_entries(world=4, tp=2):
-    from pipeload import synth
+    from pipeload.tools import synth
 
     spec = synth.model_spec(64)
     per_rank = [[] for _ in range(world)]
@@ -549,7 +549,7 @@ def test_plan_signature_names_no_leaf_but_tells_every_layout_apart():
     """plancache.signature walks the state dict as flatten does: leaves in flatten's order, and a
     signature that changes with any container's keys (their types too), order, nesting or any tensor's
     facts, and not with object values or tensor identities."""
-    from pipeload import plancache
+    from pipeload.plan import plancache
 
     def sd(**over):
         d = {"a": torch.zeros(2, 3), "opt": {"step": 1, "groups": [{"lr": 0.1, "params": [0, 1]}],
@@ -587,7 +587,7 @@ def test_plan_signature_names_no_leaf_but_tells_every_layout_apart():
     # was moved: the comparison follows it, not the order the entries are stored in
     from collections import OrderedDict
 
-    from pipeload._leafplan import match
+    from pipeload.plan._leafplan import match
 
     od = OrderedDict([("a", torch.zeros(2)), ("b", torch.zeros(3)), ("c", 1)])
     od_sig = plancache.signature({"m": od})[0]
@@ -603,8 +603,8 @@ def test_plan_signature_names_no_leaf_but_tells_every_layout_apart():
 def _same_as_signature(state, sig) -> None:
     """``_leafplan.match`` (a reused load's check) accepts ``state`` exactly when its signature is ``sig``,
     and then gives the signature's leaves and homes."""
-    from pipeload import plancache
-    from pipeload._leafplan import match
+    from pipeload.plan import plancache
+    from pipeload.plan._leafplan import match
 
     got = match(state, is_container, *sig)
     want, values, homes = plancache.signature(state)
@@ -622,7 +622,7 @@ def test_in_place_comparison_agrees_with_the_signature_on_random_layouts():
     container emptied): the in-place comparison reuses a plan exactly when the signatures are equal."""
     import copy
 
-    from pipeload import plancache
+    from pipeload.plan import plancache
 
     rng = random.Random(7)
 

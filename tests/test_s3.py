@@ -26,9 +26,9 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
 import pipeload  # noqa: E402
-from pipeload._world import run_world  # noqa: E402
+from pipeload.tools._world import run_world  # noqa: E402
 from pipeload.errors import PipeloadError  # noqa: E402
-from pipeload.s3testing import Faults, FaultProxy, LocalS3  # noqa: E402
+from pipeload.tools.s3testing import Faults, FaultProxy, LocalS3  # noqa: E402
 
 import layouts as L  # noqa: E402
 
@@ -234,7 +234,7 @@ def test_s3_world(s3, tmp_path):
 
 SAVE_SCRIPT = textwrap.dedent("""
     import sys, torch, pipeload
-    from pipeload.s3testing import LocalS3
+    from pipeload.tools.s3testing import LocalS3
     url, endpoint, value = sys.argv[1], sys.argv[2], float(sys.argv[3])
     sd = {"w": torch.full((1 << 20,), value), "step": int(value)}
     pipeload.save(sd, url, storage_options=LocalS3.options(endpoint, part_size=5 << 20))
@@ -286,8 +286,8 @@ def test_missing_extra_names_it(tmp_path):
 
 def test_s3_tools(s3, tmp_path):
     """inspect, verify and convert (to and from object storage) on s3:// URLs; the CLI from the AWS_* env."""
-    from pipeload.formats.convert import convert
-    from pipeload.inspect import inspect_checkpoint, verify_checkpoint
+    from pipeload.tools.convert import convert
+    from pipeload.tools.inspect import inspect_checkpoint, verify_checkpoint
 
     server, proxy = s3
     opts = LocalS3.options(proxy.url(0))
@@ -325,7 +325,7 @@ def test_object_parts_views_and_header(s3, tmp_path):
     safetensors header; If-Match on every GET."""
     from safetensors.torch import save_file
 
-    from pipeload import storage
+    from pipeload.io import storage
 
     server, proxy = s3
     t = torch.arange(5 << 20, dtype=torch.int32)  # 20 MiB

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import pipeload
-from pipeload._world import run_world
+from pipeload.tools._world import run_world
 from pipeload.errors import PipeloadError, StateDictError
 
 import layouts as L
@@ -64,7 +64,7 @@ def _payload_files(ckpt: str) -> dict[str, int]:
     """Bytes of tensor data in each data file of ``ckpt`` (headers and objects excluded)."""
     from safetensors import safe_open
 
-    md = pipeload.metadata.read_metadata(ckpt)
+    md = pipeload.formats.metadata.read_metadata(ckpt)
     out = {}
     for name in md.files:
         with safe_open(os.path.join(ckpt, name), "pt") as f:
@@ -74,9 +74,9 @@ def _payload_files(ckpt: str) -> dict[str, int]:
 
 def _exchange_case(meshes) -> dict:
     """The real exchange of a TP x DP state dict: this rank's record and what the collectives gave it."""
-    from pipeload import saveplan
-    from pipeload.comm import Comm
-    from pipeload.statedict import flatten
+    from pipeload.save import saveplan
+    from pipeload.engine.comm import Comm
+    from pipeload.plan.statedict import flatten
 
     rec = saveplan.local_record(flatten(L.build("tp2dp2", meshes)))
     xc = saveplan.exchange(Comm(), rec, [], "test")
@@ -176,8 +176,8 @@ def test_refusals_name_rank_and_key_on_every_rank(world):
 
 
 def test_real_exchange_equals_the_simulated_one(world):
-    from pipeload import saveplan
-    from pipeload.simsave import SimSaveExchange
+    from pipeload.save import saveplan
+    from pipeload.tools.simsave import SimSaveExchange
 
     n, res = world
     recs = []

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeload import saveplan
-from pipeload.checksum import checksum
-from pipeload.metadata import dtype_name
-from pipeload.saver import encode_object, plan_save
-from pipeload.simsave import SimSaveExchange, simulate_save
-from pipeload.statedict import Box, flatten
+from pipeload.save import saveplan
+from pipeload.io.checksum import checksum
+from pipeload.formats.metadata import dtype_name
+from pipeload.save.saver import encode_object, plan_save
+from pipeload.tools.simsave import SimSaveExchange, simulate_save
+from pipeload.plan.statedict import Box, flatten
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float64]
 
@@ -190,7 +190,7 @@ def test_simulate_save_small_world(layout):
 def test_cli_simulate_op_save_prints_the_keys(capsys):
     import json
 
-    from pipeload.cli import main
+    from pipeload.tools.cli import main
 
     assert main(["simulate", "--op", "save", "--layout", "dense", "--world", "64", "--samples", "2",
                  "--no-memory", "--json"]) == 0

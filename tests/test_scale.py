@@ -14,15 +14,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import pipeload
-from pipeload import simulate as sim
-from pipeload._world import run_world
-from pipeload.cli import main
-from pipeload.comm import Comm
-from pipeload.exchange import classes
-from pipeload.loader import exchange_and_plan
-from pipeload.metadata import read_metadata
-from pipeload.planner import fqn_index, local_plan, plan_record
-from pipeload.statedict import flatten, mesh_groups, meshes_of
+from pipeload.tools import simulate as sim
+from pipeload.tools._world import run_world
+from pipeload.tools.cli import main
+from pipeload.engine.comm import Comm
+from pipeload.plan.exchange import classes
+from pipeload.engine.loader import exchange_and_plan
+from pipeload.formats.metadata import read_metadata
+from pipeload.plan.planner import fqn_index, local_plan, plan_record
+from pipeload.plan.statedict import flatten, mesh_groups, meshes_of
 
 import layouts as L
 
@@ -156,7 +156,7 @@ def world8(rank: int, world: int, root: str) -> dict:
     out["meshes"] = sorted(map(id, plan.meshes)) == sorted(map(id, meshes_of(leaves))) and len(plan.meshes) == 1
     gp = exchange_and_plan(comm, rank, world, md, list(fqn_index(md)), record, [], groups, directory=ckpt,
                            broadcast=True, batch_bytes=6 << 20, can_create=True)
-    from pipeload.exchange import host_id, make_row
+    from pipeload.plan.exchange import host_id, make_row
 
     row = make_row(record=record, save_id=md.save_id, problems=False, host=host_id(), groups=groups)
     out.update(row=row, record=record, groups=groups, digest=gp.digest(),

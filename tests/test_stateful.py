@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.checkpoint.stateful import Stateful
 
 import pipeload
-from pipeload.stateful import expand, is_stateful
+from pipeload.engine.stateful import expand, is_stateful
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

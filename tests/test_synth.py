@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeload import synth
-from pipeload._world import run_world
+from pipeload.tools import synth
+from pipeload.tools._world import run_world
 
 SMALL = dict(layers=2, experts=4)
 

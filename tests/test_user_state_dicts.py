@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeload
-from pipeload._world import run_world
+from pipeload.tools._world import run_world
 
 import layouts as L
 

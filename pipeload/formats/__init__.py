@@ -1,7 +1,7 @@
 """Checkpoint layouts pipeload reads: its own, torch.distributed.checkpoint's, and Hugging Face's.
 
 Each layout is one module that turns a checkpoint into the same in-memory
-:class:`pipeload.metadata.Metadata` (tensors -> chunks -> the file and key holding their bytes, plus
+:class:`pipeload.formats.metadata.Metadata` (tensors -> chunks -> the file and key holding their bytes, plus
 Python objects) and says how to open its data files. Nothing after this package knows which layout it
 loads: the planner, the scheduler and the error handling see only ``Metadata`` and a file opener.
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import CheckpointFormatError
-from ..metadata import METADATA_FILE, Metadata, TensorMeta, dtype_name
-from .. import storage
+from .metadata import METADATA_FILE, Metadata, TensorMeta, dtype_name
+from ..io import storage
 from . import dcp, hf, native
 
 FORMATS = ("pipeload", "dcp", "hf")
@@ -49,7 +49,7 @@ class Checkpoint:
     # reader's default, right when each rank reads mostly contiguous ranges of its own file).
     merge_gap: int | None = None
     # The rank a layout names as the writer of a data file (-1: none). The plan prefers that rank as the
-    # reader of the replicated shards stored there (see pipeload.globalplan): one rank then reads a run
+    # reader of the replicated shards stored there (see pipeload.plan.globalplan): one rank then reads a run
     # of neighbouring items, and no storage page is read by two ranks. None: the layout names none
     # (pipeload's own save already places each shard in the file its load reader is chosen for).
     writer_of: Callable[[str], int] | None = None
@@ -190,7 +190,7 @@ def cast_metadata(md: Metadata, leaves: dict) -> Metadata:
     views the stored bytes in their own dtype and converts while copying. Every rank must hold the
     same dtype for a key (true of any state dict built from one model).
     """
-    from ..statedict import is_tensor
+    from ..plan.statedict import is_tensor
 
     tensors = None
     for fqn, leaf in leaves.items():

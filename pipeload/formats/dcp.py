@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from ..storage import is_url, open_raw, read_bytes
+from ..io.storage import is_url, open_raw, read_bytes
 from ..errors import CheckpointFormatError, TensorNotFoundError
-from ..metadata import METADATA_FILE
-from ..metadata import chunk_key as metadata_chunk_key
+from .metadata import METADATA_FILE
+from .metadata import chunk_key as metadata_chunk_key
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -128,6 +128,7 @@ def from_payload(path: str, data):
     from .dcpmeta import open_table
 
     md, opener = open_table(data, os.path.join(path, METADATA_FILE))
+    opener.file_class = DistcpFile
     return path, md, opener, {}
 
 
@@ -463,6 +464,6 @@ class DistcpFile:
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    from ..metadata import torch_dtype
+    from .metadata import torch_dtype
 
     return torch_dtype(name)

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from .._gcpause import paused_gc
+from ..engine._gcpause import paused_gc
 from ..errors import CheckpointFormatError
-from ..metadata import dtype_name, plain_file_name
+from .metadata import dtype_name, plain_file_name
 from . import table
 
 _I = operator.attrgetter("i")
@@ -431,8 +431,8 @@ SIDECAR = ".metadata.pipeload-table"  # the table kept beside a DCP checkpoint (
 def open_table(blob, source: str):
     """(Metadata, opener) of a DCP table blob, viewed in place: the chunk index over its arrays (no
     checksums recorded), the objects, and an opener whose files know the byte range of each of their items."""
-    from ..chunkindex import ChunkIndex, IndexedTensors
-    from ..metadata import OBJECT_ENCODING, Metadata, ObjectMeta
+    from .chunkindex import ChunkIndex, IndexedTensors
+    from .metadata import OBJECT_ENCODING, Metadata, ObjectMeta
 
     arrays, facts = table.decode(blob, source)
     if facts.get("layout") != "dcp" or facts.get("version") != VERSION:
@@ -471,9 +471,10 @@ class TableOpener:
         self.idx, self.a, self.tensors, self.objects, self.transforms = idx, arrays, tensors, objects, transforms
         self.file_ix = {name: i for i, name in enumerate(files)}
         self._row_tensor = None
+        self.file_class = None  # formats.dcp.DistcpFile, set by the layout that opened the table
 
     def items(self, name: str) -> dict[str, tuple]:
-        from ..metadata import chunk_key
+        from .metadata import chunk_key
 
         out = dict(self.objects.get(name, {}))
         i = self.file_ix.get(name)
@@ -502,9 +503,7 @@ class TableOpener:
         return out
 
     def __call__(self, path: str):
-        from .dcp import DistcpFile
-
-        return DistcpFile(path, self.items(os.path.basename(path)))
+        return self.file_class(path, self.items(os.path.basename(path)))
 
 
 # -- rank 0: the sidecar, or the pickle ----------------------------------------------------------------
@@ -515,7 +514,7 @@ def read_table(path: str, unpickler: type) -> bytes | bytearray:
     ``.metadata`` (size, mtime and xxh3 of its bytes all equal) and is intact, else decoded from the pickle
     and (directory writable) kept as the sidecar, written atomically. A sidecar that cannot be read,
     is damaged or belongs to other bytes is ignored; one that cannot be written is skipped."""
-    from ..metadata import MAX_METADATA_BYTES, METADATA_FILE, resolve_inside
+    from .metadata import MAX_METADATA_BYTES, METADATA_FILE, resolve_inside
 
     md_path = os.path.join(path, METADATA_FILE)
     try:
@@ -562,7 +561,7 @@ def table_of_pickle(data: bytes, source: str, unpickler: type) -> bytes | bytear
 
 
 def _digest(f) -> str:
-    from ..checksum import hasher
+    from ..io.checksum import hasher
 
     h = hasher()
     buf = bytearray(8 << 20)
@@ -575,7 +574,7 @@ def _digest(f) -> str:
 
 def _arrays_digest(arrays: dict) -> str:
     """:func:`_data_digest` of the blob ``arrays`` will be encoded into (they are laid end to end)."""
-    from ..checksum import hasher
+    from ..io.checksum import hasher
 
     h = hasher()
     for a in arrays.values():
@@ -587,14 +586,14 @@ def _data_digest(blob) -> str:
     """xxh3 of a blob's array bytes (after its header): a sidecar's arrays are checked before use."""
     import struct
 
-    from ..checksum import checksum
+    from ..io.checksum import checksum
 
     (n,) = struct.unpack_from("<Q", blob, 0)
     return checksum(memoryview(blob)[8 + n:])
 
 
 def _read_sidecar(path: str, key: dict):
-    from ..metadata import resolve_inside
+    from .metadata import resolve_inside
 
     side = os.path.join(path, SIDECAR)
     try:
@@ -639,7 +638,7 @@ def _write_sidecar(path: str, blob: bytearray) -> None:
 def sidecar_state(path: str) -> str:
     """``"absent"``, ``"current"`` (it would be used: built from this ``.metadata``, intact) or ``"stale"``
     (another ``.metadata``'s, or damaged: it would be rebuilt)."""
-    from ..metadata import METADATA_FILE
+    from .metadata import METADATA_FILE
 
     if not os.path.lexists(os.path.join(path, SIDECAR)):
         return "absent"

@@ -19,9 +19,9 @@ import json
 import os
 from typing import Any
 
-from ..storage import is_url, listdir, read_bytes, read_header
+from ..io.storage import is_url, listdir, read_bytes, read_header
 from ..errors import CheckpointFormatError
-from ..metadata import ChunkMeta, Metadata, TensorMeta, plain_file_name, tiling_problem, torch_dtype
+from .metadata import ChunkMeta, Metadata, TensorMeta, plain_file_name, tiling_problem, torch_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
@@ -34,7 +34,7 @@ def is_hf_dir(path: str) -> bool:
         names = listdir(path)
     except OSError:
         return False
-    from ..saver import DATA_FILE_RE
+    from ..save.saver import DATA_FILE_RE
 
     # pipeload's own files (data and chunk index) are not a Hugging Face checkpoint without .metadata
     return INDEX_FILE in names or any(n.endswith(SUFFIX) and not DATA_FILE_RE.match(n) for n in names)
@@ -168,7 +168,7 @@ def table_of(raw: dict[str, Any], path: str):
     """The table blob of what :func:`read_raw` read: tensors sorted by name, their chunks, the files."""
     import numpy as np
 
-    from ..chunkindex import build_arrays
+    from .chunkindex import build_arrays
     from . import table
 
     _, md, file_metadata = _decode_raw(path, raw)
@@ -188,7 +188,7 @@ def table_of(raw: dict[str, Any], path: str):
 
 def from_payload(path: str, blob):
     """(root, Metadata, opener, file metadata) of the table rank 0 sent, viewed in place on this rank."""
-    from ..chunkindex import ChunkIndex, IndexedTensors
+    from .chunkindex import ChunkIndex, IndexedTensors
     from . import table
 
     source = os.path.join(path, INDEX_FILE) if not os.path.isfile(path) else path
@@ -214,12 +214,12 @@ class _Stored:
     (the engine's name of a part) is the file's tensor ``name``."""
 
     def __init__(self, partial: dict):
-        from ..metadata import chunk_key
+        from .metadata import chunk_key
 
         self.stored = {chunk_key(n, tuple(o), False): n for n, offs in partial.items() for o in offs}
 
     def __call__(self, path: str):
-        from .._fastio import SafetensorsFile
+        from ..io._fastio import SafetensorsFile
 
         return _Renamed(SafetensorsFile(path), self.stored)
 

@@ -1,6 +1,6 @@
 """The columnar form of a foreign layout's metadata: decoded once, on the rank that reads it.
 
-A *table* is format 2's chunk index (:mod:`pipeload.chunkindex`: ``shape``, ``chunk_start``,
+A *table* is format 2's chunk index (:mod:`pipeload.formats.chunkindex`: ``shape``, ``chunk_start``,
 ``max_rows``, ``chunk_offsets``, ``chunk_lengths``, ``chunk_file``) plus the columns a layout needs to
 find a chunk's bytes (DCP: ``chunk_byte_offset``/``chunk_byte_length`` and the chunks of each file), in
 one safetensors-layout blob whose ``__metadata__[TABLE_KEY]`` holds the tensor-level facts as JSON

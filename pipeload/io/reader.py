@@ -1,0 +1,316 @@
+"""Copying ReadItems out of checkpoint files: the torch-facing side of ``pipeload.io._fastio``.
+
+A stored chunk is viewed in place (``torch.frombuffer`` over the file's mapping, no copy) and the
+ReadItem's box is copied from that view straight into its destination region: one copy per byte.
+Nothing is pre-checked that the next call checks anyway: a missing file or key surfaces from the
+open or lookup itself, with the file name and key in the message.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import zipfile
+from typing import Any, Iterable
+
+import torch
+
+from ._fastio import FileCache, SafetensorsFile, guarded_copy
+from .checksum import hasher
+from ..errors import ChecksumError, CheckpointFormatError, ReadError
+from ..formats.metadata import _DTYPE_NAMES as _STORED  # safetensors dtype name -> torch dtype
+from ..formats.metadata import ObjectMeta, dtype_name, resolve_inside
+from ..plan.planner import ReadItem
+from . import storage
+
+
+def narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """The box (offsets, lengths) of ``t`` as a view."""
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        if o != 0 or n != t.shape[dim]:
+            t = t.narrow(dim, o, n)
+    return t
+
+
+def box_span(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], itemsize: int):
+    """Byte range [lo, hi) of a C-contiguous tensor of ``shape`` that holds the box (offsets, lengths)."""
+    first = last = 0
+    stride = 1
+    for n, o, k in zip(reversed(shape), reversed(offsets), reversed(lengths)):
+        first += o * stride
+        last += (o + k - 1) * stride
+        stride *= n
+    return first * itemsize, (last + 1) * itemsize
+
+
+_MERGE_GAP = 1 << 20  # prefetch ranges closer than this are requested as one
+_OBJECTS_OPEN = 64  # objects of a checkpoint in object storage kept open (and their staged bytes)
+
+
+def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str) -> None:
+    """``dst.copy_(src)`` for a ``src`` that views a file mapping, safe against the file changing.
+
+    Host destinations get one guarded strided copy (memcpy per contiguous run, without the GIL): a
+    page fault the kernel cannot serve — ``source`` truncated mid-copy, a storage error surfacing as
+    SIGBUS — raises :class:`ReadError` for this copy instead of killing the process. Other devices,
+    and a destination of another dtype (converted on the copy), go through a host buffer filled the
+    same way (a device copy or a conversion cannot be guarded).
+    """
+    if dst.shape != src.shape:
+        raise ValueError(f"copy_box: {dst.dtype} {list(dst.shape)} <- {src.dtype} {list(src.shape)}")
+    if dst.device.type != "cpu" or dst.dtype != src.dtype:  # (another dtype: load(cast=True) converts)
+        host = torch.empty(src.shape, dtype=src.dtype)
+        copy_box(host, src, source)
+        dst.copy_(host)
+        return
+    if dst.is_contiguous() and src.is_contiguous():
+        n = dst.nbytes
+        if n:
+            guarded_copy(dst.data_ptr(), _ONE, src.data_ptr(), _ONE, (n,), 1, source)
+        return
+    if dst.numel() == 0:
+        return
+    isz = dst.element_size()
+    guarded_copy(dst.data_ptr(), tuple(s * isz for s in dst.stride()),
+                 src.data_ptr(), tuple(s * isz for s in src.stride()), tuple(dst.shape), isz, source)
+
+
+_ONE = (1,)
+
+
+_PIECE = 64 << 20  # guarded hashing copies through a buffer of at most this many bytes
+
+
+def guarded_read(f: SafetensorsFile, buf: memoryview, keep: bool = False) -> tuple[str, bytearray | None]:
+    """(xxh3 checksum of ``buf``, a private copy of it when ``keep``), ``buf`` being a view of ``f``'s
+    mapping, read through :func:`copy_box`'s guard in pieces: a file cut or failing meanwhile raises
+    ReadError, never SIGBUS."""
+    n = buf.nbytes
+    h = hasher()
+    kept = bytearray(n) if keep else None
+    if n == 0:
+        return h.hexdigest(), kept
+    src = torch.frombuffer(buf, dtype=torch.uint8)
+    if kept is not None:
+        copy_box(torch.frombuffer(kept, dtype=torch.uint8), src, f.path)
+        h.update(kept)
+        return h.hexdigest(), kept
+    piece = bytearray(min(_PIECE, n))
+    dst = torch.frombuffer(piece, dtype=torch.uint8)
+    for lo in range(0, n, _PIECE):
+        k = min(_PIECE, n - lo)
+        copy_box(dst[:k], src[lo : lo + k], f.path)
+        h.update(memoryview(piece)[:k])
+    return h.hexdigest(), None
+
+
+def check_object_archive(data: bytes | bytearray, where: str) -> None:
+    """Refuse an object record that is not what ``torch.save`` writes: a zip of STORED members.
+
+    ``torch.save`` never compresses, but its reader inflates DEFLATE members: a small hostile record
+    could otherwise decode to a thousand times its size in memory. Both the central directory and
+    each member's local header must say "stored", with equal stored and decoded sizes.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise CheckpointFormatError(f"{where}: not a torch.save archive ({e})") from None
+    for info in infos:
+        local = data[info.header_offset : info.header_offset + 30]
+        if (
+            info.compress_type != zipfile.ZIP_STORED
+            or info.file_size != info.compress_size
+            or len(local) < 30
+            or local[:4] != b"PK\x03\x04"
+            or int.from_bytes(local[8:10], "little") != zipfile.ZIP_STORED
+        ):
+            raise CheckpointFormatError(
+                f"{where}: an archive member is compressed or its sizes disagree; "
+                f"torch.save writes stored members only"
+            )
+
+
+def decode_object(data: bytes | bytearray, where: str) -> Any:
+    """``torch.load(weights_only=True)`` of an object record after :func:`check_object_archive`."""
+    check_object_archive(data, where)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any refusal of the unpickler is a format problem
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointFormatError(f"{where}: does not load with torch.load(weights_only=True): "
+                                    f"{type(e).__name__}: {first}") from None
+
+
+class ChunkReader:
+    """Reads chunks of one checkpoint directory through one LRU of open files."""
+
+    def __init__(self, directory: str, *, cache_size: int = 8, verify_checksums: bool = False):
+        self.directory = directory
+        self.cache = FileCache(cache_size)
+        self.verify = verify_checksums
+        self._verified: set[tuple[str, str]] = set()
+        self._paths: dict[str, str] = {}  # data file name -> its path, once found inside the checkpoint
+        self.bytes_read = 0
+        self.cast = False  # view chunks in their stored dtype and convert while copying
+        self.format = ""  # the attached checkpoint's layout
+        self.merge_gap = _MERGE_GAP  # prefetch ranges of one file closer than this are requested as one
+
+    def attach(self, ckpt, *, cast: bool = False) -> None:
+        """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).
+
+        Its data files are opened by the layout's opener (safetensors files when it has none) and
+        its file names are relative to its root. Call before the first read.
+        """
+        self.directory = ckpt.root
+        self._paths = {}
+        self.format = ckpt.format
+        self.cast = cast
+        self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
+        opener, capacity = ckpt.opener, self.cache.capacity
+        if storage.is_url(ckpt.root):  # objects: reopening one costs a header GET and drops what it staged
+            opener = opener or storage.open_safetensors
+            capacity = max(capacity, _OBJECTS_OPEN)
+        if opener is not None:
+            self.cache.close()
+            self.cache = FileCache(capacity, opener=opener)
+
+    def file(self, name: str) -> SafetensorsFile:
+        """The open data file ``name`` of the attached checkpoint, checked unchanged since it was opened."""
+        # Files open with readahead off (see _fastio); every range is requested exactly
+        # (MADV_WILLNEED) before it is copied. Sequential reads run as fast as with readahead;
+        # scattered ones (another rank's file, resharding) no longer pull in neighbours nobody on this
+        # node needs.
+        path = self._paths.get(name)
+        if path is None:
+            resolve_inside(self.directory, name)  # a data file resolving outside the checkpoint is refused
+            path = self._paths[name] = storage.join(self.directory, name)
+        f = self.cache.get(path)
+        f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
+        return f
+
+    def _bytes(self, f: SafetensorsFile, key: str, expect_checksum: str) -> memoryview:
+        buf = f.buffer(key)
+        # "" = the layout records no checksum (HF, DCP): nothing to check
+        if self.verify and expect_checksum and (f.path, key) not in self._verified:
+            got, _ = guarded_read(f, buf)
+            if got != expect_checksum:
+                raise ChecksumError(
+                    f"{f.path}: tensor {key!r} has checksum {got}, the metadata recorded {expect_checksum}"
+                )
+            self._verified.add((f.path, key))
+        return buf
+
+    def prefetch(self, items: Iterable[ReadItem], whole: dict[str, list[str]] | None = None) -> None:
+        """Ask the kernel for the bytes of ``items`` now, as few large requests (adjacent ranges merged).
+
+        ``whole``: file -> names of stored chunks wanted whole, besides ``items`` (a plan's exact boxes,
+        named without building their ReadItems). Asynchronous: the reads proceed while this rank copies
+        what is already there.
+        """
+        spans: dict[str, list[tuple[int, int]]] = {}
+        whole = {k: list(v) for k, v in whole.items()} if whole else {}  # names of chunks read whole
+        files: dict[str, Any] = {}
+        try:
+            for name in whole:
+                f = files[name] = self.file(name)
+                if not hasattr(f, "willneed_tensors"):  # a safetensors file or object
+                    raise TypeError(f"{name}: whole chunks are prefetched from safetensors files only")
+            for item in items:
+                if item.nbytes == 0:
+                    continue
+                f = files.get(item.file)
+                if f is None:
+                    f = files[item.file] = self.file(item.file)
+                if item.lengths == item.chunk_lengths and hasattr(f, "willneed_tensors"):  # a load in the saved layout
+                    whole.setdefault(item.file, []).append(item.key)
+                    continue
+                start = f.entry(item.key)[2]
+                itemsize = item.nbytes // math.prod(item.lengths)
+                lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, itemsize)
+                spans.setdefault(item.file, []).append((start + lo, start + hi))
+            for name, keys in whole.items():
+                files[name].willneed_tensors(keys, self.merge_gap)
+            for name, ranges in spans.items():
+                f = files[name]
+                gap = getattr(f, "merge_gap", self.merge_gap)  # a layout may hold other ranks' items closer
+                ranges.sort()
+                lo, hi = ranges[0]
+                for a, b in ranges[1:]:
+                    if a - hi > gap:
+                        f.advise("willneed", lo, hi)
+                        lo = a
+                    hi = max(hi, b)
+                f.advise("willneed", lo, hi)
+        except Exception:  # noqa: BLE001 - a hint only; the read itself reports what is wrong
+            pass
+
+    def chunk(self, item: ReadItem, dtype: torch.dtype, advise: bool = True) -> torch.Tensor:
+        """A zero-copy tensor view of the whole stored chunk ``item`` reads from."""
+        f = self.file(item.file)
+        stored_dtype, shape, start, _ = f.entry(item.key)
+        if self.cast and stored_dtype in _STORED:
+            dtype = _STORED[stored_dtype]  # copy_box converts into the destination's dtype
+        if tuple(shape) != item.chunk_lengths or stored_dtype != dtype_name(dtype):
+            raise CheckpointFormatError(
+                f"{f.path}: tensor {item.key!r} is {stored_dtype} {list(shape)}, "
+                f"the metadata says {dtype_name(dtype)} {list(item.chunk_lengths)}"
+            )
+        buf = self._bytes(f, item.key, item.checksum)
+        if buf.nbytes == 0:
+            return torch.empty(item.chunk_lengths, dtype=dtype)
+        if advise:
+            lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, dtype.itemsize)
+            f.advise("willneed", start + lo, start + hi)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(item.chunk_lengths)
+
+    def read_into(self, item: ReadItem, out: torch.Tensor, advise: bool = True, file=None) -> None:
+        """Copy ``item``'s box into ``out`` (the destination shard, or its staging view).
+
+        ``file``: ``item.file`` as :meth:`file` returned it moments ago (a caller copying many items of
+        one file checks it once); otherwise it is looked up and checked here.
+        """
+        if item.nbytes == 0:
+            return
+        try:
+            f = file if file is not None else self.file(item.file)
+            done = NotImplemented
+            if (not self.cast and out.device.type == "cpu" and hasattr(f, "copy_box")
+                    and (not self.verify or not item.checksum or (f.path, item.key) in self._verified)):
+                # the common case in one call: no tensor views, no per-item torch calls
+                done = f.copy_box(item.key, dtype_name(out.dtype), item.chunk_lengths, item.src_offsets, item.lengths,
+                                  out.data_ptr(), item.dest_offsets, out.stride(), tuple(out.shape), advise)
+            if done is NotImplemented:
+                src = narrow(self.chunk(item, out.dtype, advise), item.src_offsets, item.lengths)
+                copy_box(narrow(out, item.dest_offsets, item.lengths), src, os.path.join(self.directory, item.file))
+        except (CheckpointFormatError, ReadError):
+            raise
+        except OSError as e:
+            raise ReadError(f"{os.path.join(self.directory, item.file)}: {type(e).__name__}: {e.strerror or e}") from e
+        self.bytes_read += item.nbytes
+
+    def read_object(self, meta: ObjectMeta) -> Any:
+        """A Python object, decoded with ``torch.load(weights_only=True)``: it cannot execute code."""
+        f = self.file(meta.file)
+        stored_dtype, _, start, end = f.entry(meta.key)
+        if stored_dtype != "U8":
+            raise CheckpointFormatError(f"{f.path}: object {meta.key!r} is stored as {stored_dtype}, not U8")
+        f.advise("willneed", start, end)
+        buf = self._bytes(f, meta.key, meta.checksum)
+        if buf.nbytes != meta.nbytes:
+            raise CheckpointFormatError(
+                f"{f.path}: object {meta.key!r} has {buf.nbytes} bytes, the metadata says {meta.nbytes}"
+            )
+        _, data = guarded_read(f, buf, keep=True)
+        self.bytes_read += buf.nbytes
+        return decode_object(data, f"{f.path}: object {meta.key!r}")
+
+    def close(self) -> None:
+        self.cache.close()
+
+    def __enter__(self) -> "ChunkReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

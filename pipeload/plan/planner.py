@@ -1,0 +1,263 @@
+"""Local load planning: pure functions, no I/O, no torch.distributed.
+
+Call order (every rank of the load's group)::
+
+    local = local_plan(leaves, metadata, broadcastable)    # each rank alone
+    record = plan_record(local, metadata.width())          # compact bytes for the exchange
+    ...exchange (pipeload.plan.exchange): rows, then each distinct record once...
+    plan = globalplan.global_plan(rows, classes, records, rank, ...)   # identical decisions everywhere
+
+A striped shared shard is loaded as pieces (row ranges); :func:`piece_shard` gives the part of a
+destination shard, and of its reads, that one piece covers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+
+from .exchange import encode_record, padded
+from .globalplan import ShardKey
+from ._leafplan import local_of, resolve, unbind  # noqa: F401 - unbind is the planner's, compiled
+from ..formats.metadata import NAMES_OF_DTYPES, ChunkMeta, Metadata, ObjectMeta, chunk_key
+from .statedict import Box, Leaf, cached_meshes, mesh_of
+
+
+class ReadItem(NamedTuple):
+    """One box copy: a region of a stored chunk -> the same-sized region of a destination shard."""
+
+    file: str  # data file (relative name)
+    key: str  # safetensors tensor name of the stored chunk
+    checksum: str  # of the whole stored chunk
+    chunk_lengths: tuple[int, ...]  # shape of the stored chunk
+    src_offsets: tuple[int, ...]  # where the box starts inside the stored chunk
+    dest_offsets: tuple[int, ...]  # where it starts inside the destination shard
+    lengths: tuple[int, ...]  # extent of the box
+    nbytes: int
+
+
+class Binding:
+    """The leaves of the state dict a kept plan serves now (``plancache.signature``'s values, in flatten
+    order), or None between its loads. A load that reuses the plan sets :attr:`values` once; each shard
+    finds its tensor there when first used (:attr:`DestShard.dest`), not in a pass before the load."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: list | None = None
+
+
+class DestShard:
+    """What this rank needs of one tensor: a box of the global tensor, and where it goes.
+
+    Built for every tensor leaf before the exchange, so what only the reads need is built when they
+    run (in the worker thread, overlapping the broadcasts): a box loaded as saved keeps its one stored
+    chunk as ``(file, checksum, whole)`` until :attr:`reads` is first asked for, and :attr:`dest` is
+    detached from autograd when first used, not at planning. The shard of a kept plan holds no tensor
+    between loads, only where to find it: ``(binding, leaf position, first row, rows or None)``.
+    """
+
+    __slots__ = ("fqn", "key", "dtype", "nbytes", "_reads", "_dest", "broadcastable", "affinity", "leaf")
+
+    def __init__(self, fqn: str, key: ShardKey, dtype: torch.dtype, nbytes: int, reads, dest, broadcastable: bool,
+                 affinity: int = -1):
+        self.fqn = fqn
+        self.key = key
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self._reads = reads  # list[ReadItem], or (file, checksum, whole) of the one chunk that is the box
+        self._dest = dest  # this rank's tensor holding the box (copied into in place)
+        self.broadcastable = broadcastable
+        self.affinity = affinity  # the rank the layout names as writer of the file holding it, or -1
+        self.leaf: tuple | None = None  # a kept plan's: where dest is found (see the class docstring)
+
+    @property
+    def reads(self) -> list[ReadItem]:
+        r = self._reads
+        if type(r) is tuple:
+            file, checksum, whole = r
+            offsets, lengths = self.key[1], self.key[2]
+            zero = (0,) * len(lengths)
+            r = self._reads = [ReadItem(file, chunk_key(self.fqn, offsets, whole), checksum, lengths, zero, zero,
+                                        lengths, self.nbytes)]
+        return r
+
+    @property
+    def exact_file(self) -> str | None:
+        """The file of the stored chunk that is exactly this box, when its reads were not built yet."""
+        r = self._reads
+        return r[0] if type(r) is tuple else None
+
+    def exact_key(self) -> str:
+        """The safetensors name of that chunk (only when :attr:`exact_file` is not None)."""
+        return chunk_key(self.fqn, self.key[1], self._reads[2])
+
+    @property
+    def dest(self) -> torch.Tensor:
+        d = self._dest
+        if d is None and self.leaf is not None:
+            binding, pos, lo, rows = self.leaf
+            d = local_of(binding.values[pos])
+            if rows is not None:
+                d = d.narrow(0, lo, rows)
+            self._dest = d
+        if d is not None and d.requires_grad:  # a load's copies into parameters must not be recorded
+            d = self._dest = d.detach()
+        return d
+
+    @dest.setter
+    def dest(self, value: torch.Tensor | None) -> None:
+        self._dest = value
+
+    def __repr__(self) -> str:
+        return f"DestShard({self.fqn!r}, {self.key}, {self.dtype}, {self.nbytes})"
+
+
+@dataclass
+class ObjectRead:
+    fqn: str
+    index: int
+    leaf: Leaf
+    meta: ObjectMeta
+
+
+@dataclass
+class LocalPlan:
+    shards: list[DestShard] = field(default_factory=list)
+    objects: list[ObjectRead] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # validation failures (raise before any write)
+    missing: list[str] = field(default_factory=list)  # state dict keys absent from the checkpoint
+    boxes: tuple | None = None  # (offsets, lengths) of ``shards`` as n x width arrays, when local_plan built them
+    meshes: list = field(default_factory=list)  # every DTensor mesh of the state dict (its groups may be reused)
+
+
+def fqn_index(md: Metadata) -> dict[str, int]:
+    """Position of every checkpoint key in sorted order: the compact name used in the exchange."""
+    return md.key_index()
+
+
+def _intersect(chunk: ChunkMeta, offsets, lengths) -> tuple | None:
+    """(offsets in the chunk, offsets in the destination, lengths) of their overlap, or None."""
+    if chunk.offsets == offsets and chunk.lengths == lengths:  # same layout as saved: the usual case
+        zero = (0,) * len(offsets)
+        return zero, zero, lengths
+    lo = [max(a, b) for a, b in zip(chunk.offsets, offsets)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(chunk.offsets, chunk.lengths, offsets, lengths)]
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return (
+        tuple(l - c for l, c in zip(lo, chunk.offsets)),
+        tuple(l - o for l, o in zip(lo, offsets)),
+        tuple(h - l for l, h in zip(lo, hi)),
+    )
+
+
+def local_plan(
+    leaves: dict[str, Leaf],
+    md: Metadata,
+    broadcastable: Callable[[torch.Tensor], bool],
+    *,
+    strict: bool = True,
+    box_of: Callable[[str, torch.Tensor, dict], Box] | None = None,
+    writer_of: Callable[[str], int] | None = None,
+) -> LocalPlan:
+    """Resolve this rank's destination shards into reads and validate them against ``md``.
+
+    Nothing is read or written: every dtype/shape/key problem is collected in ``problems`` so the
+    load can refuse before touching any destination. ``box_of`` resolves a tensor leaf's box (None:
+    :func:`pipeload.plan.statedict.tensor_box`; the simulation passes the box a layout assigns).
+    ``writer_of`` (a layout's :attr:`~pipeload.formats.Checkpoint.writer_of`) gives each shard stored
+    in one file its affinity.
+
+    Shards come in fqn order, so replicas build byte-identical exchange records. Loaded as saved, each
+    box is one stored chunk, found for all boxes at once (:meth:`Metadata.exact_chunks`) and kept
+    unbuilt (:class:`DestShard`); other boxes are matched with the chunks they overlap. The loop over
+    the leaves is compiled (:func:`pipeload.plan._leafplan.resolve`).
+    """
+    index = fqn_index(md)
+    plan = LocalPlan()
+    boxes: dict = {}  # meshes stay alive through this call, so their ids are stable keys
+    width = md.width()  # the exchange record's: the boxes are padded to it once, for the lookup and the record
+
+    def reads_of(fqn: str, offsets: tuple, lengths: tuple, itemsize: int) -> tuple[list[ReadItem], int]:
+        reads = []
+        for chunk in md.chunks_for(fqn, offsets, lengths):
+            hit = _intersect(chunk, offsets, lengths)
+            if hit is not None:
+                src, dst, ln = hit
+                reads.append(ReadItem(chunk.file, chunk.key, chunk.checksum, chunk.lengths, src, dst, ln,
+                                      math.prod(ln) * itemsize))
+        one_file = writer_of is not None and reads and all(r.file == reads[0].file for r in reads)
+        return reads, writer_of(reads[0].file) if one_file else -1
+
+    plan.shards, offsets, lengths, plan.problems, unboxed, others = resolve(
+        sorted(leaves), leaves, index, md, box_of, boxes, width, NAMES_OF_DTYPES, md.exact_rows, reads_of, DestShard,
+        broadcastable, writer_of)
+    plan.boxes = (offsets, lengths)  # one shard per box, in order
+    for fqn in others:  # every leaf that is not a tensor of the checkpoint, in fqn order
+        leaf = leaves[fqn]
+        value = leaf.value
+        if isinstance(value, torch.Tensor):
+            if fqn in md.objects:
+                plan.problems.append(f"{fqn!r}: the checkpoint holds a Python object, the state dict a tensor")
+            else:
+                plan.missing.append(fqn)
+        elif fqn in md.objects:
+            plan.objects.append(ObjectRead(fqn, index[fqn], leaf, md.objects[fqn]))
+        elif fqn in md.tensors:
+            plan.problems.append(f"{fqn!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
+        else:
+            plan.missing.append(fqn)
+    meshes = {id(m): m for m in cached_meshes(boxes)}
+    meshes.update((id(m), m) for m in map(mesh_of, unboxed) if m is not None)
+    plan.meshes = list(meshes.values())
+    if strict and plan.missing:
+        plan.problems += [f"{fqn!r}: missing from the checkpoint" for fqn in plan.missing]
+    return plan
+
+
+# -- the exchange record and striped pieces -------------------------------------------------------------
+
+
+def plan_record(plan: LocalPlan, width: int) -> bytes:
+    """This rank's exchange record (:func:`pipeload.plan.exchange.encode_record`) of ``plan``.
+
+    Replicas with the same destination shards produce byte-identical records: shards are in fqn order
+    and carry no rank-specific field.
+    """
+    shards = plan.shards
+    if plan.boxes is not None and plan.boxes[0].shape == (len(shards), width):
+        offsets, lengths = plan.boxes
+    else:
+        offsets, lengths = padded([s.key[1] for s in shards], width), padded([s.key[2] for s in shards], width)
+    return encode_record(
+        [s.key[0] for s in shards], [s.broadcastable for s in shards], offsets, lengths,
+        [o.index for o in plan.objects], width, [s.affinity for s in shards],
+    )
+
+
+def piece_shard(shard: DestShard, piece: ShardKey) -> DestShard:
+    """The part of ``shard`` a striped piece covers: a row range of its destination and of its reads."""
+    if piece == shard.key:
+        return shard
+    lo = piece[1][0] - shard.key[1][0]
+    rows = piece[2][0]
+    reads = []
+    for it in shard.reads:
+        a = max(lo, it.dest_offsets[0])
+        b = min(lo + rows, it.dest_offsets[0] + it.lengths[0])
+        if b <= a:
+            continue
+        ln = (b - a, *it.lengths[1:])
+        reads.append(it._replace(
+            src_offsets=(it.src_offsets[0] + a - it.dest_offsets[0], *it.src_offsets[1:]),
+            dest_offsets=(a - lo, *it.dest_offsets[1:]),
+            lengths=ln,
+            nbytes=math.prod(ln) * shard.dtype.itemsize,
+        ))
+    dest = shard.dest.narrow(0, lo, rows)
+    return DestShard(shard.fqn, piece, shard.dtype, dest.numel() * shard.dtype.itemsize, reads, dest,
+                     shard.broadcastable)

@@ -1,0 +1,161 @@
+"""Save plan reuse: a job saves the same layout every N steps; after the first, planning is one gather.
+
+A save that planned keeps, per process group, what it decided for this rank (:class:`Entry`): its
+items (storage key, dtype, lengths and the position of the leaf among the state dict's leaves), the
+commit rows, the key table, and the state dict's :func:`pipeload.plan.plancache.signature` (containers,
+keys, per tensor its spec, shape, dtype, device). It is kept under a *token*, a hash of every rank's
+row of the exchange, so every rank of one save keeps the same token.
+
+The next save offers that token only if its state dict still matches the signature (compared while
+walking it, ``_leafplan.match``) and every Python object it holds still serialises safely (objects may
+change value between saves: their bytes are re-encoded and rechecked each time; their values take no
+part in the plan). Every rank then sends two words (its offer; rank 0 also a fresh save id): every rank
+reuses exactly when every rank offered the same non-zero token, so all take the same branch, and any
+rank whose layout changed (offer 0) makes every rank plan afresh. A kept plan holds no reference to
+the state dict's values. At most :data:`CAPACITY` groups are kept per process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..plan._leafplan import local_of, match
+from ..plan.exchange import hash64
+from ..formats.metadata import chunk_key
+from ..plan.plancache import leaf_positions, signature
+from .saveplan import KIND_OBJECT, R_NAMES, R_RECORD, LocalRecord, Plan, _key_columns
+from ..plan.statedict import is_container
+
+CAPACITY = 2
+
+
+@dataclass
+class Entry:
+    """One rank's decisions of a save, without the state dict: ``specs[i]`` is item ``i``'s
+    ``(storage key, dtype, lengths, fqn)``, ``rows[i]`` its commit row; ``objects`` are the fqns of
+    every Python object this rank holds (all revalidated at each save)."""
+
+    table: Plan
+    specs: list[tuple[str, str, tuple[int, ...], str]]
+    rows: list[tuple]
+    objects: list[str]
+    token: int
+    pg: Any = None
+    signature: tuple = ()
+    positions: dict[str, int] | None = None
+
+    @classmethod
+    def of(cls, p: Plan, rec: LocalRecord, rank: int, rows: np.ndarray) -> "Entry":
+        """This rank's entry from the plan ``p`` (its writers in key order, then its objects by name)."""
+        specs, out = [], []
+        mine = np.flatnonzero(p.writer == rank)
+        mine = mine[np.lexsort(_key_columns(p.chunk_index[mine], p.chunk_offsets[mine], p.chunk_lengths[mine]))]
+        for g in mine.tolist():  # in key order
+            k = int(p.chunk_index[g])
+            d = int(p.ndim[k])
+            off = tuple(p.chunk_offsets[g, :d].tolist())
+            ln = tuple(p.chunk_lengths[g, :d].tolist())
+            fqn = p.names[k]
+            specs.append((chunk_key(fqn, off, ln == p.shape_of(k)), p.dtype_name(k), ln, fqn))
+            out.append((k, off, ln))
+        for k, r in p.object_writer.items():
+            if r == rank:
+                fqn = p.names[k]
+                data = rec.payload[fqn]
+                specs.append((f"{fqn}#object", "U8", (len(data),), fqn))
+                out.append((k,))
+        table = Plan(p.names, p.kind, p.dtype, p.ndim, p.shape)  # the key table only, no chunk arrays
+        objects = [e[0] for e in rec.entries if e[1] == KIND_OBJECT]
+        return cls(table, specs, out, objects, token_of(rows))
+
+
+def token_of(rows: np.ndarray) -> int:
+    """The same on every rank of one save: a hash of every rank's layout digests."""
+    cols = np.ascontiguousarray(np.column_stack([rows[:, R_RECORD : R_RECORD + 2], rows[:, R_NAMES : R_NAMES + 2]]))
+    t = hash64(cols.tobytes())
+    return t if t != 0 else 1
+
+
+def items_of(entry: Entry, payload: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...], Any]]:
+    """The plan's items with this save's tensors and object bytes."""
+    return [(key, dtype, (len(payload[fqn]),) if len(row) == 1 else shape, payload[fqn])
+            for (key, dtype, shape, fqn), row in zip(entry.specs, entry.rows)]
+
+
+class Offer(NamedTuple):
+    token: int
+    entry: Entry
+    items: list
+
+
+_cache: "OrderedDict[tuple, Entry]" = OrderedDict()
+
+
+def _key(comm) -> tuple:
+    return tuple(comm.global_ranks)
+
+
+def offer(comm, state_dict: dict) -> Offer | None:
+    """The kept plan this rank may offer for ``state_dict``, with its items bound to this save's values;
+    None when there is none, the layout changed, or an object no longer serialises safely."""
+    from .saveplan import encode_object
+
+    e = _cache.get(_key(comm))
+    if e is None or e.pg is not comm.pg or not isinstance(state_dict, dict):
+        return None
+    found = match(_plain(state_dict), is_container, *e.signature)
+    if found is None:
+        return None
+    values = found[0]
+    payload: dict[str, Any] = {}
+    try:
+        for fqn in e.objects:
+            payload[fqn] = encode_object(values[e.positions[fqn]])
+    except ValueError:
+        return None  # the full path reports it, naming the key
+    for _, dtype, _, fqn in e.specs:
+        if fqn not in payload:
+            payload[fqn] = local_of(values[e.positions[fqn]])
+    _cache.move_to_end(_key(comm))
+    return Offer(e.token, e, items_of(e, payload))
+
+
+def store(comm, state_dict: dict, leaves, entry: Entry) -> None:
+    """Keep ``entry`` for the next save on this group (``leaves``: ``flatten(state_dict)``)."""
+    entry.pg = comm.pg
+    entry.signature = signature(_plain(state_dict))[0]
+    fqns = sorted({*(s[3] for s in entry.specs), *entry.objects})
+    entry.positions = dict(zip(fqns, leaf_positions(leaves, fqns)))
+    k = _key(comm)
+    _cache.pop(k, None)
+    _cache[k] = entry
+    while len(_cache) > CAPACITY:
+        _cache.popitem(last=False)
+
+
+def _plain(state_dict: dict) -> dict:
+    """The top level as a plain dict (in its own order): the compiled walk takes exactly a dict."""
+    return state_dict if type(state_dict) is dict else dict(state_dict.items())
+
+
+def new_save_word() -> int:
+    """Rank 0's fresh save id, as the int64 word that carries it."""
+    return int.from_bytes(os.urandom(8), "little", signed=True)
+
+
+def save_id_of(word: int) -> str:
+    return f"{word & ((1 << 64) - 1):016x}"
+
+
+def all_reuse(tokens: np.ndarray) -> bool:
+    return bool(tokens[0] != 0 and np.all(tokens == tokens[0]))
+
+
+def clear() -> None:
+    """Forget every kept save plan."""
+    _cache.clear()
