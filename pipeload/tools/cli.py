@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 MiB = 2**20
 
@@ -159,22 +159,30 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0 if res["plans_identical"] else 1
 
 
+def run_world_bench(what: str, fn: Callable[[], Any]) -> tuple[Any, int | None]:
+    """``(fn(), None)``, or ``(None, exit code)`` with the reason printed: 2 for a bad configuration, 1 for
+    a world that failed (every bench spawns one)."""
+    from ._world import WorldError
+
+    try:
+        return fn(), None
+    except ValueError as e:
+        print(f"{what}: {e}", file=sys.stderr)
+        return None, 2
+    except WorldError as e:
+        print(f"{what}: failed\n{e}", file=sys.stderr)
+        return None, 1
+
+
 def _bench_save(args: argparse.Namespace, dp: int) -> int:
     import json
 
     from .bench import save as bench_save
-    from ._world import WorldError
-
     cfg = bench_save.SaveBenchConfig(world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed,
                                      repeats=args.repeats, dir=args.dir, timeout=args.timeout, quiet=args.quiet)
-    try:
-        result = bench_save.run(cfg)
-    except ValueError as e:
-        print(f"pipeload bench --save: {e}", file=sys.stderr)
-        return 2
-    except WorldError as e:
-        print(f"pipeload bench --save: failed\n{e}", file=sys.stderr)
-        return 1
+    result, failed = run_world_bench("pipeload bench --save", lambda: bench_save.run(cfg))
+    if failed is not None:
+        return failed
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
@@ -209,16 +217,9 @@ def _bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("pipeload bench: --plot needs matplotlib: pip install 'pipeload[plot]'", file=sys.stderr)
             return 2
-    from ._world import WorldError
-
-    try:
-        result = run_bench(cfg, out=args.out, plot_path=args.plot)
-    except ValueError as e:
-        print(f"pipeload bench: {e}", file=sys.stderr)
-        return 2
-    except WorldError as e:
-        print(f"pipeload bench: failed\n{e}", file=sys.stderr)
-        return 1
+    result, failed = run_world_bench("pipeload bench", lambda: run_bench(cfg, out=args.out, plot_path=args.plot))
+    if failed is not None:
+        return failed
     print(headline(result))
     print()
     print(format_table(result, targets=args.check))

@@ -96,7 +96,7 @@ def _world(rank: int, world: int, root: str, port: int, links: list[str], cfg: S
     from torch.distributed.device_mesh import init_device_mesh
 
     import pipeload
-    from .s3testing import LocalS3
+    from ..s3testing import LocalS3
 
     mesh = init_device_mesh("cpu", (world // cfg.tp, cfg.tp))
     local = os.path.join(root, "ckpt")
@@ -143,8 +143,8 @@ def _world(rank: int, world: int, root: str, port: int, links: list[str], cfg: S
 
 def run_s3_bench(cfg: S3BenchConfig, out: str | None = None) -> dict[str, Any]:
     """Start moto and the proxy, run the world, return the summary (and write it as JSON to ``out``)."""
-    from ._world import run_world
-    from .s3testing import Faults, FaultProxy, LocalS3
+    from .._world import run_world
+    from ..s3testing import Faults, FaultProxy, LocalS3
 
     if cfg.world % cfg.tp:
         raise ValueError("--world must be a multiple of --tp")
@@ -238,7 +238,7 @@ def format_s3_table(cfg: S3BenchConfig, result: dict[str, Any]) -> str:
 
 def main(args) -> int:
     """The CLI's ``bench --storage s3`` (arguments parsed by pipeload.tools.cli)."""
-    from ._world import WorldError
+    from .._world import WorldError
 
     cfg = S3BenchConfig(world=args.world, tp=args.tp, size_mb=args.size,
                         latency_ms=args.latency_ms, conn_mbps=args.conn_mbps, link_mbps=args.link_mbps,
@@ -250,14 +250,11 @@ def main(args) -> int:
     except ImportError as e:
         print(f"pipeload bench --storage s3: needs {e.name}: pip install 'pipeload[s3,test]'", file=sys.stderr)
         return 2
-    try:
-        result = run_s3_bench(cfg, out=args.out)
-    except ValueError as e:
-        print(f"pipeload bench: {e}", file=sys.stderr)
-        return 2
-    except WorldError as e:
-        print(f"pipeload bench: failed\n{e}", file=sys.stderr)
-        return 1
+    from ..cli import run_world_bench
+
+    result, failed = run_world_bench("pipeload bench", lambda: run_s3_bench(cfg, out=args.out))
+    if failed is not None:
+        return failed
     print(format_s3_table(cfg, result))
     print(f"\ntotal {result['total_seconds']:.0f} s" + (f"; results in {args.out}" if args.out else ""))
     return 0

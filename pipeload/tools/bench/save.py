@@ -55,7 +55,7 @@ class _Peak:
     """Peak RSS over the RSS at the start (Linux ``clear_refs`` resets the high-water mark)."""
 
     def __enter__(self) -> "_Peak":
-        from .bench import reset_peak_rss
+        from .system import reset_peak_rss
 
         self.ok = reset_peak_rss()
         self.base = _rss_kib("VmRSS")
@@ -128,7 +128,7 @@ def _rank_main(rank: int, world: int, cfg: SaveBenchConfig) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     import pipeload
-    from . import synth
+    from .. import synth
 
     import warnings
 
@@ -258,7 +258,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def run(cfg: SaveBenchConfig) -> dict[str, Any]:
     """Run the save benchmark on a local world; the result (rows, targets, config)."""
-    from ._world import run_world
+    from .._world import run_world
 
     if cfg.tp * cfg.dp != cfg.world:
         raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} must equal --world {cfg.world}")
