@@ -44,7 +44,7 @@ from typing import Any
 
 # the names below are the benchmark's API (the CLI and the tests use them from here)
 from .config import (DCP_LOADERS, DEFAULT_SIZE_MB, FLOOR, FORMATS, HF_LOADERS, LOADER_LABELS, LOADERS, MODES,
-                     QUICK_LOADERS, QUICK_MODES, SEPARATE, TIMING_KEYS, BenchConfig, MiB)
+                     QUICK_BASELINE_MODES, QUICK_LOADERS, QUICK_MODES, SEPARATE, TIMING_KEYS, BenchConfig, MiB)
 from .ranks import _all_ok, _Failure, experts_for, tensor_count
 from .report import check_targets, describe, format_table, headline, plot, summarize
 from .system import (_floor_read, _join_cgroup, block_device, data_files, drop_cache, residency, resident_bytes,
@@ -70,6 +70,7 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
     allowed = {"hf": HF_LOADERS, "dcp": DCP_LOADERS}.get(cfg.format, LOADERS)
     if cfg.loaders is None:
         cfg.loaders = QUICK_LOADERS[cfg.format]
+        cfg.baseline_modes = QUICK_BASELINE_MODES
     elif tuple(cfg.loaders) == LOADERS:
         cfg.loaders = allowed
     for l in cfg.loaders:

@@ -26,6 +26,7 @@ DEFAULT_SIZE_MB = 256
 # `pipeload bench` without --full: shared storage (the regime pipeload is for) and one host with a hot
 # page cache, against DCP and the floor; --full runs every mode and loader
 QUICK_MODES = ("warm", "throttled")
+QUICK_BASELINE_MODES = ("throttled", "cold")
 QUICK_LOADERS = {"pipeload": ("pipeload", "dcp"), "dcp": ("pipeload", "dcp"), "hf": ("pipeload", "safetensors")}
 
 
@@ -51,6 +52,9 @@ class BenchConfig:
     # many small tensors: the expert count is chosen so the state dict holds about this many tensors
     # (model + optimizer steps); None: the --experts given
     tensors: int | None = None
+    # modes in which a baseline (DCP, the plain reader) runs; None: every mode. The quick default runs it
+    # on shared storage only, where the comparison is the point (a warm DCP load takes seconds here)
+    baseline_modes: tuple[str, ...] | None = None
     # filled by the parent before the world starts
     throttle: dict[str, Any] = field(default_factory=dict)
 

@@ -251,7 +251,7 @@ def _all_runs(r: _Rank) -> list[dict[str, Any]]:
                 continue
             _join_cgroup(throttle["procs"])
         try:
-            order = [FLOOR, *r.cfg.loaders]
+            order = [FLOOR, *(l for l in r.cfg.loaders if _runs_in(r.cfg, l, mode))]
             for repeat in range(r.cfg.repeats):
                 k = repeat % len(order)
                 for loader in order[k:] + order[:k]:
@@ -260,6 +260,11 @@ def _all_runs(r: _Rank) -> list[dict[str, Any]]:
             if mode == "throttled":
                 _join_cgroup(throttle["leave"])
     return runs
+
+
+def _runs_in(cfg: BenchConfig, loader: str, mode: str) -> bool:
+    """Whether ``loader`` runs in ``mode``: pipeload's always, a baseline where ``baseline_modes`` says."""
+    return loader.startswith("pipeload") or cfg.baseline_modes is None or mode in cfg.baseline_modes
 
 
 def _emulate_hosts(rank: int, mode: str) -> None:

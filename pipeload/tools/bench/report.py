@@ -203,6 +203,9 @@ def describe(result: dict[str, Any]) -> str:
                    "from the page cache under gloo, replicas on other hosts get a broadcast); every timed "
                    "load plans afresh (reuse_plan=False); plan+exch s = LoadStats plan + exchange, max over "
                    "ranks, median")
+    if cfg.get("baseline_modes"):
+        out.append(f"baselines (DCP, the plain reader) run in {', '.join(m for m in cfg['modes'] if m in cfg['baseline_modes'])} "
+                   "only; --full runs every loader in every mode")
     if cfg.get("tensors"):
         out.append(f"--tensors {cfg['tensors']}: {cfg['layers']} layers x {cfg['experts']} experts")
     if "throttled" in cfg["modes"]:
