@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -112,3 +113,16 @@ def run_world(
             parts.append(f"rank(s) {missing} did not finish within {timeout:.0f} s")
         raise WorldError("\n".join(parts))
     return [values[r] for r in range(world_size)]
+
+
+def run_world_bench(what: str, fn: Callable[[], Any]) -> tuple[Any, int | None]:
+    """``(fn(), None)``, or ``(None, exit code)`` with the reason printed: 2 for a bad configuration, 1 for
+    a world that failed (every bench spawns one)."""
+    try:
+        return fn(), None
+    except ValueError as e:
+        print(f"{what}: {e}", file=sys.stderr)
+        return None, 2
+    except WorldError as e:
+        print(f"{what}: failed\n{e}", file=sys.stderr)
+        return None, 1

@@ -159,24 +159,10 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0 if res["plans_identical"] else 1
 
 
-def run_world_bench(what: str, fn: Callable[[], Any]) -> tuple[Any, int | None]:
-    """``(fn(), None)``, or ``(None, exit code)`` with the reason printed: 2 for a bad configuration, 1 for
-    a world that failed (every bench spawns one)."""
-    from ._world import WorldError
-
-    try:
-        return fn(), None
-    except ValueError as e:
-        print(f"{what}: {e}", file=sys.stderr)
-        return None, 2
-    except WorldError as e:
-        print(f"{what}: failed\n{e}", file=sys.stderr)
-        return None, 1
-
-
 def _bench_save(args: argparse.Namespace, dp: int) -> int:
     import json
 
+    from ._world import run_world_bench
     from .bench import save as bench_save
     cfg = bench_save.SaveBenchConfig(world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed,
                                      repeats=args.repeats, dir=args.dir, timeout=args.timeout, quiet=args.quiet)
@@ -217,6 +203,8 @@ def _bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("pipeload bench: --plot needs matplotlib: pip install 'pipeload[plot]'", file=sys.stderr)
             return 2
+    from ._world import run_world_bench
+
     result, failed = run_world_bench("pipeload bench", lambda: run_bench(cfg, out=args.out, plot_path=args.plot))
     if failed is not None:
         return failed

@@ -250,7 +250,7 @@ def main(args) -> int:
     except ImportError as e:
         print(f"pipeload bench --storage s3: needs {e.name}: pip install 'pipeload[s3,test]'", file=sys.stderr)
         return 2
-    from ..cli import run_world_bench
+    from .._world import run_world_bench
 
     result, failed = run_world_bench("pipeload bench", lambda: run_s3_bench(cfg, out=args.out))
     if failed is not None:
