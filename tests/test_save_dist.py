@@ -86,6 +86,37 @@ def _exchange_case(meshes) -> dict:
             "mine": sorted(int(g) for g in np.flatnonzero(p.writer == dist.get_rank()))}
 
 
+def _owners_case(rank: int, meshes, c) -> dict:
+    """Tensor owners on the real collectives (threshold 0): per layout, whether every rank fell back to
+    the digest path, this rank's writes through the owners and through the digest path; each saved
+    through the owners loads back."""
+    from pipeload.engine.comm import Comm
+    from pipeload.plan.statedict import flatten
+    from pipeload.save import savecache, saveowners, saveplan
+
+    def mine(p, rec, rows):
+        return [s[0] for s in savecache.Entry.of(p, rec, rank, rows).specs] if p is not None else None
+
+    out = {}
+    os.environ["PIPELOAD_KEY_OWNER_BYTES"] = "0"
+    try:
+        for kind in ("shard0", "tp2dp2"):
+            rec = saveplan.local_record(flatten(L.build(kind, meshes)))
+            xc = saveplan.exchange(Comm(), rec, [], "test", records=False)
+            keys = saveplan.key_table(xc)
+            assert saveowners.use_key_owners(xc, *keys)
+            got = saveowners.plan(Comm(), xc, keys, rec, rank, "test")
+            saveplan.exchange_records(Comm(), xc, rec, "test")
+            out[kind] = (mine(got, rec, xc.rows), mine(saveplan.plan(xc, rank), rec, xc.rows))
+            pipeload.save(L.build(kind, meshes), c(f"owners-{kind}"))
+            sd = L.build(kind, meshes, fill=False)
+            pipeload.load(sd, c(f"owners-{kind}"), reuse_plan=False)
+            L.check_values(sd)
+    finally:
+        del os.environ["PIPELOAD_KEY_OWNER_BYTES"]
+    return out
+
+
 def world_save(rank: int, world: int, root: str) -> dict:
     meshes = L.Meshes(world)
     out: dict = {}
@@ -138,6 +169,7 @@ def world_save(rank: int, world: int, root: str) -> dict:
         assert not os.path.exists(c(d)) or not os.listdir(c(d)), f"rank {rank}: {d} has files"
     dist.barrier()
     out["exchange"] = _exchange_case(meshes)
+    out["owners"] = _owners_case(rank, meshes, c)
     return out
 
 
@@ -197,3 +229,13 @@ def test_real_exchange_equals_the_simulated_one(world):
         got = saveplan.exchange(sim, rec, [], "test")
         assert got.tables == ex["tables"] and got.records == ex["records"]
         assert sorted(np.flatnonzero(saveplan.plan(got, rank).writer == rank).tolist()) == ex["mine"]
+
+
+def test_tensor_owners_plan_what_the_digest_path_plans(world):
+    _, res = world
+    for r in res:
+        owners, digest = r["owners"]["shard0"]  # FSDP-like: every rank in one holder set at most
+        assert owners is not None and owners == digest
+        fallback, digest = r["owners"]["tp2dp2"]  # replicas with their own chunks and a norm every class holds
+        assert fallback is None
+    assert sum(len(r["owners"]["shard0"][0]) for r in res) > 0

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeload.save import saveplan
+from pipeload.save import savecache, saveowners, saveplan
 from pipeload.io.checksum import checksum
 from pipeload.formats.metadata import dtype_name
 from pipeload.save.saver import encode_object, plan_save
-from pipeload.tools.simsave import SimSaveExchange, simulate_save
+from pipeload.tools.simsave import SaveKeyWorld, SimSaveExchange, simulate_save
 from pipeload.plan.statedict import Box, flatten
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float64]
@@ -199,3 +199,61 @@ def test_cli_simulate_op_save_prints_the_keys(capsys):
                 "plans_identical", "rank0_commit_s", "rank0_commit_bytes_received"):
         assert key in res
     assert res["op"] == "save" and res["plans_identical"]
+
+
+def _through_owners(recs, rank: int):
+    """``rank``'s plan as the saver takes it (rows and name tables, then :func:`saveowners.plan_save`),
+    through the simulated exchange of every rank's records; (plan, path taken)."""
+    xc = exchanged(recs)
+    keys = SaveKeyWorld(xc, saveplan.plan(xc, 0, everything=True))
+    sim = SimSaveExchange(xc.rows, xc.tables, xc.records, rank, keys)
+    got = saveplan.exchange(sim, recs[rank], [], "test", records=False)
+    return saveowners.plan_save(sim, got, recs[rank], rank, "test"), sim.path
+
+
+def _writes(p, rec, rank: int, rows) -> list[str]:
+    return [s[0] for s in savecache.Entry.of(p, rec, rank, rows).specs]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_tensor_owner_plans_are_the_digest_path_plans_on_random_layouts(seed, monkeypatch):
+    monkeypatch.setenv("PIPELOAD_KEY_OWNER_BYTES", "0")  # every save asks the tensor owners
+    rng = random.Random(1000 + seed)
+    world = rng.randint(2, 12)
+    sds, boxes = random_world(rng, world)
+    if seed % 3 == 0:  # FSDP-like: every rank's record distinct, replicated scalars on every rank
+        sds = [{k: v for k, v in sd.items() if not isinstance(v, torch.Tensor)} for sd in sds]
+        boxes = [dict() for _ in range(world)]
+        parts = {n: _split(n, world) if n >= world else [(min(r, n), int(r < n)) for r in range(world)]
+                 for n in (world * 3, world - 1, 5)}
+        for r in range(world):
+            for t, n in enumerate(parts):
+                start, size = parts[n][r]
+                v = torch.zeros(size, 4)
+                sds[r][f"f{t}"], boxes[r][f"f{t}"] = v, Box((n, 4), (start, 0), (size, 4), v)
+            v = torch.zeros(())
+            sds[r]["scale"], boxes[r]["scale"] = v, Box((), (), (), v)
+    recs = records_of(sds, boxes)
+    xc = exchanged(recs)
+    paths = set()
+    for me in range(world):
+        got, path = _through_owners(recs, me)
+        paths.add(path)
+        assert not got.problems
+        assert _writes(got, recs[me], me, xc.rows) == _writes(saveplan.plan(xc, me), recs[me], me, xc.rows)
+    assert len(paths) == 1  # every rank took the same path
+    if seed % 3 == 0:
+        assert paths == {"key owners"}
+
+
+@pytest.mark.parametrize("case, needle", [("gap", "'w': the ranks' shards"), ("overlap", "'w': the ranks' shards"),
+                                          ("dtype", "'w': rank 1 has dtype F16")])
+def test_tensor_owners_name_the_key_that_does_not_tile(case, needle, monkeypatch):
+    monkeypatch.setenv("PIPELOAD_KEY_OWNER_BYTES", "0")
+    a = _one("w", (8, 4), (0, 0), (4, 4))
+    b = {"gap": _one("w", (8, 4), (5, 0), (3, 4)), "overlap": _one("w", (8, 4), (2, 0), (6, 4)),
+         "dtype": _one("w", (8, 4), (4, 0), (4, 4), torch.float16)}[case]
+    recs = records_of([a[0], b[0]], [a[1], b[1]])
+    for me in range(2):
+        got, path = _through_owners(recs, me)
+        assert got.problems and needle in got.problems[0], got.problems

@@ -127,19 +127,19 @@ def key_messages(record: Record, my_class: int, world: int) -> tuple[np.ndarray,
     return counts, rows[order].ravel()
 
 
-class _Groups(NamedTuple):
+class KeyRowGroups(NamedTuple):
     order: np.ndarray  # rows of each group together, lowest class first
     starts: np.ndarray
     ends: np.ndarray
 
 
-def _group_by_key(rows: np.ndarray) -> _Groups:
+def group_by_key(rows: np.ndarray) -> KeyRowGroups:
     """Key groups of round-1 rows (as :func:`pipeload.plan.globalplan.group_keys`), lowest class first."""
     order, starts = _row_groups(rows[:, K_KEY:])
     ends = np.append(starts[1:], len(order))
     gid = np.repeat(np.arange(len(starts)), ends - starts)
     order = order[np.lexsort((rows[order, K_CLASS], gid))]
-    return _Groups(order, starts, ends)
+    return KeyRowGroups(order, starts, ends)
 
 
 def answer_messages(words: np.ndarray, cls: Classes, world: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -151,7 +151,7 @@ def answer_messages(words: np.ndarray, cls: Classes, world: int, width: int) -> 
     counts = np.zeros(world, dtype=np.int64)
     if not len(rows):
         return counts, np.zeros(0, dtype=np.int64)
-    g = _group_by_key(rows)
+    g = group_by_key(rows)
     n = g.ends - g.starts
     keep = np.flatnonzero(n >= 2)
     if not len(keep):
@@ -189,29 +189,46 @@ def _unique_sig(sig: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order[new], inv
 
 
+def _set_words(set_first, keep, kg: KeyGroups, c, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each distinct set's entry of an answer message, concatenated: (words, start of each)."""
+    entries = []
+    for grp in keep[set_first].tolist():
+        cl = c[kg.starts[grp]:kg.ends[grp]]
+        entries.append([EVERY_CLASS] if len(cl) == n_classes else [TOO_LARGE] if len(cl) > MAX_SET_CLASSES
+                       else [len(cl), *cl.tolist()])
+    lens = np.array([len(e) for e in entries], dtype=np.int64)
+    return np.concatenate([np.asarray(e, dtype=np.int64) for e in entries]), np.concatenate([[0], np.cumsum(lens)])
+
+
 def _pack(dest, cols, set_first, keep, kg: KeyGroups, c, n_classes: int, world: int):
-    """The per-destination answer messages (rows sorted by destination then position)."""
+    """The per-destination answer messages (rows sorted by destination then position), vectorised: an
+    owner answering every rank of a world costs numpy passes, not a Python step per rank. Each
+    message's sets are numbered in ascending set order, the rows' set words renumbered to match."""
     counts = np.zeros(world, dtype=np.int64)
-    parts = []
-    bounds = np.flatnonzero(np.diff(dest)) + 1
-    for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(dest)]):
-        block = cols[lo:hi].copy()
-        sets, ref = np.unique(block[:, A_SET], return_inverse=True)
-        block[:, A_SET] = ref.ravel()
-        table = []
-        for s in sets.tolist():
-            grp = keep[set_first[s]]
-            cl = c[kg.starts[grp]:kg.ends[grp]]
-            if len(cl) == n_classes:
-                table.append([EVERY_CLASS])
-            elif len(cl) > MAX_SET_CLASSES:
-                table.append([TOO_LARGE])
-            else:
-                table.append([len(cl), *cl.tolist()])
-        msg = np.concatenate([[hi - lo, len(sets)], block.ravel(), *(np.asarray(t, dtype=np.int64) for t in table)])
-        counts[int(dest[lo])] = len(msg)
-        parts.append(msg.astype(np.int64))
-    return counts, np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if not len(dest):
+        return counts, np.zeros(0, dtype=np.int64)
+    words, at = _set_words(set_first, keep, kg, c, n_classes)
+    n_sets = len(set_first)
+    key = dest * n_sets + cols[:, A_SET]
+    pair = np.unique(key)  # (destination, set) pairs, by destination then set
+    p_dest, p_set = np.divmod(pair, n_sets)
+    first_pair = np.searchsorted(pair, np.arange(world) * n_sets)
+    rows_of, sets_of = np.bincount(dest, minlength=world), np.bincount(p_dest, minlength=world)
+    set_len = at[p_set + 1] - at[p_set]
+    counts[:] = np.where(rows_of > 0, 2 + A_WORDS * rows_of, 0) + np.bincount(p_dest, weights=set_len, minlength=world)
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    out = np.zeros(int(counts.sum()), dtype=np.int64)
+    d = np.flatnonzero(rows_of)
+    out[start[d]], out[start[d] + 1] = rows_of[d], sets_of[d]
+    block = cols.copy()
+    block[:, A_SET] = np.searchsorted(pair, key) - first_pair[dest]
+    i = np.arange(len(dest)) - np.searchsorted(dest, dest)  # the row's place in its message
+    out[(start[dest] + 2 + A_WORDS * i)[:, None] + np.arange(A_WORDS)] = block
+    cum = np.cumsum(set_len) - set_len
+    within = cum - cum[first_pair[p_dest]]  # words of the message's earlier sets
+    base = start[p_dest] + 2 + A_WORDS * rows_of[p_dest] + within
+    out[_ranges(base, base + set_len)] = words[_ranges(at[p_set], at[p_set + 1])]
+    return counts, out
 
 
 class Held(NamedTuple):

@@ -36,6 +36,7 @@ tables of ``K`` keys): receive ``16 W`` bytes of plan-reuse words, ``8 W x ROW_W
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 from dataclasses import dataclass, field
@@ -46,14 +47,14 @@ import torch
 
 from ..plan._greedy import assign_readers
 from ..io.checksum import checksum
-from ..plan.exchange import Classes, classes, hash64, record_digest, record_transfer
+from ..plan.exchange import Classes, classes, hash64, key_owner_threshold, record_digest, record_transfer
 from ..plan.globalplan import _mix, _row_groups, _unique_rows
 from ..formats.metadata import NAMES_OF_DTYPES, dtype_itemsize, dtype_name, storable_dtype, tiling_problem
 from ..plan.statedict import is_tensor, tensor_box
 
 ROW_WORDS = 10
 # row layout (int64 words)
-R_FLAGS, R_RECORD, R_RNBYTES, R_NAMES, R_NNBYTES, R_OBJECTS = 0, 2, 4, 5, 7, 8  # 1 and 9 unused
+R_FLAGS, R_RECORD, R_RNBYTES, R_NAMES, R_NNBYTES, R_OBJECTS, R_KEYOWNER = 0, 2, 4, 5, 7, 8, 9  # 1 unused
 FLAG_PROBLEMS = 1
 KIND_TENSOR, KIND_OBJECT = 0, 1
 DTYPES = tuple(sorted(NAMES_OF_DTYPES.values()))  # dtype code -> safetensors name
@@ -83,13 +84,6 @@ def encode_object(value: Any) -> bytes:
             f"({why}); store plain Python types and tensors, or convert it first"
         ) from None
     return data
-
-
-
-
-def _encode_object(value: Any) -> bytes:
-
-    return encode_object(value)
 
 
 @dataclass
@@ -153,7 +147,7 @@ def local_record(leaves, box_of: Callable | None = None) -> LocalRecord:
             entries.append((fqn, KIND_TENSOR, dtype_name(v.dtype), tuple(box.global_shape)))
         else:
             try:
-                data = _encode_object(v)
+                data = encode_object(v)
             except ValueError as e:
                 problems.append(f"{fqn!r}: {e}")
                 continue
@@ -272,6 +266,7 @@ def make_row(rec: LocalRecord, problems: bool) -> np.ndarray:
     row[R_NAMES : R_NAMES + 2] = record_digest(rec.names)
     row[R_NNBYTES] = len(rec.names)
     row[R_OBJECTS] = rec.objects_word
+    row[R_KEYOWNER] = key_owner_threshold()
     return row
 
 
@@ -306,10 +301,11 @@ class SaveProblems(Exception):
         self.failures = failures
 
 
-def exchange(ex, rec: LocalRecord, problems: list[str], what: str) -> Exchanged:
+def exchange(ex, rec: LocalRecord, problems: list[str], what: str, *, records: bool = True) -> Exchanged:
     """Rows, then (only when a row flags problems) every rank's problems, then the distinct name tables
-    and shard records. ``ex`` provides ``gather_rows``, ``transfer_records`` and ``all_gather_object``.
-    Raises :class:`SaveProblems` on every rank alike when any rank has problems."""
+    and (with ``records``) the distinct shard records. ``ex`` provides ``gather_rows``,
+    ``transfer_records`` and ``all_gather_object``. Raises :class:`SaveProblems` on every rank alike when
+    any rank has problems."""
     row = make_row(rec, bool(problems))
     rows = ex.gather_rows(row, what)
     if np.any(rows[:, R_FLAGS] & FLAG_PROBLEMS):
@@ -317,9 +313,15 @@ def exchange(ex, rec: LocalRecord, problems: list[str], what: str) -> Exchanged:
         raise SaveProblems({r: p for r, p in enumerate(gathered) if p})
     ncls = _classes_of(rows, R_NAMES, R_NNBYTES)
     tables = ex.transfer_records(record_transfer(ncls, len(rows)), ncls, rec.names, what)
-    rcls = _classes_of(rows, R_RECORD, R_RNBYTES)
-    records = ex.transfer_records(record_transfer(rcls, len(rows)), rcls, rec.record, what)
-    return Exchanged(rows, rcls, records, ncls, tables)
+    xc = Exchanged(rows, _classes_of(rows, R_RECORD, R_RNBYTES), [], ncls, tables)
+    if records:
+        exchange_records(ex, xc, rec, what)
+    return xc
+
+
+def exchange_records(ex, xc: Exchanged, rec: LocalRecord, what: str) -> None:
+    """The distinct shard records, each moved once (the digest path; ``xc.records`` is set)."""
+    xc.records = ex.transfer_records(record_transfer(xc.record_cls, len(xc.rows)), xc.record_cls, rec.record, what)
 
 
 # -- the plan -----------------------------------------------------------------------------------------
@@ -350,6 +352,8 @@ class Plan:
     loads: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     problems: list[str] = field(default_factory=list)
     differing_objects: list[int] = field(default_factory=list)  # ranks whose objects differ from their peers'
+    alone: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # bytes each rank holds alone
+    holder_sets: list = field(default_factory=list)  # record classes of each holder set (digest path)
 
     def dtype_name(self, k: int) -> str:
         return DTYPES[int(self.dtype[k])]
@@ -358,12 +362,13 @@ class Plan:
         return tuple(self.shape[k, : int(self.ndim[k])].tolist())
 
 
-def plan(xc: Exchanged, me: int, *, everything: bool = False) -> Plan:
+def plan(xc: Exchanged, me: int, *, everything: bool = False, key_tables: tuple | None = None) -> Plan:
     """This rank's view of the save plan from the exchanged bytes (see the module docstring).
 
-    ``everything``: writers for every component (for tests and the simulation's whole-plan check)."""
-    tables = [decode_names(t) for t in xc.tables]
-    p, gmap = _key_table(tables, xc.names_cls)
+    ``everything``: writers for every component (for tests and the simulation's whole-plan check);
+    ``key_tables``: :func:`key_table`'s result when the caller has it."""
+    p, gmap = key_tables if key_tables is not None else key_table(xc)
+    p = dataclasses.replace(p, problems=list(p.problems))
     if p.problems:
         return p
     world = len(xc.rows)
@@ -376,11 +381,7 @@ def plan(xc: Exchanged, me: int, *, everything: bool = False) -> Plan:
     if len(keys):
         keys[:, 0] = flat[base[names_of[cl]] + keys[:, 0]]  # name positions -> key indices
     index, offsets, lengths = keys[:, 0], keys[:, 1 : 1 + width], keys[:, 1 + width :]
-    nd = p.ndim[index]
-    itemsize = np.asarray([dtype_itemsize(d) for d in DTYPES], dtype=np.int64)
-    weights = itemsize[p.dtype[index]]
-    for d in range(width):
-        weights = weights * np.where(nd > d, lengths[:, d], 1)
+    weights = chunk_weights(p, index, lengths)
     order, starts = _row_groups(keys)
     sizes = np.asarray([len(m) for m in rcls.members], dtype=np.int64)
     holders = np.add.reduceat(sizes[cl[order]], starts) if len(order) else np.zeros(0, np.int64)
@@ -407,6 +408,24 @@ def plan(xc: Exchanged, me: int, *, everything: bool = False) -> Plan:
     p.object_writer = _object_writers(p, gmap, xc.names_cls, pool, root_of_rank)
     p.differing_objects = _differing_objects(xc)
     return p
+
+
+_ITEMSIZE = np.asarray([dtype_itemsize(d) for d in DTYPES], dtype=np.int64)
+
+
+def chunk_weights(p: Plan, index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Bytes of each chunk (key ``index``, box ``lengths`` padded to the table's width)."""
+    nd = p.ndim[index]
+    weights = _ITEMSIZE[p.dtype[index]]
+    for d in range(lengths.shape[1] if lengths.ndim == 2 else 0):
+        weights = weights * np.where(nd > d, lengths[:, d], 1)
+    return weights
+
+
+def key_table(xc: Exchanged) -> tuple[Plan, list[np.ndarray]]:
+    """The key table of the save (a :class:`Plan` without chunks, its ``problems`` the tables'
+    disagreements) and each distinct name table's map onto it."""
+    return _key_table([decode_names(t) for t in xc.tables], xc.names_cls)
 
 
 def _key_columns(index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
@@ -613,6 +632,7 @@ def _writers(p: Plan, groups, holders, starts, ends, order, cl, rcls: Classes, w
     loads = _sums(writer[single], p.chunk_weight[single], world)
     shared = np.flatnonzero(~single)
     sid, sets = _holder_sets(starts, ends, order, cl, groups[shared])
+    p.alone, p.holder_sets = loads.copy(), sets
     parent = list(range(len(rcls.owners)))
 
     def find(c: int) -> int:

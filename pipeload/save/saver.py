@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..plan import balance
-from . import savecache, saveplan
+from . import savecache, saveowners, saveplan
 from .saveplan import encode_object  # noqa: F401 - the saver's rule, kept importable here
 from ..io import storage
 from ..engine._busy import Guard
@@ -424,11 +424,11 @@ def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | No
         except Exception as e:  # noqa: BLE001 - raised below on every rank, never on this one alone
             rec = saveplan.LocalRecord([], [], {}, [f"{type(e).__name__}: {e}"]).encode()
     try:
-        xc = saveplan.exchange(comm, rec, rec.problems, what)
+        xc = saveplan.exchange(comm, rec, rec.problems, what, records=False)
     except saveplan.SaveProblems as e:
         raise StateDictError(f"{what}: cannot save",
                              [f"rank {r}: {p}" for r, ps in sorted(e.failures.items()) for p in ps]) from None
-    table = saveplan.plan(xc, comm.rank)
+    table = saveowners.plan_save(comm, xc, rec, comm.rank, what)
     if table.problems:
         raise StateDictError("pipeload.save: ranks disagree about the state dict", table.problems)
     if table.differing_objects:
