@@ -108,7 +108,7 @@ def offer(comm, state_dict: dict) -> Offer | None:
     e = _cache.get(_key(comm))
     if e is None or e.pg is not comm.pg or not isinstance(state_dict, dict):
         return None
-    found = match(_plain(state_dict), is_container, *e.signature)
+    found = match(state_dict, is_container, *e.signature)
     if found is None:
         return None
     values = found[0]
@@ -128,7 +128,7 @@ def offer(comm, state_dict: dict) -> Offer | None:
 def store(comm, state_dict: dict, leaves, entry: Entry) -> None:
     """Keep ``entry`` for the next save on this group (``leaves``: ``flatten(state_dict)``)."""
     entry.pg = comm.pg
-    entry.signature = signature(_plain(state_dict))[0]
+    entry.signature = signature(state_dict)[0]
     fqns = sorted({*(s[3] for s in entry.specs), *entry.objects})
     entry.positions = dict(zip(fqns, leaf_positions(leaves, fqns)))
     k = _key(comm)
@@ -136,11 +136,6 @@ def store(comm, state_dict: dict, leaves, entry: Entry) -> None:
     _cache[k] = entry
     while len(_cache) > CAPACITY:
         _cache.popitem(last=False)
-
-
-def _plain(state_dict: dict) -> dict:
-    """The top level as a plain dict (in its own order): the compiled walk takes exactly a dict."""
-    return state_dict if type(state_dict) is dict else dict(state_dict.items())
 
 
 def new_save_word() -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 MiB = 2**20
 
