@@ -209,6 +209,10 @@ def fsdp_world(rank: int, world: int, root: str) -> dict:
     names = list(fqn_index(md))
     seen: list = []
     gp = exchange_and_plan(comm, rank, world, md, names, record, [], groups, rows_out=seen, **kw)
+    part = {} if rank == 2 else _fsdp_state(mesh, False)  # nothing to load: an empty record in the rounds
+    pipeload.load(part, ckpt, broadcast_replicated_tensors=True, reuse_plan=False)
+    if part:
+        _check(part)
     os.environ.pop("PIPELOAD_KEY_OWNER_BYTES", None)
     old = exchange_and_plan(comm, rank, world, md, names, record, [], groups, **kw)  # every row: the default
     out.update(row=seen[0][rank], record=record, groups=groups, digest=gp.digest(), old_digest=old.digest(),

@@ -233,6 +233,10 @@ def test_tensor_owner_plans_are_the_digest_path_plans_on_random_layouts(seed, mo
                 sds[r][f"f{t}"], boxes[r][f"f{t}"] = v, Box((n, 4), (start, 0), (size, 4), v)
             v = torch.zeros(())
             sds[r]["scale"], boxes[r]["scale"] = v, Box((), (), (), v)
+    if seed % 2:  # one more rank holding no tensor (its record is empty)
+        sds.append({"step": 7, "lr": 0.5} if seed % 4 == 1 else {})
+        boxes.append({})
+        world += 1
     recs = records_of(sds, boxes)
     xc = exchanged(recs)
     paths = set()

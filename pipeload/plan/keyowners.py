@@ -108,12 +108,12 @@ def owner_of(index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, world:
 
 def key_rows(record: Record, my_class: int) -> np.ndarray:
     """Round-1 rows of a record: ``[class, position, bc, affinity, index, offsets..., lengths...]``."""
-    n = len(record.index)
+    n, width = len(record.index), record.offsets.shape[1]
     aff = record.affinity if record.affinity is not None else np.full(n, -1, dtype=np.int64)
     return np.column_stack([np.full(n, my_class, dtype=np.int64), np.arange(n, dtype=np.int64),
                             np.asarray(record.broadcastable, dtype=np.int64), np.asarray(aff, dtype=np.int64),
                             np.asarray(record.index, dtype=np.int64), np.asarray(record.offsets, dtype=np.int64),
-                            np.asarray(record.lengths, dtype=np.int64)]).reshape(n, -1)
+                            np.asarray(record.lengths, dtype=np.int64)]).reshape(n, K_KEY + 1 + 2 * width)
 
 
 def key_messages(record: Record, my_class: int, world: int) -> tuple[np.ndarray, np.ndarray]:

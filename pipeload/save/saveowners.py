@@ -98,7 +98,7 @@ def chunk_messages(own: Own, my_class: int, world: int) -> tuple[np.ndarray, np.
     """Round 1 on a class owner: (words per destination, the words in destination order)."""
     n = len(own.index)
     rows = np.column_stack([np.full(n, my_class), np.arange(n), np.ones(n), np.full(n, -1), own.index,
-                            own.offsets, own.lengths]).astype(np.int64).reshape(n, -1)
+                            own.offsets, own.lengths]).astype(np.int64).reshape(n, K_KEY + 1 + 2 * own.offsets.shape[1])
     dest = tensor_owner(own.index, world)
     order = np.argsort(dest, kind="stable")
     return np.bincount(dest, minlength=world).astype(np.int64) * rows.shape[1], rows[order].ravel()
