@@ -1,10 +1,16 @@
 """Run a function on a local multi-process gloo world, with a deadline and per-rank tracebacks.
 
-Used by the benchmark (``pipeload bench``) and by the test-suite. Each rank is a spawned process that
+Used by the benchmark (``pipeload bench``) and by the test-suite. Each rank is a fresh process that
 joins a ``torch.distributed`` world through a ``FileStore`` (no fixed port, no torchrun), runs
 ``fn(rank, world_size, *args)`` and sends back its return value or its formatted traceback. The
 parent never hangs: past ``timeout`` every rank is killed and :class:`WorldError` reports which ranks
 had not finished and the tracebacks of those that failed.
+
+Ranks are forked from a ``multiprocessing`` fork server that has imported torch and pipeload once
+(:data:`PRELOAD`): importing torch costs each spawned process seconds of CPU, which on a small machine
+was most of a world's time. The server only imports (no thread pool, no process group, no device), so
+forking it is safe; each rank gets the parent's environment as it is at the call, as a spawned process
+would.
 """
 
 from __future__ import annotations
@@ -24,9 +30,25 @@ class WorldError(RuntimeError):
     """A rank of a local world failed or did not finish in time."""
 
 
+PRELOAD = ["numpy", "torch", "torch.distributed", "pipeload"]
+_context: Any = None
+
+
+def _ctx():
+    """The fork-server context (started at its first use, then shared by every world of the process)."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
 def _rank_main(fn, rank: int, world: int, store_path: str, pg_timeout: float, args, results,
-               separate_hosts: bool = False) -> None:
+               separate_hosts: bool = False, env: dict | None = None) -> None:
     try:
+        if env is not None:  # the parent's environment at the call, not the fork server's
+            os.environ.clear()
+            os.environ.update(env)
         if separate_hosts:  # each rank its own host, as pipeload's host-aware policy sees it
             os.environ["PIPELOAD_HOST_ID"] = f"emulated-node-{rank}"
         import torch
@@ -65,7 +87,7 @@ def run_world(
     before the parent gives up). ``separate_hosts`` gives each rank its own host identity
     (``PIPELOAD_HOST_ID``), so that replicas broadcast as they would across nodes.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _ctx()
     results = ctx.Queue()
     pg_timeout = pg_timeout if pg_timeout is not None else max(5.0, timeout * 0.8)
     with tempfile.TemporaryDirectory(prefix="pipeload-world-") as tmp:
@@ -73,7 +95,7 @@ def run_world(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, r, world_size, store_path, pg_timeout, args, results, separate_hosts),
+                args=(fn, r, world_size, store_path, pg_timeout, args, results, separate_hosts, dict(os.environ)),
                 daemon=True,
             )
             for r in range(world_size)
