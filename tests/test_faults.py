@@ -35,6 +35,7 @@ from pipeload.tools._world import _rank_main, run_world
 from pipeload.errors import CheckpointFormatError, DistributedError, PipeloadError, ReadError
 from pipeload.formats.metadata import METADATA_FILE, Metadata, read_metadata
 from pipeload.io.reader import copy_box
+from pipeload.save import saver
 
 BIG = 200 << 20  # bytes of the tensor truncated under the reader
 
@@ -465,6 +466,7 @@ def test_commit_deletes_only_the_replaced_checkpoints_files(tmp_path):
     foreign = "data-0123456789abcdef-00000.safetensors"  # another writer's file, not in .metadata
     (tmp_path / foreign).write_bytes(b"in progress")
     pipeload.save({"a": torch.full((2,), 2.0)}, tmp_path)
+    saver.wait_cleanup()  # the replaced files are deleted by a thread, after the commit
     now = set(os.listdir(tmp_path))
     assert foreign in now and not old & now
 

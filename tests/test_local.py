@@ -10,6 +10,7 @@ import torch
 
 import pipeload
 from pipeload.errors import DistributedError, PipeloadError, StateDictError
+from pipeload.save.saver import wait_cleanup
 
 
 def _sd():
@@ -204,6 +205,7 @@ def test_overwrite_replaces_files(tmp_path):
     pipeload.save({"a": torch.ones(2)}, tmp_path)
     first = set(os.listdir(tmp_path))
     pipeload.save({"a": torch.full((2,), 2.0)}, tmp_path)
+    wait_cleanup()  # the replaced files are deleted by a thread, after the commit
     second = set(os.listdir(tmp_path))
     assert len(second) == 3 and not (first - {".metadata"}) & second  # .metadata, index, one data file
     dst = {"a": torch.zeros(2)}

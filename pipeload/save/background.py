@@ -182,25 +182,28 @@ def pool_for(comm: Comm) -> StagingPool:
         return _pools.setdefault(group_key(comm), StagingPool())
 
 
-def _nbytes(value: Any) -> int:
-    return len(value) if isinstance(value, bytes) else value.numel() * value.element_size()
-
-
 def _pinned(t: torch.Tensor) -> bool:
     """Whether ``t`` is staged in page-locked memory (a CUDA tensor, with CUDA usable here)."""
     return t.is_cuda and _cuda_usable()
 
 
-def split(items: list[tuple], bound: int) -> int:
-    """Index of the first staged item: the longest tail of ``items`` whose tensors fit in ``bound`` bytes.
+def sizes_of(items: list[tuple]) -> list[int]:
+    """Bytes of each item's tensor (0 for Python objects, already bytes): one walk, shared by the snapshot."""
+    return [0 if isinstance(v, bytes) else v.nbytes for _, _, _, v in items]
+
+
+def split(sizes: list[int], bound: int) -> int:
+    """Index of the first staged item: the longest tail of the items (of tensor ``sizes``, see
+    :func:`sizes_of`) that fits in ``bound`` bytes.
 
     The items before it (the head) are written from the live tensors before the save returns; the file
     keeps its order (the load reads it front to back).
     """
-    first, total = len(items), 0
+    first, total = len(sizes), 0
+    if sum(sizes) <= bound:
+        return 0
     while first > 0:
-        value = items[first - 1][3]
-        n = 0 if isinstance(value, bytes) else _nbytes(value)
+        n = sizes[first - 1]
         if total + n > bound:
             break
         total += n
@@ -208,8 +211,9 @@ def split(items: list[tuple], bound: int) -> int:
     return first
 
 
-def stage(items: list[tuple], pool: StagingPool) -> tuple[Callable[[], list[tuple]], int]:
-    """Copy the tensors of ``items`` into ``pool``'s buffers: (``views``, bytes copied).
+def stage(items: list[tuple], sizes: list[int], pool: StagingPool) -> tuple[Callable[[], list[tuple]], int]:
+    """Copy the tensors of ``items`` (``sizes``: :func:`sizes_of` them) into ``pool``'s buffers:
+    (``views``, bytes copied).
 
     Host tensors are copied into plain memory; device tensors into page-locked memory on a side
     stream ordered after the device's current stream, and waited for before returning: when this
@@ -220,13 +224,9 @@ def stage(items: list[tuple], pool: StagingPool) -> tuple[Callable[[], list[tupl
     """
     cuda = _cuda_usable()
     groups: dict[tuple, list[int]] = {}
-    sizes = [0] * len(items)
-    for i, item in enumerate(items):
-        value = item[3]
-        if isinstance(value, bytes):
-            continue
-        n = sizes[i] = value.nbytes
+    for i, n in enumerate(sizes):
         if n:
+            value = items[i][3]
             kind = cuda and value.is_cuda
             groups.setdefault((True, value.device, value.dtype) if kind else (False, None, value.dtype), []).append(i)
     ends = {False: 0, True: 0}
@@ -330,7 +330,12 @@ def ordered_after(events: dict[Any, Any]):
 def start(handle: SaveHandle, comm: Comm, work: Callable[[], None]) -> None:
     """Run ``work`` (write, agree, commit) in a non-daemon worker thread; it finishes ``handle``."""
 
+    go = threading.Event()
+
     def run() -> None:
+        # Until the caller is back from start(): a worker running on from its start kept the GIL,
+        # and the caller, waiting for the thread to start, waited for it (a switch interval, 5 ms).
+        go.wait()
         error: BaseException | None = None
         try:
             work()
@@ -350,6 +355,7 @@ def start(handle: SaveHandle, comm: Comm, work: Callable[[], None]) -> None:
         _pending[group_key(comm)] = handle
     handle._thread = threading.Thread(target=run, name=f"pipeload-save-{comm.rank}", daemon=False)
     handle._thread.start()
+    go.set()
 
 
 def _failures(comm: Comm, e: PipeloadError) -> dict[int, str]:
@@ -416,9 +422,10 @@ class _Snapshot:
 
     def __init__(self, plan, staging_bytes: int | None):
         self.plan = plan
-        self.owned = _nbytes_owned(plan.items)
+        self.sizes = sizes_of(plan.items)
+        self.owned = sum(self.sizes)
         bound = self.owned if staging_bytes is None else max(0, int(staging_bytes))
-        self.first = split(plan.items, bound)
+        self.first = split(self.sizes, bound)
         self.head_ready = device_ready(plan.items[:self.first])
         self.head_written, self.tail_staged = threading.Event(), threading.Event()
         self.staged = 0
@@ -430,7 +437,7 @@ class _Snapshot:
             self.head_written.set()
 
     def stage(self, pool: StagingPool) -> None:
-        self.views, self.staged = stage(self.plan.items[self.first:], pool)
+        self.views, self.staged = stage(self.plan.items[self.first:], self.sizes[self.first:], pool)
 
     def use_staging(self) -> None:
         """In the worker, once the tail is staged: the plan's tail items become views of the copies."""
@@ -469,6 +476,3 @@ def _close(fds: list[int]) -> None:
     while fds:
         os.close(fds.pop())
 
-
-def _nbytes_owned(items: list[tuple]) -> int:
-    return sum(_nbytes(v) for _, _, _, v in items if not isinstance(v, bytes))
