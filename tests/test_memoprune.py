@@ -20,6 +20,7 @@ from pipeload.errors import CheckpointFormatError
 from pipeload.formats import dcp as dcp_layout
 from pipeload.formats import dcpmeta
 from pipeload.formats._memoprune import pruned
+from pipeload.tools import simforeign
 
 
 def _dcp_metadata(tensors: int = 6, chunks: int = 5):
@@ -125,3 +126,23 @@ def test_pruned_decode_gives_the_same_table_as_the_plain_stream_and_dcp_objects(
         assert fast[0].keys() == other[0].keys()
         for k in fast[0]:
             assert np.array_equal(fast[0][k], other[0][k]), k
+
+
+def test_simulated_dcp_checkpoint_decodes_alike_either_way(tmp_path, monkeypatch):
+    """The simulation's own ``.metadata`` (written in a child process) through both streams."""
+    from pipeload.tools.simulate import Layout
+
+    lay = Layout("fsdp", 16)
+    lay.reps = sorted({lay.class_of(r): r for r in range(lay.world)}.values())
+    size, n_chunks = simforeign._forked(lambda: simforeign.write_dcp(lay, str(tmp_path)))
+    data = open(tmp_path / ".metadata", "rb").read()
+    assert size == len(data) and n_chunks > 100
+    new, old = _decode(data, True, monkeypatch), _decode(data, False, monkeypatch)
+    assert new[1] == old[1] and all(np.array_equal(new[0][k], old[0][k]) for k in new[0])
+    assert len(new[0]["chunk_file"]) == n_chunks
+
+
+def test_forked_reports_the_childs_error():
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        simforeign._forked(lambda: 1 // 0)
+    assert simforeign._forked(lambda: ("ok", 3)) == ("ok", 3)
