@@ -9,6 +9,7 @@ extensions = [
         depends=["pipeload/io/_guard.h"],
         extra_compile_args=["-O3"],
     ),
+    Extension("pipeload.formats._memoprune", ["pipeload/formats/_memoprune.pyx"], extra_compile_args=["-O3"]),
     Extension("pipeload.plan._greedy", ["pipeload/plan/_greedy.pyx"], extra_compile_args=["-O3"]),
     Extension("pipeload.plan._leafplan", ["pipeload/plan/_leafplan.pyx"], extra_compile_args=["-O3"]),
 ]

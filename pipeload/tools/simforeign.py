@@ -16,7 +16,10 @@ and measures what a load of it costs:
 Rank 0 (the rank that reads the metadata) is measured on its own: ``rank0_decode_s`` (process time of
 :func:`pipeload.formats.read_payload`'s decode into the chunk table) and ``rank0_peak_mb`` (tracemalloc),
 beside ``rank0_pickle_loads_s``, a plain ``pickle.loads`` of the same ``.metadata`` (what ``dcp.load``
-runs on every rank), and, for DCP, ``rank0_sidecar_s``: the same read when the sidecar is present.
+runs on every rank), and, for DCP, ``rank0_sidecar_s``: the same read when the sidecar is present, and
+``rank0_rss_mb``: how far the decode raised the resident set's high-water mark. For DCP each of the big
+things lives in a process of its own (:func:`_prepare_dcp`): DCP's objects and their pickling, the plain
+``pickle.loads``, the timed decode; this process holds only the table, so peaks are of one thing at a time.
 Every sampled rank then runs the loader's planning path from the bytes rank 0 broadcasts
 (``pickle.loads`` of them, :func:`pipeload.formats.from_payload`, local plan, exchange, global plan).
 """
@@ -148,7 +151,7 @@ def _timed(fn, memory: bool) -> tuple[Any, float, float | None]:
 def prepare(lay, directory: str, format: str, memory: bool, log) -> Foreign:
     """Write the layout's ``format`` metadata into ``directory`` and measure rank 0's part."""
     from .. import formats
-    from ..formats import dcpmeta, hf
+    from ..formats import hf
 
     lay.reps = sorted({lay.class_of(r): r for r in range(lay.world)}.values())
     if format == "hf":
@@ -156,24 +159,9 @@ def prepare(lay, directory: str, format: str, memory: bool, log) -> Foreign:
         lay.names = sorted(t.fqn for t in lay.tensors)
         lay.index = {n: i for i, n in enumerate(lay.names)}
     if format == "dcp":
-        md_bytes, n_chunks = write_dcp(lay, directory)
-        log(f"dcp .metadata: {md_bytes / 2**20:.1f} MiB, {n_chunks} chunks")
-        md_path = os.path.join(directory, ".metadata")
-        with open(md_path, "rb") as f:
-            raw = f.read()
-        gc.collect()
-        t0 = time.process_time()
-        pickle.loads(raw)  # as dcp.load's pickle.load runs it: the cyclic GC on
-        plain = time.process_time() - t0
-        del raw
-        gc.collect()
-        read = lambda: formats.read_payload(directory, "dcp")[1]  # noqa: E731
-        side = os.path.join(directory, dcpmeta.SIDECAR)
-        blob, cpu, peak = _timed(lambda: (_unlink(side), read())[1], memory)
-        _, side_cpu, _ = _timed(read, False)
-        result = {"rank0_pickle_loads_s": plain, "rank0_decode_s": cpu, "rank0_peak_mb": peak,
-                  "rank0_sidecar_s": side_cpu, "chunks": n_chunks}
-        payload = blob
+        result = _prepare_dcp(lay, directory, memory, log)
+        payload, plain, cpu = result.pop("blob"), result["rank0_pickle_loads_s"], result["rank0_decode_s"]
+        md_bytes = result.pop("metadata_bytes")
     else:
         raw = hf_raw(lay)
         md_bytes = len(pickle.dumps(raw))
@@ -188,6 +176,99 @@ def prepare(lay, directory: str, format: str, memory: bool, log) -> Foreign:
     log(f"rank 0: decode {cpu:.2f} s (plain pickle.loads {plain:.2f} s), broadcast {len(sent) / 2**20:.1f} MiB")
     ckpt = formats.from_payload(pickle.loads(sent), directory)
     return Foreign(lambda: formats.from_payload(pickle.loads(sent), directory), ckpt.metadata, md_bytes, result)
+
+
+def _prepare_dcp(lay, directory: str, memory: bool, log) -> dict[str, Any]:
+    """Rank 0's costs for a DCP checkpoint, one thing in memory at a time: DCP's objects are built and
+    pickled in a child process, the plain ``pickle.loads`` baseline runs in another, and the decode's
+    time and resident-set growth in a third; this process keeps only the table (traced, second pass)."""
+    from .. import formats
+    from ..formats import dcpmeta
+
+    md_bytes, n_chunks = _forked(lambda: write_dcp(lay, directory))
+    log(f"dcp .metadata: {md_bytes / 2**20:.1f} MiB, {n_chunks} chunks")
+    md_path = os.path.join(directory, ".metadata")
+    plain = _forked(lambda: _plain_loads(md_path))
+    side = os.path.join(directory, dcpmeta.SIDECAR)
+    fresh = lambda: (_unlink(side), formats.read_payload(directory, "dcp")[1])[1]  # noqa: E731
+    cpu, rss = _forked(lambda: _cost(fresh))
+    gc.collect()
+    peak = None
+    if memory:
+        tracemalloc.start()
+    with paused_gc():
+        blob = fresh()
+    if memory:
+        peak = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    _, side_cpu, _ = _timed(lambda: formats.read_payload(directory, "dcp")[1], False)
+    return {"rank0_pickle_loads_s": plain, "rank0_decode_s": cpu, "rank0_peak_mb": peak, "rank0_rss_mb": rss,
+            "rank0_sidecar_s": side_cpu, "chunks": n_chunks, "blob": blob, "metadata_bytes": md_bytes}
+
+
+def _plain_loads(path: str) -> float:
+    """Process time of a plain ``pickle.loads`` of ``path`` (the GC on, as ``dcp.load`` runs it)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    gc.collect()
+    t0 = time.process_time()
+    md = pickle.loads(raw)
+    out = time.process_time() - t0
+    del md  # (not timed; the child exits)
+    return out
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _cost(fn) -> tuple[float, float | None]:
+    """(process time of fn(), MB the resident set's high-water mark rose above the RSS before it, None where
+    /proc cannot reset the mark); the GC paused as in a load."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        before = _status_kb("VmRSS")
+    except (OSError, KeyError):
+        before = None
+    with paused_gc():
+        t0 = time.process_time()
+        fn()
+        cpu = time.process_time() - t0
+    return cpu, None if before is None else (_status_kb("VmHWM") - before) / 1024
+
+
+def _forked(fn):
+    """fn() in a forked child, its memory returned to the system when it exits; its (pickled) result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(r)
+            try:
+                out, code = ("ok", fn()), 0
+            except BaseException as e:  # noqa: BLE001 - reported by the parent
+                out = ("error", f"{type(e).__name__}: {e}")
+            with os.fdopen(w, "wb") as f:
+                pickle.dump(out, f)
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"simulate: a measuring child process died (wait status {status}; out of memory?)")
+    kind, value = pickle.loads(data)
+    if kind != "ok":
+        raise RuntimeError(f"simulate: a measuring child process failed: {value}")
+    return value
 
 
 def _unlink(path: str) -> None:
