@@ -1,4 +1,5 @@
-"""Test layouts: one set of global tensors, laid out on ranks in many ways.
+"""Test layouts: one set of global tensors, laid out on ranks in many ways (and what the ranks of a
+test world share: :func:`expect_error`).
 
 Every value is a function of (fqn, global index) only, so a checkpoint saved in one layout can be
 loaded into any other and checked element by element.
@@ -57,6 +58,21 @@ def make_dtensor(g: torch.Tensor, mesh, placements) -> DTensor:
     lengths, offsets = compute_local_shape_and_global_offset(g.shape, mesh, placements)
     local = narrow(g, offsets, lengths).clone()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=g.shape, stride=g.stride())
+
+
+def expect_error(fn, *needles) -> str:
+    """The message of the :class:`pipeload.errors.PipeloadError` ``fn()`` raises on this rank, which
+    must contain every needle; an ``AssertionError`` naming the rank otherwise."""
+    from pipeload.errors import PipeloadError
+
+    try:
+        fn()
+    except PipeloadError as e:
+        msg = str(e)
+        for n in needles:
+            assert n in msg, f"rank {dist.get_rank()}: {n!r} not in error:\n{msg}"
+        return msg
+    raise AssertionError(f"rank {dist.get_rank()}: expected a PipeloadError")
 
 
 def nest(flat: dict) -> dict:

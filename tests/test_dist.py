@@ -46,17 +46,6 @@ def _load_check(kind, meshes, ckpt, **opts):
     return stats
 
 
-def _expect_failure(fn, *needles):
-    try:
-        fn()
-    except PipeloadError as e:
-        msg = str(e)
-        for n in needles:
-            assert n in msg, f"rank {dist.get_rank()}: {n!r} not in error:\n{msg}"
-        return msg
-    raise AssertionError(f"rank {dist.get_rank()}: expected a PipeloadError")
-
-
 # -- world 4 -----------------------------------------------------------------------------------------
 
 
@@ -201,27 +190,27 @@ def _failures(rank, meshes, root, good) -> dict:
     sd = L.build("tp2dp2", meshes, fill=False)
     if rank == 1:
         sd["model"]["ids"] = torch.zeros(13, dtype=torch.int32)
-    res["dtype"] = _expect_failure(lambda: pipeload.load(sd, good), "rank(s) 1", "model.ids", "I32")
+    res["dtype"] = L.expect_error(lambda: pipeload.load(sd, good), "rank(s) 1", "model.ids", "I32")
     for fqn, v in L.flat_items(sd):
         if isinstance(v, torch.Tensor):
             local = v.to_local() if hasattr(v, "to_local") else v
             assert not local.any(), f"{fqn} was written although validation failed"
     # Options that decide the collectives must agree: a rank passing another one is named, nobody hangs.
     sd = L.build("tp2dp2", meshes, fill=False)
-    _expect_failure(lambda: pipeload.load(sd, good, strict=rank != 3), "rank(s) [3]", "strict")
-    _expect_failure(lambda: pipeload.load(sd, good, broadcast_batch_bytes=1 << (20 + (rank == 1))), "rank(s) [1]")
+    L.expect_error(lambda: pipeload.load(sd, good, strict=rank != 3), "rank(s) [3]", "strict")
+    L.expect_error(lambda: pipeload.load(sd, good, broadcast_batch_bytes=1 << (20 + (rank == 1))), "rank(s) [1]")
     # Rank 0 cannot read the metadata (it reads it for everyone, before the first gather): every rank
     # raises its error, naming the directory.
     nowhere = os.path.join(root, "nowhere")
-    _expect_failure(lambda: pipeload.load(sd, nowhere), nowhere)
+    L.expect_error(lambda: pipeload.load(sd, nowhere), nowhere)
     # strict: a key missing from the checkpoint on one rank; keys no rank loads.
     sd = L.build("tp2dp2", meshes, fill=False)
     if rank == 2:
         sd["model"]["new_head"] = torch.zeros(3)
-    _expect_failure(lambda: pipeload.load(sd, good), "rank(s) 2", "new_head", "missing")
+    L.expect_error(lambda: pipeload.load(sd, good), "rank(s) 2", "new_head", "missing")
     sd = L.build("tp2dp2", meshes, fill=False)
     del sd["extra"]
-    _expect_failure(lambda: pipeload.load(sd, good), "extra.epoch", "no rank loads")
+    L.expect_error(lambda: pipeload.load(sd, good), "extra.epoch", "no rank loads")
     sd = L.build("tp2dp2", meshes, fill=False)
     del sd["extra"]
     sd["model"]["new_head"] = torch.zeros(3)
@@ -256,7 +245,7 @@ def _failures(rank, meshes, root, good) -> dict:
     ):
         path = broken(name, damage)
         sd = L.build("tp2dp2", meshes, fill=False)
-        res[name] = _expect_failure(lambda: pipeload.load(sd, path, **opts), "failed on rank(s)", "-00001.safetensors",
+        res[name] = L.expect_error(lambda: pipeload.load(sd, path, **opts), "failed on rank(s)", "-00001.safetensors",
                                     needle)
     # A failed load leaves the process group usable.
     _load_check("tp2dp2", meshes, good)
@@ -308,7 +297,7 @@ def world2_save(rank: int, world: int, root: str) -> dict:
         old = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (200, old[1]))
     try:
-        _expect_failure(lambda: pipeload.save(newer, target), "rank(s) 1", "writing")
+        L.expect_error(lambda: pipeload.save(newer, target), "rank(s) 1", "writing")
     finally:
         if rank == 1:
             resource.setrlimit(resource.RLIMIT_FSIZE, old)
@@ -319,7 +308,7 @@ def world2_save(rank: int, world: int, root: str) -> dict:
     if rank == 1:
         resource.setrlimit(resource.RLIMIT_FSIZE, (200, old[1]))
     try:
-        _expect_failure(lambda: pipeload.save(newer, fresh), "rank(s) 1")
+        L.expect_error(lambda: pipeload.save(newer, fresh), "rank(s) 1")
     finally:
         if rank == 1:
             resource.setrlimit(resource.RLIMIT_FSIZE, old)
@@ -334,7 +323,7 @@ def world2_save(rank: int, world: int, root: str) -> dict:
     if rank == 0:
         bad["extra"]["fn"] = print
     bad["model"]["partial"] = DTensor.from_local(torch.ones(2), meshes.get((2,)), [Partial()])
-    msg = _expect_failure(lambda: pipeload.save(bad, os.path.join(root, "2-bad")), "rank 0", "extra.fn",
+    msg = L.expect_error(lambda: pipeload.save(bad, os.path.join(root, "2-bad")), "rank 0", "extra.fn",
                           "rank 1: 'model.partial'", "Partial")
     assert not os.path.exists(os.path.join(root, "2-bad", ".metadata"))
     out["bad_msg"] = msg

@@ -27,7 +27,6 @@ pytest.importorskip("moto")
 
 import pipeload  # noqa: E402
 from pipeload.tools._world import run_world  # noqa: E402
-from pipeload.errors import PipeloadError  # noqa: E402
 from pipeload.tools.s3testing import Faults, FaultProxy, LocalS3  # noqa: E402
 
 import layouts as L  # noqa: E402
@@ -69,15 +68,9 @@ def _check_big(sd: dict, where: str) -> None:
 
 
 def _fails(fn, *needles) -> tuple[str, float]:
+    """:func:`layouts.expect_error` and how long the failure took."""
     t0 = time.monotonic()
-    try:
-        fn()
-    except PipeloadError as e:
-        msg = str(e)
-        for n in needles:
-            assert n in msg, f"rank {dist.get_rank()}: {n!r} not in error:\n{msg}"
-        return msg, time.monotonic() - t0
-    raise AssertionError(f"rank {dist.get_rank()}: expected a PipeloadError")
+    return L.expect_error(fn, *needles), time.monotonic() - t0
 
 
 def _setup(rank, root, meshes, server_url, port) -> None:

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 import pipeload
 from pipeload.tools._world import run_world
-from pipeload.errors import PipeloadError, StateDictError
 
 import layouts as L
 
@@ -48,16 +47,6 @@ def _balanced(world: int, fill: bool = True) -> dict:
     sizes = rng.integers(256, 16384, size=48)
     return {f"b.{i}": (torch.from_numpy(np.arange(n, dtype=np.float32) + i) if fill else torch.zeros(int(n)))
             for i, n in enumerate(sizes.tolist())}
-
-
-def _expect(fn, *needles) -> str:
-    try:
-        fn()
-    except PipeloadError as e:
-        for n in needles:
-            assert n in str(e), f"rank {dist.get_rank()}: {n!r} not in {e}"
-        return str(e)
-    raise AssertionError(f"rank {dist.get_rank()}: expected a PipeloadError")
 
 
 def _payload_files(ckpt: str) -> dict[str, int]:
@@ -160,11 +149,11 @@ def world_save(rank: int, world: int, root: str) -> dict:
     bad = L.build("plain", meshes)
     if rank == 1:
         bad["model"]["ids"] = bad["model"]["ids"].to(torch.int32)
-    out["dtype_error"] = _expect(lambda: pipeload.save(bad, c("bad-dtype")), "model.ids", "rank 1 has dtype I32")
+    out["dtype_error"] = L.expect_error(lambda: pipeload.save(bad, c("bad-dtype")), "model.ids", "rank 1 has dtype I32")
     hostile = L.build("plain", meshes)
     if rank == world - 1:
         hostile["extra"]["epoch"] = lambda: 0
-    out["hostile_error"] = _expect(lambda: pipeload.save(hostile, c("bad-object")), "extra.epoch")
+    out["hostile_error"] = L.expect_error(lambda: pipeload.save(hostile, c("bad-object")), "extra.epoch")
     for d in ("bad-dtype", "bad-object"):
         assert not os.path.exists(c(d)) or not os.listdir(c(d)), f"rank {rank}: {d} has files"
     dist.barrier()
