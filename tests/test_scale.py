@@ -8,6 +8,7 @@ import os
 import weakref
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -206,3 +207,15 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
                                directory="sim", broadcast=True, batch_bytes=6 << 20, can_create=True)
         assert gp.digest() == r["digest"] and [(o.group, o.reader, o.shards) for o in gp.ops] == r["ops"]
     os.environ.pop("PIPELOAD_HOST_ID")
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "hf"])
+def test_simulate_foreign_checkpoints_small_world(fmt, capsys):
+    """``simulate --format dcp|hf``: rank 0 decodes the foreign metadata once (DCP: against a plain
+    ``pickle.loads`` of the same file, and from the sidecar), the other ranks plan from its table."""
+    assert main(["simulate", "--world", "32", "--layout", "fsdp", "--format", fmt, "--json", "--samples", "2"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["plans_identical"] is True and res["format"] == fmt
+    assert res["rank0_decode_s"] > 0 and res["rank0_peak_mb"] > 0 and res["per_rank_cpu_s"] > 0
+    if fmt == "dcp":
+        assert res["rank0_pickle_loads_s"] > 0 and res["rank0_sidecar_s"] < res["rank0_decode_s"]

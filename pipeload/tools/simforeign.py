@@ -218,29 +218,18 @@ def _plain_loads(path: str) -> float:
     return out
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _cost(fn) -> tuple[float, float | None]:
     """(process time of fn(), MB the resident set's high-water mark rose above the RSS before it, None where
     /proc cannot reset the mark); the GC paused as in a load."""
+    from .bench.system import reset_peak_rss, status_kib
+
     gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        before = _status_kb("VmRSS")
-    except (OSError, KeyError):
-        before = None
+    before = status_kib("VmRSS") if reset_peak_rss() else None
     with paused_gc():
         t0 = time.process_time()
         fn()
         cpu = time.process_time() - t0
-    return cpu, None if before is None else (_status_kb("VmHWM") - before) / 1024
+    return cpu, None if not before else (status_kib("VmHWM") - before) / 1024
 
 
 def _forked(fn):

@@ -15,7 +15,7 @@ from typing import Any
 
 from .report import _median
 from .config import FLOOR, LOADER_LABELS, SEPARATE, TIMING_KEYS, BenchConfig, MiB
-from .system import (_floor_read, _join_cgroup, _status_kib, data_files, drop_cache, proc_io, reset_peak_rss,
+from .system import (_floor_read, _join_cgroup, status_kib, data_files, drop_cache, proc_io, reset_peak_rss,
                      residency, resident_bytes, warm_files)
 
 _T0 = time.perf_counter()
@@ -316,7 +316,7 @@ def _timed_load(r: _Rank, mode: str, loader: str, directory: str, my_files: list
     resident = residency(my_files)
     stats, requested = None, None
     dist.barrier()
-    io0, rss0, peak_ok = proc_io(), _status_kib("VmRSS"), reset_peak_rss()
+    io0, rss0, peak_ok = proc_io(), status_kib("VmRSS"), reset_peak_rss()
     t0 = time.perf_counter()
     if loader == FLOOR:
         requested = _floor_read(my_files, r.rank, r.world)
@@ -333,7 +333,7 @@ def _timed_load(r: _Rank, mode: str, loader: str, directory: str, my_files: list
     dist.barrier()  # nobody verifies (and takes a core) while another rank still loads
     rec = {"wall": wall, "read_bytes": io1["read_bytes"] - io0["read_bytes"],
            "requested_bytes": stats.bytes_read if stats is not None else requested, "resident_before": resident,
-           "rss_mib": rss0 / 1024, "peak_rss_mib": _status_kib("VmHWM") / 1024,  # the peak so far, no reset
+           "rss_mib": rss0 / 1024, "peak_rss_mib": status_kib("VmHWM") / 1024,  # the peak so far, no reset
            "peak_rss_reset": peak_ok, "stats": _stats_dict(stats) if stats is not None else None}
     if mode != "warm":
         # This rank's copy was dropped before the run: what is cached now is what it read.

@@ -92,7 +92,8 @@ def proc_io() -> dict[str, int]:
     return out
 
 
-def _status_kib(field_name: str) -> int:
+def status_kib(field_name: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``); 0 where absent."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field_name + ":"):
