@@ -17,19 +17,23 @@ Protocol (every rank of the save's group, at the same position, after the name t
    the load's answer row and holder set (:func:`pipeload.plan.keyowners.answer_messages`) to every rank
    of those classes; the positions of the kept empty chunks one class holds, to that class's ranks. Per
    destination ``[n_empty, positions..., answer message or [0, 0]]``.
-3. **Summary** (one ``ex.gather_rows`` of :data:`SUMMARY_WORDS` words): a flag, the bytes this rank
+3. **Summary** (one ``ex.gather_rows`` of :data:`SUMMARY_WORDS` words): flags, the bytes this rank
    writes alone, and whether it found, as an owner, a tensor its ranks' chunks do not tile.
 
 A problem word makes every rank gather the owners' problem texts (a rare all-gather) and refuse the
-save alike. A rank *flags* when it is in two holder sets (a class of several replicas is a holder set
-of its own) or in a set of more than :data:`pipeload.plan.keyowners.MAX_SET_CLASSES` classes that is
-not every class; any flag sends every rank to the digest path (every rank sees the same words).
-Otherwise a rank's writes follow from its own chunks: one no other rank holds is its own; its set's
-chunks go through the design's greedy over the set's members, from their bytes alone. Without a flag
-every member of a set is in that set only and holds every chunk of it, so the set is a whole
-connected component of the digest path's and the decisions are the digest path's (tested on random
-layouts). The Python objects' writer (:func:`_object_target`) is decided by the ranks of its
-component, the only candidates.
+save alike. Every rank sees the same summaries, so every rank takes the same one of three ways:
+
+- no flag: a rank's writes follow from its own chunks. One no other rank holds is its own; its holder
+  set's chunks (a class of several replicas is a holder set of its own) go through the design's greedy
+  over the set's members, from their bytes alone. Every member of a set is then in that set only and
+  holds every chunk of it, so the set is a whole connected component of the digest path's, and the
+  decisions are the digest path's (tested on random layouts). The Python objects' writer
+  (:func:`_object_target`) is decided by the ranks of its component, the only candidates;
+- :data:`FLAG_SETS` (some rank is in two holder sets, as with FSDP x TP and an optimizer's ``step``
+  scalars): only the shared chunks travel, each once (a gather of one size word per rank, then a
+  padded all-gather), and every rank runs the whole greedy (:mod:`pipeload.save.sharedrows`);
+- :data:`FLAG_TOO_LARGE` (a set of more than :data:`pipeload.plan.keyowners.MAX_SET_CLASSES` classes
+  that is not every class, which no answer describes): the digest path.
 
 Cost per rank: its own ``S`` chunks out and ``O(S)`` answer rows in; as an owner, the chunks of its
 tensors (``S`` rows on average, every chunk of a tensor at most); ``W x 24`` bytes of summary.
@@ -45,16 +49,18 @@ import numpy as np
 from ..plan import keyowners
 from ..plan._greedy import assign_readers
 from ..plan.globalplan import _ranges
-from ..plan.exchange import Classes, record_transfer
+from ..plan.exchange import Classes, Transfer, record_transfer
 from ..plan.keyowners import K_CLASS, K_KEY, K_POS, Held
-from . import saveplan
+from . import saveplan, sharedrows
 from .saveplan import (KIND_OBJECT, R_KEYOWNER, Exchanged, LocalRecord, Plan, _differing_objects, _drop_empty,
                        _key_columns, _object_pool, _tiling_problems, chunk_weights, decode_shards, exchange_records,
                        key_table)
 
 S_FLAG, S_ALONE, S_PROBLEMS = 0, 1, 2
 SUMMARY_WORDS = 3
+FLAG_SETS, FLAG_TOO_LARGE = 1, 2  # flag bits: in two holder sets; in a set too large to describe
 SUMMARY_CALL = "all-gather of save key-owner summaries"
+SIZES_CALL = "all-gather of shared-rows sizes"
 
 
 def use_key_owners(xc: Exchanged, p: Plan, gmap: list[np.ndarray]) -> bool:
@@ -164,37 +170,44 @@ def parse_answers(counts: np.ndarray, words: np.ndarray, n_own: int, n_classes: 
 
 
 class View(NamedTuple):
-    """What a rank knows after the answers: its summary row, its kept chunks and those it shares, and
-    its holder set (classes and ranks; empty when it shares nothing)."""
+    """What a rank knows after the answers: its summary row, its kept chunks and those it shares, the
+    holder set of each shared chunk (``set_of``, into ``tuples``: record classes), and its one holder
+    set when it has one (classes and ranks; empty otherwise)."""
 
     row: np.ndarray
     kept: np.ndarray
     shared: np.ndarray
+    tuples: list
+    set_of: np.ndarray
     set_classes: tuple
     members: np.ndarray
 
 
 def learn(own: Own, held: Held, kept_empty: np.ndarray, rank: int, cls: Classes, problems: bool) -> View:
+    """This rank's view and summary row."""
     my_class = int(cls.of_rank[rank])
     kept = (own.weight > 0) | kept_empty | held.answered
     alone_class = len(cls.members[my_class]) == 1
     shared = kept & (held.answered | (not alone_class))
-    sets = {held.sets[s] for s in np.unique(held.set_of[kept & held.answered]).tolist()}
-    if np.any(shared & ~held.answered):
-        sets.add((my_class,))
-    flag = len(sets) > 1 or () in sets
-    row = np.zeros(SUMMARY_WORDS, dtype=np.int64)
-    row[S_FLAG], row[S_ALONE], row[S_PROBLEMS] = int(flag), int(own.weight[kept & ~shared].sum()), int(problems)
+    tuples = [*held.sets, (my_class,)]
+    set_of = np.where(shared, np.where(held.answered, held.set_of, len(held.sets)), -1)
+    sets = {tuples[t] for t in np.unique(set_of[shared]).tolist()}
+    flag = (FLAG_SETS if len(sets) > 1 else 0) | (FLAG_TOO_LARGE if () in sets else 0)
     classes_ = next(iter(sets)) if len(sets) == 1 else ()
     members = (np.sort(np.concatenate([cls.members[c] for c in classes_])).astype(np.int64) if classes_
                else np.zeros(0, dtype=np.int64))
-    return View(row, kept, shared, classes_, members)
+    view = View(np.zeros(SUMMARY_WORDS, dtype=np.int64), kept, shared, tuples, set_of, classes_, members)
+    row = view.row
+    row[S_FLAG], row[S_ALONE], row[S_PROBLEMS] = flag, int(own.weight[kept & ~shared].sum()), int(problems)
+    return view
 
 
 def plan(ex, xc: Exchanged, key_tables: tuple, rec: LocalRecord, rank: int, what: str) -> Plan | None:
-    """This rank's save plan through the tensor owners, or None when some rank flagged (every rank then
-    returns None: the caller takes the digest path). Collectives: two all-to-alls, one gather of
-    summaries, and, only when an owner found problems, an all-gather of their texts."""
+    """This rank's save plan through the tensor owners, or None when some rank is in a holder set too
+    large to describe (every rank then returns None: the caller takes the digest path). Collectives: two
+    all-to-alls, one gather of summaries; only when an owner found problems, an all-gather of their
+    texts; only when some rank is in two holder sets, the padded all-gather of the shared chunks
+    (:mod:`pipeload.save.sharedrows`)."""
     p, gmap = key_tables
     cls, world = xc.record_cls, len(xc.rows)
     my_class = int(cls.of_rank[rank])
@@ -212,8 +225,15 @@ def plan(ex, xc: Exchanged, key_tables: tuple, rec: LocalRecord, rank: int, what
     if np.any(summary[:, S_PROBLEMS]):
         texts = ex.all_gather_object(problems, what)
         return dataclasses.replace(p, problems=sorted(t for ts in texts for t in ts))
-    if np.any(summary[:, S_FLAG]):
+    flags = np.bitwise_or.reduce(summary[:, S_FLAG])
+    if flags & FLAG_TOO_LARGE:
         return None
+    if flags & FLAG_SETS:  # every rank: only the shared chunks travel, and the whole greedy runs here
+        blob = sharedrows.blob(own, view, rank, cls)
+        sizes = ex.gather_rows(np.array([len(blob)], dtype=np.int64), what, SIZES_CALL)[cls.owners, 0]
+        blobs = ex.transfer_records(Transfer("gather", cls.owners, int(sizes.max())), cls._replace(nbytes=sizes),
+                                    blob, what)
+        return sharedrows.decide(p, gmap, xc, own, view, summary[:, S_ALONE], blobs, rank)
     return decide(p, gmap, xc, own, view, summary, rank)
 
 

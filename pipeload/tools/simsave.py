@@ -83,6 +83,21 @@ class SaveKeyWorld:
             rows.append(saveowners.learn(own, held, kept_empty, r, self.cls, bool(self.problems()[r])).row)
         return np.stack(rows)
 
+    def blobs(self) -> list[bytes]:
+        """Every class's shared-rows blob (:mod:`pipeload.save.sharedrows`), through the module's own
+        steps on each class owner's answers (computed once, only when the save takes that path)."""
+        if getattr(self, "_blobs", None) is None:
+            from ..save import sharedrows
+
+            out = []
+            for c, r in enumerate(self.cls.owners.tolist()):
+                own = self.owns[c]
+                held, kept_empty = saveowners.parse_answers(*self.answers_to(r), len(own.index), len(self.cls.members))
+                view = saveowners.learn(own, held, kept_empty, r, self.cls, False)
+                out.append(sharedrows.blob(own, view, r, self.cls))
+            self._blobs = out
+        return self._blobs
+
     def problems(self) -> list[list[str]]:
         """Each rank's tiling problems as an owner (what the all-gather of problem texts hands out)."""
         return [self._answer(o)[2] for o in range(self.world)]
@@ -145,7 +160,8 @@ def _summaries(full: saveplan.Plan, cls, world: int) -> np.ndarray:
         if len(s) > keyowners.MAX_SET_CLASSES and len(s) != n_classes:
             too_large[list(s)] = True
     out = np.zeros((world, saveowners.SUMMARY_WORDS), dtype=np.int64)
-    out[:, saveowners.S_FLAG] = ((in_sets > 1) | too_large)[cls.of_rank]
+    flags = np.where(in_sets > 1, saveowners.FLAG_SETS, 0) | np.where(too_large, saveowners.FLAG_TOO_LARGE, 0)
+    out[:, saveowners.S_FLAG] = flags[cls.of_rank]
     out[:, saveowners.S_ALONE] = full.alone
     return out
 
@@ -169,6 +185,11 @@ class SimSaveExchange:
             words = np.zeros((self.size, 2), dtype=np.int64)
             words[0, 1] = _SAVE_WORD
             got = words
+        elif call == saveowners.SIZES_CALL:
+            self.path = "shared rows"
+            got = np.asarray([len(b) for b in self.keys.blobs()], dtype=np.int64)[self.keys.cls.of_rank].reshape(-1, 1)
+            if not np.array_equal(row, got[self.rank]):
+                raise AssertionError(f"rank {self.rank}: the saver's shared-rows size differs from the simulated one")
         else:
             expect = self.keys.summary if call == saveowners.SUMMARY_CALL else self.rows
             if not np.array_equal(row, expect[self.rank]):
@@ -194,9 +215,10 @@ class SimSaveExchange:
         return got_c, got
 
     def transfer_records(self, t, cls, mine: bytes, what: str = "") -> list[bytes]:
-        expected = self.tables if self._transfers == 0 else self.records
+        shared = self._transfers == 1 and self._all_to_alls == 2 and self.path == "shared rows"
+        expected = self.tables if self._transfers == 0 else self.keys.blobs() if shared else self.records
         self._transfers += 1
-        if self._transfers == 2:
+        if self._transfers == 2 and not shared:
             self.path = "digest, after key owners" if self._all_to_alls else "digest"
         c = int(cls.of_rank[self.rank])
         if mine != expected[c]:
