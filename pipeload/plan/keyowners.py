@@ -252,6 +252,7 @@ def answers_of(counts: np.ndarray, words: np.ndarray, n_keys: int, n_classes: in
     set_of = np.full(n_keys, -1, dtype=np.int64)
     sets: list = []
     index: dict[tuple, int] = {}
+    every = tuple(range(n_classes))  # built once: a set of every class is one tuple of W entries
     at = 0
     for cnt in counts[counts > 0].tolist():
         msg = words[at: at + cnt]
@@ -262,10 +263,11 @@ def answers_of(counts: np.ndarray, words: np.ndarray, n_keys: int, n_classes: in
         local = []
         for _ in range(n_sets):
             k = int(msg[p])
-            t = (tuple(range(n_classes)) if k == EVERY_CLASS else () if k == TOO_LARGE
+            t = (every if k == EVERY_CLASS else () if k == TOO_LARGE
                  else tuple(msg[p + 1: p + 1 + k].tolist()))
             p += 1 + max(k, 0)
-            local.append(index.setdefault(t, len(index)))
+            key = k if k < 0 else t  # (hashing the W-entry tuple of every class would cost O(W) a time)
+            local.append(index.setdefault(key, len(index)))
             if len(sets) < len(index):
                 sets.append(t)
         pos = block[:, A_POS]

@@ -63,7 +63,8 @@ def blob(own, view, rank: int, cls: Classes) -> bytes:
 def decode(blobs: Sequence[bytes], width: int, n_classes: int) -> tuple[np.ndarray, np.ndarray, list[tuple]]:
     """(every shared chunk's key row ``index, offsets, lengths``; its holder set; the sets' classes)."""
     keys, sids, tuples = [], [], []
-    number: dict[tuple, int] = {}
+    number: dict = {}  # a set's number by its classes (every class: by EVERY, never hashing W entries)
+    every = tuple(range(n_classes))
     for b in blobs:
         if not b:
             continue
@@ -73,12 +74,12 @@ def decode(blobs: Sequence[bytes], width: int, n_classes: int) -> tuple[np.ndarr
         at, local = 3 + n * (2 + 2 * w), []
         for _ in range(n_sets):
             k = int(a[at])
-            t = tuple(range(n_classes)) if k == EVERY else tuple(a[at + 1: at + 1 + k].tolist())
+            key = EVERY if k == EVERY else tuple(a[at + 1: at + 1 + k].tolist())
             at += 1 + max(k, 0)
-            if t not in number:
-                number[t] = len(tuples)
-                tuples.append(t)
-            local.append(number[t])
+            if key not in number:
+                number[key] = len(tuples)
+                tuples.append(every if k == EVERY else key)
+            local.append(number[key])
         rows = np.zeros((n, 1 + 2 * width), dtype=np.int64)
         rows[:, : 1 + w], rows[:, 1 + width: 1 + width + w] = body[:, : 1 + w], body[:, 1 + w: 1 + 2 * w]
         keys.append(rows)

@@ -119,8 +119,11 @@ class SaveKeyWorld:
         return worst
 
     def prepare(self, rank: int) -> None:
-        """What ``rank`` sends and receives in both rounds, computed outside the rank's measured time."""
+        """What ``rank`` sends and receives in both rounds (and the shared rows, when the summaries
+        choose them), computed outside the rank's measured time."""
         self.prepared = {rank: (self.incoming(rank), self.answers_to(rank))}
+        if np.bitwise_or.reduce(self.summary[:, saveowners.S_FLAG]) == saveowners.FLAG_SETS:
+            self.blobs()
 
     def sent(self, rank: int):
         c = int(self.cls.of_rank[rank])
