@@ -281,8 +281,9 @@ def _object_target(p: Plan, gmap, xc: Exchanged, view: View, loads: np.ndarray, 
 
 def plan_save(ex, xc: Exchanged, rec: LocalRecord, rank: int, what: str) -> Plan:
     """The save plan after the rows and name tables: through the tensor owners when the rows choose
-    them and no rank flags, else the distinct records' transfer and :func:`pipeload.save.saveplan.plan`.
-    Every rank takes the same branches (each is decided from data every rank holds)."""
+    them (and no holder set is too large to describe), else the distinct records' transfer and
+    :func:`pipeload.save.saveplan.plan`. Every rank takes the same branches (each is decided from data
+    every rank holds)."""
     keys = key_table(xc)
     if keys[0].problems:
         return keys[0]
