@@ -620,20 +620,10 @@ def _holder_sets(starts, ends, order, cl, shared_groups) -> tuple[np.ndarray, li
     return inverse.ravel().astype(np.int64), sets
 
 
-def _writers(p: Plan, groups, holders, starts, ends, order, cl, rcls: Classes, world: int, me: int,
-             pool: np.ndarray, everything: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(writer of each distinct chunk, or -1 outside the computed components; bytes per rank; the
-    component root of each rank). Components: record classes joined by the holder sets they share."""
-    g = len(groups)
-    writer = np.full(g, -1, dtype=np.int64)
-    single = holders == 1
-    first_class = cl[order[starts[groups]]]
-    writer[single] = rcls.owners[first_class[single]]
-    loads = _sums(writer[single], p.chunk_weight[single], world)
-    shared = np.flatnonzero(~single)
-    sid, sets = _holder_sets(starts, ends, order, cl, groups[shared])
-    p.alone, p.holder_sets = loads.copy(), sets
-    parent = list(range(len(rcls.owners)))
+def component_roots(sets: Sequence[tuple[int, ...]], n_classes: int) -> np.ndarray:
+    """The component root of each record class: classes joined by the holder sets they share
+    (union-find; only equality of roots means anything)."""
+    parent = list(range(n_classes))
 
     def find(c: int) -> int:
         while parent[c] != c:
@@ -647,7 +637,23 @@ def _writers(p: Plan, groups, holders, starts, ends, order, cl, rcls: Classes, w
             rc = find(c)
             if rc != root:
                 parent[rc] = root
-    root_of_class = np.asarray([find(c) for c in range(len(parent))], dtype=np.int64)
+    return np.asarray([find(c) for c in range(n_classes)], dtype=np.int64)
+
+
+def _writers(p: Plan, groups, holders, starts, ends, order, cl, rcls: Classes, world: int, me: int,
+             pool: np.ndarray, everything: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(writer of each distinct chunk, or -1 outside the computed components; bytes per rank; the
+    component root of each rank). Components: record classes joined by the holder sets they share."""
+    g = len(groups)
+    writer = np.full(g, -1, dtype=np.int64)
+    single = holders == 1
+    first_class = cl[order[starts[groups]]]
+    writer[single] = rcls.owners[first_class[single]]
+    loads = _sums(writer[single], p.chunk_weight[single], world)
+    shared = np.flatnonzero(~single)
+    sid, sets = _holder_sets(starts, ends, order, cl, groups[shared])
+    p.alone, p.holder_sets = loads.copy(), sets
+    root_of_class = component_roots(sets, len(rcls.owners))
     root_of_rank = root_of_class[rcls.of_rank]
     wanted = {int(root_of_rank[me])}
     if len(pool):

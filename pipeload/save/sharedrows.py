@@ -27,7 +27,8 @@ from ..plan._greedy import assign_readers
 from ..plan.exchange import Classes
 from ..plan.globalplan import _row_groups
 from ..plan.keyowners import owner_of
-from .saveplan import Exchanged, Plan, _differing_objects, _key_columns, _object_pool, _object_writers, chunk_weights
+from .saveplan import (Exchanged, Plan, _differing_objects, _key_columns, _object_pool, _object_writers, chunk_weights,
+                       component_roots)
 
 EVERY = -1
 _HASH_RANGE = 1 << 31
@@ -107,25 +108,6 @@ def _greedy(p: Plan, keys: np.ndarray, sid: np.ndarray, tuples: list[tuple], alo
     return reader, loads
 
 
-def _roots(tuples: list[tuple], cls: Classes) -> np.ndarray:
-    """The component root of every rank: record classes joined by the holder sets they share."""
-    parent = list(range(len(cls.members)))
-
-    def find(c: int) -> int:
-        while parent[c] != c:
-            parent[c] = parent[parent[c]]
-            c = parent[c]
-        return c
-
-    for t in tuples:
-        root = find(t[0])
-        for c in t[1:]:
-            rc = find(c)
-            if rc != root:
-                parent[rc] = root
-    return np.asarray([find(c) for c in range(len(parent))], dtype=np.int64)[cls.of_rank]
-
-
 def decide(p: Plan, gmap, xc: Exchanged, own, view, alone: np.ndarray, blobs: Sequence[bytes], rank: int) -> Plan:
     """This rank's writers from every class's shared chunks and every rank's bytes alone."""
     cls = xc.record_cls
@@ -150,7 +132,7 @@ def decide(p: Plan, gmap, xc: Exchanged, own, view, alone: np.ndarray, blobs: Se
     out = dataclasses.replace(p, problems=[], chunk_index=own.index[k], chunk_offsets=own.offsets[k],
                               chunk_lengths=own.lengths[k], chunk_weight=own.weight[k], writer=writer[k], loads=loads)
     pool = _object_pool(p, gmap, xc.names_cls)
-    out.object_writer = {k: r for k, r in _object_writers(out, gmap, xc.names_cls, pool, _roots(tuples, cls)).items()
+    out.object_writer = {k: r for k, r in _object_writers(out, gmap, xc.names_cls, pool, component_roots(tuples, len(cls.members))[cls.of_rank]).items()
                          if r == rank}
     out.differing_objects = _differing_objects(xc)
     return out
