@@ -43,26 +43,20 @@ class SaveBenchConfig:
     quiet: bool = False
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 class _Peak:
     """Peak RSS over the RSS at the start (Linux ``clear_refs`` resets the high-water mark)."""
 
     def __enter__(self) -> "_Peak":
-        from .system import reset_peak_rss
+        from .system import reset_peak_rss, status_kib
 
         self.ok = reset_peak_rss()
-        self.base = _rss_kib("VmRSS")
+        self.base = status_kib("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
-        self.over = max(0, _rss_kib("VmHWM") - self.base) * 1024 if self.ok else None
+        from .system import status_kib
+
+        self.over = max(0, status_kib("VmHWM") - self.base) * 1024 if self.ok else None
 
 
 def _write_floor(path: str, nbytes: int, buf) -> None:
