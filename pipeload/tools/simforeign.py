@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine._gcpause import paused_gc
+from ._measure import timed
 
 BLOB_OVERHEAD = 1100  # bytes of a torch.save zip around one tensor's data (headers, data.pkl, directory)
 HF_FILE_BYTES = 5 << 30
@@ -129,25 +130,6 @@ class Foreign:
     result: dict[str, Any] = field(default_factory=dict)
 
 
-def _timed(fn, memory: bool) -> tuple[Any, float, float | None]:
-    """(fn(), process time, tracemalloc peak MB of a second call or None); the GC paused as in a load."""
-    gc.collect()
-    with paused_gc():
-        t0 = time.process_time()
-        out = fn()
-        cpu = time.process_time() - t0
-    peak = None
-    if memory:
-        del out
-        gc.collect()
-        tracemalloc.start()
-        with paused_gc():
-            out = fn()
-        peak = tracemalloc.get_traced_memory()[1] / 2**20
-        tracemalloc.stop()
-    return out, cpu, peak
-
-
 def prepare(lay, directory: str, format: str, memory: bool, log) -> Foreign:
     """Write the layout's ``format`` metadata into ``directory`` and measure rank 0's part."""
     from .. import formats
@@ -168,7 +150,7 @@ def prepare(lay, directory: str, format: str, memory: bool, log) -> Foreign:
         t0 = time.process_time()
         pickle.loads(pickle.dumps(raw))
         plain = time.process_time() - t0
-        payload, cpu, peak = _timed(lambda: hf.table_of(raw, directory), memory)
+        payload, cpu, peak = timed(lambda: hf.table_of(raw, directory), memory)
         result = {"rank0_pickle_loads_s": plain, "rank0_decode_s": cpu, "rank0_peak_mb": peak,
                   "chunks": len(lay.tensors)}
     sent = pickle.dumps((format, payload), protocol=pickle.HIGHEST_PROTOCOL)  # what the broadcast carries
@@ -201,7 +183,7 @@ def _prepare_dcp(lay, directory: str, memory: bool, log) -> dict[str, Any]:
     if memory:
         peak = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
-    _, side_cpu, _ = _timed(lambda: formats.read_payload(directory, "dcp")[1], False)
+    _, side_cpu, _ = timed(lambda: formats.read_payload(directory, "dcp")[1], False)
     return {"rank0_pickle_loads_s": plain, "rank0_decode_s": cpu, "rank0_peak_mb": peak, "rank0_rss_mb": rss,
             "rank0_sidecar_s": side_cpu, "chunks": n_chunks, "blob": blob, "metadata_bytes": md_bytes}
 

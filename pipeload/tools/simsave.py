@@ -35,6 +35,7 @@ from ..save import savecache, saveowners, saveplan
 from ..engine._gcpause import paused_gc
 from ..plan.exchange import received_bytes
 from ..save.saveplan import KIND_OBJECT, KIND_TENSOR, LocalRecord
+from ._measure import timed
 from .simulate import Layout
 from ..plan.statedict import Box
 
@@ -311,17 +312,9 @@ def _sample(w: _World, lay: Layout, rank: int, keys: SaveKeyWorld | None, memory
     state = _state(lay, rank)
     if keys is not None:
         keys.prepare(rank)
-    gc.collect()
-    start = time.process_time()
-    sp, ex = _plan_rank(xc.rows, xc.tables, xc.records, rank, state, keys)
-    cpu = time.process_time() - start
-    peak = None
-    if memory:
-        gc.collect()
-        tracemalloc.start()
-        _plan_rank(xc.rows, xc.tables, xc.records, rank, state, keys)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+    runs: list = []
+    _, cpu, peak = timed(lambda: runs.append(_plan_rank(xc.rows, xc.tables, xc.records, rank, state, keys)), memory)
+    sp, ex = runs[0]
     return dict(rank=rank, cpu=cpu, peak=peak, sent=ex.sent, received=ex.received, plan=sp, path=ex.path,
                 shards=len(w.recs[w.keys[rank]].shards))
 
@@ -366,7 +359,7 @@ def _result(lay: Layout, w: _World, full, results: list[dict], identical: bool, 
         "distinct_records": len(w.xc.records), "distinct_name_tables": len(w.xc.tables),
         "sampled_ranks": [r["rank"] for r in results], "path": sorted({r["path"] for r in results}),
         "per_rank_cpu_s": max(r["cpu"] for r in results),
-        "per_rank_peak_mb": max(r["peak"] for r in results) / 2**20 if memory else None,
+        "per_rank_peak_mb": max(r["peak"] for r in results) if memory else None,
         "exchange_bytes_sent": max(r["sent"] for r in results),
         "exchange_bytes_received": max(r["received"] for r in results),
         "writer_balance": float(loads.max() / mean) if mean else 1.0,
