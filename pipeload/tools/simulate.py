@@ -35,12 +35,10 @@ mesh-dimension groups for reuse, as DTensor state dicts do.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import tempfile
 import time
-import tracemalloc
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -51,6 +49,7 @@ from ..plan import keyowners
 from ..plan.exchange import (Classes, Transfer, classes, decode_record, encode_record, group_digest, hash64,
                              make_row, padded, received_bytes, record_digest, record_transfer)
 from ..engine._gcpause import paused_gc
+from ._measure import timed
 from ..engine.loader import exchange_and_plan
 from ..formats.chunkindex import ARRAYS, build_arrays, index_file_name
 from ..formats.metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, TensorMeta, chunk_key,
@@ -515,20 +514,18 @@ def _sample_rank(lay: Layout, directory: str, rows, cls, records, rank: int, key
     state = lay.state_dict(rank)
     if keys is not None:
         keys.prepare(rank)
-    gc.collect()
-    phases = _Phases()
-    start = time.process_time()
     os.environ["PIPELOAD_HOST_ID"] = f"host-{rank // GPUS_PER_HOST}"
-    gp, ex, n_shards = _plan_rank(lay, directory, rows, cls, records, rank, phases, state, keys, opener)
-    cpu = time.process_time() - start
-    peak = None
-    if memory:
-        del gp
-        gc.collect()
-        tracemalloc.start()
-        gp, _, _ = _plan_rank(lay, directory, rows, cls, records, rank, _Phases(), state, keys, opener)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+    first: list = []  # the first pass's phases and exchange (the traced pass only measures memory)
+
+    def run():
+        phases = _Phases()
+        gp, ex, n_shards = _plan_rank(lay, directory, rows, cls, records, rank, phases, state, keys, opener)
+        if not first:
+            first.append((phases, ex, n_shards))
+        return gp
+
+    gp, cpu, peak = timed(run, memory)
+    phases, ex, n_shards = first[0]
     log(f"rank {rank}: {cpu:.2f} s CPU, {len(gp.ops)} broadcasts")
     return dict(rank=rank, cpu=cpu, peak=peak, phases=phases.timings, sent=ex.sent, received=ex.received,
                 digest=gp.digest(), shards=n_shards, path=ex.path,
@@ -588,7 +585,7 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
         "distinct_records": len(records), "metadata_bytes": md_bytes,
         "sampled_ranks": sampled,
         "per_rank_cpu_s": max(r["cpu"] for r in results),
-        "per_rank_peak_mb": max(r["peak"] for r in results) / 2**20 if memory else None,
+        "per_rank_peak_mb": max(r["peak"] for r in results) if memory else None,
         "exchange_bytes_sent": max(r["sent"] for r in results),
         "exchange_bytes_received": max(r["received"] for r in results),
         "reader_balance": float(loads.max() / mean) if mean else 1.0,
