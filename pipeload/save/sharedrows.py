@@ -119,7 +119,7 @@ def decide(p: Plan, gmap, xc: Exchanged, own, view, alone: np.ndarray, blobs: Se
     if len(mine):  # each of this rank's shared chunks is one row some class sent
         both = np.concatenate([keys, np.column_stack([own.index[mine], own.offsets[mine], own.lengths[mine]])])
         order, starts = _row_groups(both)
-        gid = np.cumsum(np.isin(np.arange(len(order)), starts)) - 1
+        gid = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(order))))  # group of each position
         sent = np.full(len(starts), -1, dtype=np.int64)
         first = order < len(keys)
         sent[gid[first]] = order[first]
