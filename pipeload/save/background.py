@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..engine.comm import Comm
 from . import saver
+from ._stage import gather_host
 from ..errors import DistributedError, PipeloadError, SaveTimeoutError
 
 STAGING_SLACK = 64 << 20  # a kept staging buffer larger than needed by more than this is reallocated
@@ -52,7 +53,6 @@ _pending: dict[tuple[int, ...], "SaveHandle"] = {}
 _own: dict[tuple[int, ...], tuple[Any, Any]] = {}  # group ranks -> (default group it was made under, own group)
 _pools: dict[tuple[int, ...], "StagingPool"] = {}
 _side_streams: dict[Any, Any] = {}
-_memmove = ctypes.memmove
 
 
 class SaveHandle:
@@ -188,7 +188,7 @@ def _pinned(t: torch.Tensor) -> bool:
 
 
 def sizes_of(items: list[tuple]) -> list[int]:
-    """Bytes of each item's tensor (0 for Python objects, already bytes): one walk, shared by the snapshot."""
+    """Bytes of each item's tensor (0 for Python objects, already bytes)."""
     return [0 if isinstance(v, bytes) else v.nbytes for _, _, _, v in items]
 
 
@@ -211,81 +211,117 @@ def split(sizes: list[int], bound: int) -> int:
     return first
 
 
-def stage(items: list[tuple], sizes: list[int], pool: StagingPool) -> tuple[Callable[[], list[tuple]], int]:
-    """Copy the tensors of ``items`` (``sizes``: :func:`sizes_of` them) into ``pool``'s buffers:
-    (``views``, bytes copied).
+class Layout:
+    """Where the staged items of one plan go in the group's buffers; computed once per (plan, ``first``).
 
-    Host tensors are copied into plain memory; device tensors into page-locked memory on a side
-    stream ordered after the device's current stream, and waited for before returning: when this
-    returns, the caller may change or free every source tensor. Tensors of one (memory kind, device,
-    dtype) are packed back to back. ``views()`` — called by the worker, off the caller's time — gives
-    ``items`` with each staged tensor replaced by a 1-D view of its copy (the file's header takes the
-    shape from the plan); zero-size tensors stay as they are (nothing is read from them).
+    Depends only on what a reused plan keeps unchanged (each item's size, dtype and device: the plan is
+    reused only for a state dict of the same signature), so it lives in the plan's memo
+    (:attr:`pipeload.save.saver.SavePlan.memo`) and a steady save computes nothing per tensor before
+    copying. Tensors of one (memory kind, device, dtype) are packed back to back, each span aligned.
+
+    ``spans``: ``(pinned, device, dtype, item indices, start, nbytes)``; ``ends``: bytes per memory kind;
+    ``host``: (item index, offset, length) arrays of the plain-memory items, for :func:`gather_host`;
+    ``cuda``: whether any item of the plan (head included) is a CUDA tensor staged in page-locked memory.
     """
-    cuda = _cuda_usable()
-    groups: dict[tuple, list[int]] = {}
-    for i, n in enumerate(sizes):
-        if n:
-            value = items[i][3]
-            kind = cuda and value.is_cuda
-            groups.setdefault((True, value.device, value.dtype) if kind else (False, None, value.dtype), []).append(i)
-    ends = {False: 0, True: 0}
-    spans = []
-    for (kind, dev, dt), idx in groups.items():
-        nbytes = sum(sizes[i] for i in idx)
-        spans.append((kind, dev, dt, idx, ends[kind], nbytes))
-        ends[kind] += -(-nbytes // _ALIGN) * _ALIGN
-    buffers = {kind: pool.take(kind, n) for kind, n in ends.items() if n}
 
-    def region(kind: bool, dt, idx: list[int], start: int, nbytes: int) -> list[torch.Tensor]:
+    def __init__(self, items: list[tuple], sizes: list[int], first: int):
+        cuda = _cuda_usable()
+        groups: dict[tuple, list[int]] = {}
+        self.cuda = False
+        for i, n in enumerate(sizes):
+            if n:
+                value = items[i][3]
+                kind = cuda and value.is_cuda
+                self.cuda = self.cuda or kind
+                if i >= first:
+                    groups.setdefault((True, value.device, value.dtype) if kind else (False, None, value.dtype),
+                                      []).append(i)
+        self.ends = {False: 0, True: 0}
+        self.spans: list[tuple] = []
+        host: list[tuple[int, int, int]] = []
+        for (kind, dev, dt), idx in groups.items():
+            start = self.ends[kind]
+            nbytes = sum(sizes[i] for i in idx)
+            self.spans.append((kind, dev, dt, idx, start, nbytes))
+            self.ends[kind] += -(-nbytes // _ALIGN) * _ALIGN
+            if not kind:
+                offsets = np.cumsum([start] + [sizes[i] for i in idx[:-1]])
+                host += zip(idx, offsets.tolist(), (sizes[i] for i in idx))
+        cols = np.array(host, dtype=np.int64).reshape(-1, 3)
+        self.host = tuple(np.ascontiguousarray(cols[:, j]) for j in range(3))
+        self.staged = sum(span[5] for span in self.spans)
+
+    @classmethod
+    def of(cls, plan, bound: int | None) -> tuple["Layout", list[int], int]:
+        """(the layout, item sizes, the first staged item) of ``plan`` under the staging ``bound``
+        (None: every byte the rank owns), from the plan's memo when an earlier save made them."""
+        memo = plan.memo
+        sizes = memo.get("sizes")
+        if sizes is None:
+            sizes = memo["sizes"] = sizes_of(plan.items)
+        first = split(sizes, sum(sizes) if bound is None else max(0, int(bound)))
+        kept = memo.get("layout")
+        if kept is None or kept[0] != first:
+            kept = memo["layout"] = (first, cls(plan.items, sizes, first))
+        return kept[1], sizes, first
+
+    def regions(self, buffers: dict[bool, torch.Tensor], s: int, sizes: list[int]) -> list[torch.Tensor]:
+        """Span ``s``'s staged tensors: 1-D views of ``buffers`` (the file's header takes the shape from the plan)."""
+        kind, _, dt, idx, start, nbytes = self.spans[s]
         size = torch.empty((), dtype=dt).element_size()
         return list(buffers[kind][start:start + nbytes].view(dt).split([sizes[i] // size for i in idx]))
 
+
+def stage(items: list[tuple], sizes: list[int], layout: Layout, pool: StagingPool) -> Callable[[], list[tuple]]:
+    """Copy the staged tensors of ``items`` into ``pool``'s buffers as ``layout`` places them; ``views``.
+
+    Host tensors are copied into plain memory (:func:`gather_host`: one call, without the GIL); device
+    tensors into page-locked memory on a side stream ordered after the device's current stream, queued
+    first so they run while the host copies do, and waited for before returning: when this returns,
+    the caller may change or free every source tensor. ``views()`` — called by the worker, off the
+    caller's time — gives ``items`` with each staged tensor replaced by a 1-D view of its copy;
+    zero-size tensors stay as they are (nothing is read from them).
+    """
+    buffers = {kind: pool.take(kind, n) for kind, n in layout.ends.items() if n}
     streams: dict[Any, Any] = {}
     with torch.no_grad():
-        for kind, dev, dt, idx, start, nbytes in spans:
-            srcs = [items[i][3] for i in idx]
+        for s, (kind, dev, _, idx, _, _) in enumerate(layout.spans):
             if kind:
-                _device_copy(region(kind, dt, idx, start, nbytes), srcs, dev, streams)
-            else:
-                _host_copy(buffers[kind].data_ptr() + start, [sizes[i] for i in idx], srcs,
-                           lambda: region(kind, dt, idx, start, nbytes))
+                _device_copy(layout.regions(buffers, s, sizes), [items[i][3] for i in idx], dev, streams)
+        if layout.ends[False]:
+            index, offset, length = layout.host
+            slow = gather_host(items, index, offset, length, buffers[False].data_ptr())
+            if slow:
+                _copy_slow(items, sizes, layout, buffers, {int(index[j]) for j in slow})
     for st in streams.values():
         st.synchronize()
 
     def views() -> list[tuple]:
         out = list(items)
-        for kind, _, dt, idx, start, nbytes in spans:
-            for i, d in zip(idx, region(kind, dt, idx, start, nbytes)):
+        for s, span in enumerate(layout.spans):
+            for i, d in zip(span[3], layout.regions(buffers, s, sizes)):
                 key, dtype, shape, _ = items[i]
                 out[i] = (key, dtype, shape, d)
         return out
 
-    return views, sum(span[5] for span in spans)
+    return views
 
 
 def _cuda_usable() -> bool:
     return torch.cuda.is_available()
 
 
-def _host_copy(addr: int, sizes: list[int], srcs: list[torch.Tensor], dsts: Callable[[], list[torch.Tensor]]) -> None:
-    """Copy host tensors ``srcs`` back to back into memory at ``addr`` (``sizes`` bytes each).
-
-    A plain contiguous source is one ``memmove`` (ctypes, without the GIL): a torch copy call costs
-    ~10 us per tensor before it copies a byte, and making a view of the destination as much again,
-    more than copying the benchmark's 3,222 tensors takes. Sources whose bytes are not their values
-    as laid out (strided, conjugate, negative views) are copied by torch into ``dsts()``.
-    """
-    slow = []
-    for i, (n, s) in enumerate(zip(sizes, srcs)):
-        if s.is_contiguous() and not s.is_conj() and not s.is_neg():
-            _memmove(addr, s.data_ptr(), n)
-        else:
-            slow.append(i)
-        addr += n
-    if slow:
-        views = dsts()
-        torch._foreach_copy_([views[i] for i in slow], [srcs[i].reshape(-1) for i in slow])
+def _copy_slow(items: list[tuple], sizes: list[int], layout: Layout, buffers: dict, slow: set[int]) -> None:
+    """The host tensors :func:`gather_host` left (``slow``, item indices: strided, conjugate or negative
+    views), copied by torch into their staged views (torch raises on anything else it left)."""
+    dsts, srcs = [], []
+    for s, span in enumerate(layout.spans):
+        if not span[0] and slow.intersection(span[3]):
+            for i, d in zip(span[3], layout.regions(buffers, s, sizes)):
+                if i in slow:
+                    dsts.append(d)
+                    srcs.append(items[i][3].reshape(-1))
+    torch._foreach_copy_(dsts, srcs)
 
 
 def _device_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], dev, streams: dict[Any, Any]) -> None:
@@ -422,14 +458,12 @@ class _Snapshot:
 
     def __init__(self, plan, staging_bytes: int | None):
         self.plan = plan
-        self.sizes = sizes_of(plan.items)
+        self.layout, self.sizes, self.first = Layout.of(plan, staging_bytes)
         self.owned = sum(self.sizes)
-        bound = self.owned if staging_bytes is None else max(0, int(staging_bytes))
-        self.first = split(self.sizes, bound)
-        self.head_ready = device_ready(plan.items[:self.first])
+        self.head_ready = device_ready(plan.items[:self.first]) if self.layout.cuda and self.first else {}
         self.head_written, self.tail_staged = threading.Event(), threading.Event()
         self.staged = 0
-        self.views: Callable[[], list[tuple]] = list
+        self.views: Callable[[], list[tuple]] = lambda: plan.items
         self.problem: str | None = None
         plan.items = list(plan.items)
         plan.on_written = self.written if self.first else None
@@ -437,14 +471,16 @@ class _Snapshot:
             self.head_written.set()
 
     def stage(self, pool: StagingPool) -> None:
-        self.views, self.staged = stage(self.plan.items[self.first:], self.sizes[self.first:], pool)
+        self.views = stage(self.plan.items, self.sizes, self.layout, pool)
+        self.staged = self.layout.staged
 
     def use_staging(self) -> None:
-        """In the worker, once the tail is staged: the plan's tail items become views of the copies."""
+        """In the worker, once the tail is staged: the plan's tail items become views of the copies
+        (in place: the writer may be iterating the list)."""
         self.tail_staged.wait()
         if self.problem:
             raise RuntimeError(self.problem)
-        self.plan.items[self.first:] = self.views()
+        self.plan.items[self.first:] = self.views()[self.first:]
 
     def written(self, n: int) -> None:
         """In the worker, after ``n`` items of the file: past the head, wait for the tail's copies."""

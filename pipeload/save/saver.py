@@ -458,7 +458,9 @@ class SavePlan:
     commit reports them (``(key index, offsets, lengths)`` for a chunk, ``(key index,)`` for an
     object), ``table`` the key table of the whole save (names, kinds, dtypes, shapes: what rank 0
     writes into ``.metadata``). ``reused``: planned by an earlier save (:mod:`pipeload.save.savecache`).
-    ``locks`` collects rank 0's directory lock fd for the caller to release.
+    ``locks`` collects rank 0's directory lock fd for the caller to release. ``memo`` is the kept plan's
+    (the same dict at every save that reuses it): what a consumer derives from the plan alone is kept
+    there once (the background save's staging layout).
     """
 
     save_id: str
@@ -470,6 +472,7 @@ class SavePlan:
     reused: bool = False
     locks: list[int] = field(default_factory=list)
     on_written: Callable[[int], None] | None = None  # see _write_file (a background save's hand-over)
+    memo: dict = field(default_factory=dict)
 
     @property
     def tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -524,7 +527,8 @@ def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | No
 
 
 def _plan_from(entry, items, save_id: str, rank: int, reused: bool) -> SavePlan:
-    return SavePlan(save_id, rank, data_file_name(save_id, rank), items, entry.rows, entry.table, reused)
+    return SavePlan(save_id, rank, data_file_name(save_id, rank), items, entry.rows, entry.table, reused,
+                    memo=entry.memo)
 
 
 def write_phase(plan: SavePlan, directory: str, comm: Comm) -> tuple[str | None, dict[str, str]]:
