@@ -373,6 +373,37 @@ def test_snapshot_of_every_kind_of_tensor(tmp_path, staging_bytes):
             assert got[k] == v, k
 
 
+def test_saves_that_reuse_the_plan_stage_this_saves_values(tmp_path):
+    """Later saves of a layout reuse its plan and staging layout, yet each holds its own call's values:
+    a tensor replaced by a strided one of the same shape, a tensor changed in place, an object list
+    mutated in place, an object left as it was."""
+    from pipeload.save import savecache
+
+    savecache.clear()
+    sd = collections.OrderedDict(w=torch.arange(12.0).reshape(3, 4), b=torch.ones(700), sched=[1, 2], name="run")
+    kept = None
+    for step in range(4):
+        if step == 2:
+            sd["w"] = torch.arange(12.0, 24.0).reshape(4, 3).t()  # same shape, not contiguous
+            sd["sched"].append(3)  # (its encoding was kept by the save before)
+        if step == 3:
+            sd["b"].fill_(7.0)
+        want = {k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list) else v)
+                for k, v in sd.items()}
+        h = pipeload.save(sd, tmp_path / "r", background=True)
+        sd["b"].add_(1.0)
+        sd["w"].zero_() if sd["w"].is_contiguous() else None
+        h.wait(30)
+        entry = next(iter(savecache._cache.values()))
+        assert kept is None or entry is kept, f"step {step}: the plan was not reused"
+        kept = entry
+        got = {"w": torch.empty(3, 4), "b": torch.empty(700), "sched": None, "name": None}
+        pipeload.load(got, tmp_path / "r")
+        for k, v in want.items():
+            assert (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v), (step, k, got[k])
+        sd["b"].copy_(want["b"])
+
+
 def test_bench_save_summary_and_targets():
     """The save benchmark's reduction over ranks and its target checks (the world itself runs in `pipeload bench --save`)."""
     from pipeload.tools.bench import save as bench_save

@@ -62,6 +62,23 @@ cpdef local_of(value):
     return local if local is not None else value.to_local()
 
 
+def bind(list specs, list positions, list values, dict objects):
+    """A reused save plan's items for this save: ``(key, dtype, shape, value)`` for each spec
+    ``(key, dtype, shape, fqn)``, the value being ``objects[fqn]`` (an object's bytes, its shape their
+    length) or else the local tensor of ``values[positions[i]]``."""
+    cdef Py_ssize_t i, n = len(specs)
+    cdef list out = [None] * n
+    cdef tuple spec
+    for i in range(n):
+        spec = <tuple>specs[i]
+        data = objects.get(spec[3])
+        if data is not None:
+            out[i] = (spec[0], spec[1], (len(data),), data)
+        else:
+            out[i] = (spec[0], spec[1], spec[2], local_of(values[<Py_ssize_t>positions[i]]))
+    return out
+
+
 def box(str fqn, value, dict cache):
     """(global shape, offsets, lengths, local tensor or None) of ``value``: see ``statedict.tensor_box``.
 

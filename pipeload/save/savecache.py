@@ -8,23 +8,24 @@ row of the exchange, so every rank of one save keeps the same token.
 
 The next save offers that token only if its state dict still matches the signature (compared while
 walking it, ``_leafplan.match``) and every Python object it holds still serialises safely (objects may
-change value between saves: their bytes are re-encoded and rechecked each time; their values take no
-part in the plan). Every rank then sends two words (its offer; rank 0 also a fresh save id): every rank
+change value between saves: each is re-encoded and rechecked unless it pickles to the bytes it did at
+the previous save; their values take no part in the plan). Every rank then sends two words (its offer; rank 0 also a fresh save id): every rank
 reuses exactly when every rank offered the same non-zero token, so all take the same branch, and any
 rank whose layout changed (offer 0) makes every rank plan afresh. A kept plan holds no reference to
-the state dict's values. At most :data:`CAPACITY` groups are kept per process.
+the state dict's values (it keeps the objects' pickles, each up to :data:`OBJECT_MEMO_BYTES`). At most :data:`CAPACITY` groups are kept per process.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..plan._leafplan import local_of, match
+from ..plan._leafplan import bind, match
 from ..plan.exchange import hash64
 from ..formats.metadata import chunk_key
 from ..plan.plancache import leaf_positions, signature
@@ -48,6 +49,9 @@ class Entry:
     pg: Any = None
     signature: tuple = ()
     positions: dict[str, int] | None = None
+    spec_positions: list[int] = field(default_factory=list)  # positions[specs[i].fqn]
+    encoded: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # fqn -> (pickle, encode_object)
+    memo: dict = field(default_factory=dict)  # the plan's derived values, see saver.SavePlan.memo
 
     @classmethod
     def of(cls, p: Plan, rec: LocalRecord, rank: int, rows: np.ndarray) -> "Entry":
@@ -103,8 +107,6 @@ def _key(comm) -> tuple:
 def offer(comm, state_dict: dict) -> Offer | None:
     """The kept plan this rank may offer for ``state_dict``, with its items bound to this save's values;
     None when there is none, the layout changed, or an object no longer serialises safely."""
-    from .saveplan import encode_object
-
     e = _cache.get(_key(comm))
     if e is None or e.pg is not comm.pg or not isinstance(state_dict, dict):
         return None
@@ -115,14 +117,35 @@ def offer(comm, state_dict: dict) -> Offer | None:
     payload: dict[str, Any] = {}
     try:
         for fqn in e.objects:
-            payload[fqn] = encode_object(values[e.positions[fqn]])
+            payload[fqn] = _encode_again(e, fqn, values[e.positions[fqn]])
     except ValueError:
         return None  # the full path reports it, naming the key
-    for _, dtype, _, fqn in e.specs:
-        if fqn not in payload:
-            payload[fqn] = local_of(values[e.positions[fqn]])
     _cache.move_to_end(_key(comm))
-    return Offer(e.token, e, items_of(e, payload))
+    return Offer(e.token, e, bind(e.specs, e.spec_positions, values, payload))
+
+
+OBJECT_MEMO_BYTES = 1 << 20  # an object pickling to more is re-encoded at every save, not remembered
+
+
+def _encode_again(e: Entry, fqn: str, value: Any) -> bytes:
+    """``encode_object(value)``; the previous save's bytes when ``value`` pickles as it did then.
+
+    Equal pickles are equal values with the same classes: the bytes and the safety check of the
+    previous encoding hold for this one (a ``torch.save`` round trip costs ~0.5 ms an object).
+    """
+    from .saveplan import encode_object
+
+    try:
+        now = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - encode_object says what is wrong with it
+        now = None
+    kept = e.encoded.get(fqn)
+    if now is not None and kept is not None and kept[0] == now:
+        return kept[1]
+    data = encode_object(value)
+    if now is not None and len(now) <= OBJECT_MEMO_BYTES:
+        e.encoded[fqn] = (now, data)
+    return data
 
 
 def store(comm, state_dict: dict, leaves, entry: Entry) -> None:
@@ -131,6 +154,7 @@ def store(comm, state_dict: dict, leaves, entry: Entry) -> None:
     entry.signature = signature(state_dict)[0]
     fqns = sorted({*(s[3] for s in entry.specs), *entry.objects})
     entry.positions = dict(zip(fqns, leaf_positions(leaves, fqns)))
+    entry.spec_positions = [entry.positions[s[3]] for s in entry.specs]
     k = _key(comm)
     _cache.pop(k, None)
     _cache[k] = entry
