@@ -221,6 +221,26 @@ class _Batch:
                 v = v[os.write(self.fd, v):]
 
 
+def _header(save_id: str, items: list[tuple]) -> tuple[bytes, list[int]]:
+    """(the safetensors header of ``items``, padded to 8 bytes; each item's size).
+
+    Written as text, entry by entry: a dict per item would be thousands of tracked objects alive for the
+    whole write, which Python's cyclic collector then walks (and, promoted, makes a full collection of the
+    trainer's heap come sooner).
+    """
+    parts = [json.dumps({"__metadata__": {"format": "pipeload", "save_id": save_id}}, separators=(",", ":"))[:-1]]
+    start = 0
+    sizes = []
+    for key, dtype, shape, value in items:
+        n = len(value) if isinstance(value, bytes) else value.nbytes
+        parts.append(f',{json.dumps(key)}:{{"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],'
+                     f'"data_offsets":[{start},{start + n}]}}')
+        sizes.append(n)
+        start += n
+    raw = ("".join(parts) + "}").encode()
+    return raw + b" " * (-(8 + len(raw)) % 8), sizes
+
+
 def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, ...], Any]],
                 on_written: Callable[[int], None] | None = None) -> dict[str, str]:
     """Write ``items`` [(key, dtype, shape, tensor-or-bytes)] as one safetensors file; {key: checksum}.
@@ -229,16 +249,7 @@ def _write_file(path: str, save_id: str, items: list[tuple[str, str, tuple[int, 
     background save releases its caller there. Each item is looked up only when its turn comes
     (with ``on_written``, after the items before it are written).
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pipeload", "save_id": save_id}}
-    start = 0
-    sizes = []
-    for key, dtype, shape, value in items:
-        n = len(value) if isinstance(value, bytes) else value.nbytes
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [start, start + n]}
-        sizes.append(n)
-        start += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
+    raw, sizes = _header(save_id, items)
     sums: dict[str, str] = {}
     with storage.create(path, 0) as f:
         out = _Batch(f)
