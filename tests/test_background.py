@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -402,6 +403,45 @@ def test_saves_that_reuse_the_plan_stage_this_saves_values(tmp_path):
         for k, v in want.items():
             assert (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v), (step, k, got[k])
         sd["b"].copy_(want["b"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread on Linux only")
+def test_the_worker_yields_the_cpu_to_the_caller(tmp_path):
+    from pipeload.save import background as bg
+
+    pipeload.save({"w": torch.ones(64)}, tmp_path / "n", background=True).wait(30)
+    workers = [t for t in threading.enumerate() if t.name.startswith("pipeload-save-")]
+    assert workers, "no worker thread kept"
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in workers} == {min(19, mine + bg.WORKER_NICE)}
+
+
+def _save_in_child(path: str, sd: dict, queue) -> None:
+    h = pipeload.save(sd, path, background=True)
+    h.wait(30)
+    queue.put("ok")
+
+
+def test_a_forked_child_saves_despite_the_parents_save_in_flight(tmp_path):
+    """A DataLoader-style fork while the parent's save writes: the child's own save does not wait for it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    h = pipeload.save({"w": torch.ones(16 << 20)}, tmp_path / "parent", background=True)
+    q = ctx.Queue()
+    # (made before the fork: a forked child's first torch op may hang in OpenMP, whatever it is)
+    p = ctx.Process(target=_save_in_child, args=(str(tmp_path / "child"), {"w": torch.full((1 << 16,), 3.0)}, q))
+    p.start()
+    try:
+        assert q.get(timeout=30) == "ok", "the child's save did not finish"
+    finally:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    h.wait(60)
+    got = {"w": torch.empty(1 << 16)}
+    pipeload.load(got, tmp_path / "child")
+    assert bool((got["w"] == 3.0).all())
 
 
 def test_bench_save_summary_and_targets():

@@ -25,16 +25,21 @@ Invariants:
 - nothing the worker does can commit unless every rank's write succeeded: the commit is the saver's
   (``.metadata`` renamed last), so a failed or abandoned background save leaves the previous
   checkpoint loadable;
-- the worker is a non-daemon thread: at interpreter exit Python joins it before anything else is torn
-  down, so a save still writing completes (or fails, committing nothing).
+- the worker is the group's one thread, kept between saves (a ``concurrent.futures`` executor's): at
+  interpreter exit Python lets it finish the save it holds and joins it before anything else is torn
+  down, so a save still writing completes (or fails, committing nothing). A forked child forgets the
+  parent's saves and workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -52,6 +57,10 @@ _lock = threading.Lock()
 _pending: dict[tuple[int, ...], "SaveHandle"] = {}
 _own: dict[tuple[int, ...], tuple[Any, Any]] = {}  # group ranks -> (default group it was made under, own group)
 _pools: dict[tuple[int, ...], "StagingPool"] = {}
+# One worker thread per group, kept between saves: a thread started per save made the caller wait for
+# the OS to schedule it. At interpreter exit it finishes what it was given (concurrent.futures joins it).
+_workers: dict[tuple[int, ...], ThreadPoolExecutor] = {}
+WORKER_NICE = int(os.environ.get("PIPELOAD_SAVE_NICE", "10"))  # see _lower_priority; 0 keeps the caller's
 _side_streams: dict[Any, Any] = {}
 
 
@@ -72,7 +81,6 @@ class SaveHandle:
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[], None]] = []
-        self._thread: threading.Thread | None = None
 
     def done(self) -> bool:
         """Whether the save has finished (committed, or failed: :meth:`wait` then raises)."""
@@ -364,14 +372,9 @@ def ordered_after(events: dict[Any, Any]):
 
 
 def start(handle: SaveHandle, comm: Comm, work: Callable[[], None]) -> None:
-    """Run ``work`` (write, agree, commit) in a non-daemon worker thread; it finishes ``handle``."""
-
-    go = threading.Event()
+    """Run ``work`` (write, agree, commit) on the group's worker thread; it finishes ``handle``."""
 
     def run() -> None:
-        # Until the caller is back from start(): a worker running on from its start kept the GIL,
-        # and the caller, waiting for the thread to start, waited for it (a switch interval, 5 ms).
-        go.wait()
         error: BaseException | None = None
         try:
             work()
@@ -389,9 +392,38 @@ def start(handle: SaveHandle, comm: Comm, work: Callable[[], None]) -> None:
 
     with _lock:
         _pending[group_key(comm)] = handle
-    handle._thread = threading.Thread(target=run, name=f"pipeload-save-{comm.rank}", daemon=False)
-    handle._thread.start()
-    go.set()
+        worker = _workers.get(group_key(comm))
+        if worker is None:
+            worker = _workers[group_key(comm)] = ThreadPoolExecutor(1, f"pipeload-save-{comm.rank}",
+                                                                    initializer=_lower_priority)
+    worker.submit(run)
+
+
+def _lower_priority() -> None:
+    """In the worker: its CPU priority :data:`WORKER_NICE` below the caller's (Linux, where nice is per
+    thread; elsewhere it would lower the whole process, so nothing is done).
+
+    The write is throughput work with until the next save to finish; the trainer's thread is latency
+    work. Where they share cores, the worker yields: 4 ranks on 2 cores, the blocked time of a save
+    whose peers' workers already write fell by ~12 % (median of 4 runs each), the time to commit rose
+    by ~5 %. Threads the worker starts (rank 0's clean-up) inherit it.
+    """
+    if WORKER_NICE <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE)
+    except OSError:  # not permitted here: the worker runs at the caller's priority
+        pass
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's saves and worker threads are not the child's."""
+    _pending.clear()
+    _workers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _failures(comm: Comm, e: PipeloadError) -> dict[int, str]:
