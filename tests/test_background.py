@@ -407,13 +407,13 @@ def test_saves_that_reuse_the_plan_stage_this_saves_values(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread on Linux only")
 def test_the_worker_yields_the_cpu_to_the_caller(tmp_path):
-    from pipeload.save import background as bg
+    from pipeload.save import saver
 
     pipeload.save({"w": torch.ones(64)}, tmp_path / "n", background=True).wait(30)
     workers = [t for t in threading.enumerate() if t.name.startswith("pipeload-save-")]
     assert workers, "no worker thread kept"
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in workers} == {min(19, mine + bg.WORKER_NICE)}
+    assert {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in workers} == {min(19, mine + saver.BACKGROUND_NICE)}
 
 
 def _save_in_child(path: str, sd: dict, queue) -> None:

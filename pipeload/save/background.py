@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +59,6 @@ _pools: dict[tuple[int, ...], "StagingPool"] = {}
 # One worker thread per group, kept between saves: a thread started per save made the caller wait for
 # the OS to schedule it. At interpreter exit it finishes what it was given (concurrent.futures joins it).
 _workers: dict[tuple[int, ...], ThreadPoolExecutor] = {}
-WORKER_NICE = int(os.environ.get("PIPELOAD_SAVE_NICE", "10"))  # see _lower_priority; 0 keeps the caller's
 _side_streams: dict[Any, Any] = {}
 
 
@@ -395,26 +393,8 @@ def start(handle: SaveHandle, comm: Comm, work: Callable[[], None]) -> None:
         worker = _workers.get(group_key(comm))
         if worker is None:
             worker = _workers[group_key(comm)] = ThreadPoolExecutor(1, f"pipeload-save-{comm.rank}",
-                                                                    initializer=_lower_priority)
+                                                                    initializer=saver.lower_priority)
     worker.submit(run)
-
-
-def _lower_priority() -> None:
-    """In the worker: its CPU priority :data:`WORKER_NICE` below the caller's (Linux, where nice is per
-    thread; elsewhere it would lower the whole process, so nothing is done).
-
-    The write is throughput work with until the next save to finish; the trainer's thread is latency
-    work. Where they share cores, the worker yields: 4 ranks on 2 cores, the blocked time of a save
-    whose peers' workers already write fell by ~12 % (median of 4 runs each), the time to commit rose
-    by ~5 %. Threads the worker starts (rank 0's clean-up) inherit it.
-    """
-    if WORKER_NICE <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE)
-    except OSError:  # not permitted here: the worker runs at the caller's priority
-        pass
 
 
 def _forget_after_fork() -> None:

@@ -1,7 +1,9 @@
 """``pipeload bench --save``: saving, blocking and in the background, against its floors and torch DCP.
 
 One local gloo world (TP x DP over the synthetic MoE state dict of :mod:`pipeload.tools.synth`) runs, side by
-side in one run, each ``repeats`` times (the median is reported, the first background save apart):
+side in one run, each ``repeats`` times (the median is reported, the first background save apart; the
+floors and pipeload's saves in turns, one of each per round, so that the disk's drift over the run
+reaches them alike; torch DCP's after them):
 
 - ``write floor``: every rank writes and fsyncs as many bytes as it owns in pipeload's plan, into a
   file of its own, all ranks at once (what any save of these bytes must at least pay here);
@@ -146,18 +148,20 @@ def _rank_main(rank: int, world: int, cfg: SaveBenchConfig) -> dict[str, Any]:
     os.makedirs(here("floor"), exist_ok=True)
     import torch.distributed as dist
 
-    for _ in range(cfg.repeats):
-        dist.barrier()  # every rank copies at once, as every rank snapshots at once
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        record("memcpy floor", time.perf_counter() - t0, None)
-        took, _, peak = _timed(lambda: _write_floor(here(f"floor/{rank}"), owned, src))
-        record("write floor", took, peak)
-    del src, dst
-    for _ in range(cfg.repeats):
-        took, _, peak = _timed(lambda: pipeload.save(sd, here("pipeload")))
-        record("pipeload.save", took, peak)
+    # The floors and pipeload's saves take turns, round after round: the disk's speed drifts over a run
+    # (the files each step replaces are freed, and discarded, while the next one writes), and a ratio
+    # of two steps measured minutes apart would carry that drift.
     for i in range(cfg.repeats + 1):
+        if i < cfg.repeats:
+            dist.barrier()  # every rank copies at once, as every rank snapshots at once
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            record("memcpy floor", time.perf_counter() - t0, None)
+            took, _, peak = _timed(lambda: _write_floor(here(f"floor/{rank}"), owned, src))
+            record("write floor", took, peak)
+            took, _, peak = _timed(lambda: pipeload.save(sd, here("pipeload")))
+            record("pipeload.save", took, peak)
+
         def bg():
             h = pipeload.save(sd, here("background"), background=True)
             h.wait()
@@ -168,6 +172,7 @@ def _rank_main(rank: int, world: int, cfg: SaveBenchConfig) -> dict[str, Any]:
                plan=h.plan_seconds, snapshot=h.blocked_seconds - h.plan_seconds,
                staged=h.staged_bytes, allocations=h.staging_allocations,
                staging=h.staging_held)
+    del src, dst
     for _ in range(cfg.repeats):
         took, _, peak = _timed(lambda: dcp.save(sd, checkpoint_id=here("dcp")))
         record("dcp.save", took, peak)
