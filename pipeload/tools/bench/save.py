@@ -15,7 +15,9 @@ reaches them alike; torch DCP's after them):
   staging off where there is no CUDA).
 
 Times of a collective step are from a barrier before to a barrier after (the slowest rank); the time
-blocked is each rank's own. Each rank's peak RSS over the RSS it had before the step is reported too.
+blocked is each rank's own. Each step starts once the deletion of the files the previous commit
+replaced (a thread of rank 0's, after the commit) is done, as it is for saves minutes apart: back to
+back, it would slow whichever step came next on rank 0. Each rank's peak RSS over the RSS it had before the step is reported too.
 """
 
 from __future__ import annotations
@@ -80,11 +82,22 @@ def _write_floor(path: str, nbytes: int, buf) -> None:
         os.close(dfd)
 
 
+def _settled() -> None:
+    """Every rank at a barrier once this process's clean-up of the files the last commit replaced is
+    done (rank 0 deletes them in a thread after the commit; saves minutes apart never overlap it)."""
+    import torch.distributed as dist
+
+    from ...save import saver
+
+    saver.wait_cleanup()
+    dist.barrier()
+
+
 def _timed(step: Callable[[], Any]) -> tuple[float, Any, Any]:
     """(seconds from a barrier before to a barrier after, the step's value, peak RSS over baseline)."""
     import torch.distributed as dist
 
-    dist.barrier()
+    _settled()
     with _Peak() as peak:
         t0 = time.perf_counter()
         value = step()
@@ -153,7 +166,7 @@ def _rank_main(rank: int, world: int, cfg: SaveBenchConfig) -> dict[str, Any]:
     # of two steps measured minutes apart would carry that drift.
     for i in range(cfg.repeats + 1):
         if i < cfg.repeats:
-            dist.barrier()  # every rank copies at once, as every rank snapshots at once
+            _settled()  # every rank copies at once, as every rank snapshots at once
             t0 = time.perf_counter()
             dst.copy_(src)
             record("memcpy floor", time.perf_counter() - t0, None)
