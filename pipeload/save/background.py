@@ -394,7 +394,10 @@ def start(handle: SaveHandle, comm: Comm, work: Callable[[], None]) -> None:
         if worker is None:
             worker = _workers[group_key(comm)] = ThreadPoolExecutor(1, f"pipeload-save-{comm.rank}",
                                                                     initializer=saver.lower_priority)
-    worker.submit(run)
+    try:
+        worker.submit(run)
+    except RuntimeError:  # the interpreter is shutting down (a save from an atexit hook): write it here
+        run()
 
 
 def _forget_after_fork() -> None:

@@ -9,10 +9,11 @@ row of the exchange, so every rank of one save keeps the same token.
 The next save offers that token only if its state dict still matches the signature (compared while
 walking it, ``_leafplan.match``) and every Python object it holds still serialises safely (objects may
 change value between saves: each is re-encoded and rechecked unless it pickles to the bytes it did at
-the previous save; their values take no part in the plan). Every rank then sends two words (its offer; rank 0 also a fresh save id): every rank
-reuses exactly when every rank offered the same non-zero token, so all take the same branch, and any
-rank whose layout changed (offer 0) makes every rank plan afresh. A kept plan holds no reference to
-the state dict's values (it keeps the objects' pickles, each up to :data:`OBJECT_MEMO_BYTES`). At most :data:`CAPACITY` groups are kept per process.
+the previous save; their values take no part in the plan). Every rank then sends two words (its offer;
+rank 0 also a fresh save id): every rank reuses exactly when every rank offered the same non-zero
+token, so all take the same branch, and any rank whose layout changed (offer 0) makes every rank plan
+afresh. A kept plan holds no reference to the state dict's values (it keeps the objects' pickles, each
+up to :data:`OBJECT_MEMO_BYTES`). At most :data:`CAPACITY` groups are kept per process.
 """
 
 from __future__ import annotations
