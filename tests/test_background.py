@@ -320,19 +320,21 @@ def test_exit_completes_an_unfinished_background_save(tmp_path):
 
 
 def test_a_background_save_from_an_atexit_hook_completes(tmp_path):
-    """At exit the worker threads are gone before atexit hooks run: such a save is written in the call."""
+    """At exit the worker threads are gone before atexit hooks run: such a save gets a thread of its own
+    (with a staging bound too, where the head is written while the call stages the tail)."""
     script = textwrap.dedent(f"""
         import atexit, torch, pipeload
         def last():
-            pipeload.save({{"w": torch.full((1000,), 4.0)}}, {str(tmp_path / 'late')!r}, background=True).wait(30)
+            sd = {{"a": torch.full((1000,), 4.0), "w": torch.full((1000,), 4.0)}}
+            pipeload.save(sd, {str(tmp_path / 'late')!r}, background=True, staging_bytes=4000).wait(30)
         atexit.register(last)
         pipeload.save({{"w": torch.ones(10)}}, {str(tmp_path / 'early')!r}, background=True).wait(30)
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    got = {"w": torch.empty(1000)}
+    got = {"a": torch.empty(1000), "w": torch.empty(1000)}
     pipeload.load(got, tmp_path / "late")
-    assert bool((got["w"] == 4.0).all())
+    assert bool((got["a"] == 4.0).all()) and bool((got["w"] == 4.0).all())
 
 
 def test_wait_and_a_failed_write_in_one_process(tmp_path):

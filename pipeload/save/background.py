@@ -396,8 +396,8 @@ def start(handle: SaveHandle, comm: Comm, work: Callable[[], None]) -> None:
                                                                     initializer=saver.lower_priority)
     try:
         worker.submit(run)
-    except RuntimeError:  # the interpreter is shutting down (a save from an atexit hook): write it here
-        run()
+    except RuntimeError:  # shutting down (a save from an atexit hook): executors take no more work
+        threading.Thread(target=run, name=f"pipeload-save-{comm.rank}-last", daemon=False).start()
 
 
 def _forget_after_fork() -> None:
