@@ -17,7 +17,8 @@ reaches them alike; torch DCP's after them):
 Times of a collective step are from a barrier before to a barrier after (the slowest rank); the time
 blocked is each rank's own. Each step starts once the deletion of the files the previous commit
 replaced (a thread of rank 0's, after the commit) is done, as it is for saves minutes apart: back to
-back, it would slow whichever step came next on rank 0. Each rank's peak RSS over the RSS it had before the step is reported too.
+back, it would slow whichever step came next on rank 0. Each rank's peak RSS over the RSS it had
+before the step is reported too.
 """
 
 from __future__ import annotations
