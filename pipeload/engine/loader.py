@@ -266,7 +266,9 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
         decoded = await _execute_and_agree(run, opts, prep, reader, pool, counters, start.cache_key)
     for obj, value in decoded:
         obj.leaf.container[obj.leaf.key] = value
-    if start.cache_key is not None:
+    for leaf, tensor in prep.plan.adopted:  # meta leaves: the tensors loaded in their place
+        leaf.container[leaf.key] = tensor
+    if start.cache_key is not None and not prep.plan.adopted:  # (a plan for meta leaves is never reused)
         _keep(prep, start.cache_key, comm, opts, reused=run.stats.plan_reused)
     return _finish(run, reader, counters, t0)
 

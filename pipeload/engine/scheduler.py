@@ -54,9 +54,11 @@ class Counters:
 
 
 def _direct(shard: DestShard, device: torch.device) -> torch.Tensor | None:
-    """The destination itself as a flat byte buffer, when it can be broadcast without staging."""
+    """The destination itself as a flat byte buffer, when it can be broadcast without staging (a
+    conjugate or negative view cannot: its bytes are not its values)."""
     d = shard.dest
-    if d.is_contiguous() and d.device == device and d.numel() > 0:
+    if (d.is_contiguous() and d.device == device and d.numel() > 0 and d.data_ptr() and not d.is_conj()
+            and not d.is_neg()):
         return d.reshape(-1).view(torch.uint8)
     return None
 
@@ -205,14 +207,24 @@ class SharedPhase:
                 f"{self.comm.silent_peers()}"
             ) from e
         if prepared.unpack:
-            dests = [d for d, _ in prepared.unpack]
-            srcs = [s for _, s in prepared.unpack]
-            torch._foreach_copy_(dests, srcs)
+            unpack(prepared.unpack)
         n = sum(self.shards[k].nbytes for k in op.shards)
         self.counters.broadcasts += 1
         if op.reader != self.comm.rank:
             self.counters.bytes_received += n
         self.on_bytes(n)
+
+
+def unpack(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each staging view into its destination: one grouped copy, but a conjugate or negative view
+    (which ``_foreach_copy_`` refuses as a destination) by its own ``copy_``."""
+    lazy = [(d, s) for d, s in pairs if d.is_conj() or d.is_neg()]
+    if lazy:
+        for d, s in lazy:
+            d.copy_(s)
+        pairs = [(d, s) for d, s in pairs if not (d.is_conj() or d.is_neg())]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def _ranks(members: tuple[int, ...]) -> str:

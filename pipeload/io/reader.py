@@ -55,15 +55,19 @@ def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str) -> None:
     page fault the kernel cannot serve — ``source`` truncated mid-copy, a storage error surfacing as
     SIGBUS — raises :class:`ReadError` for this copy instead of killing the process. Other devices,
     and a destination of another dtype (converted on the copy), go through a host buffer filled the
-    same way (a device copy or a conversion cannot be guarded).
+    same way (a device copy or a conversion cannot be guarded), and so does a conjugate or negative view.
     """
     if dst.shape != src.shape:
         raise ValueError(f"copy_box: {dst.dtype} {list(dst.shape)} <- {src.dtype} {list(src.shape)}")
-    if dst.device.type != "cpu" or dst.dtype != src.dtype:  # (another dtype: load(cast=True) converts)
+    if dst.device.type != "cpu" or dst.dtype != src.dtype or dst.is_conj() or dst.is_neg():
+        # (another dtype: load(cast=True) converts; a conjugate or negative view holds other values than
+        # its memory: torch's copy_ writes them)
         host = torch.empty(src.shape, dtype=src.dtype)
         copy_box(host, src, source)
         dst.copy_(host)
         return
+    if not dst.data_ptr() and dst.numel():
+        raise ValueError(f"copy_box: the destination ({type(dst).__name__}) has no memory of its own")
     if dst.is_contiguous() and src.is_contiguous():
         n = dst.nbytes
         if n:
@@ -276,7 +280,8 @@ class ChunkReader:
         try:
             f = file if file is not None else self.file(item.file)
             done = NotImplemented
-            if (not self.cast and out.device.type == "cpu" and hasattr(f, "copy_box")
+            if (not self.cast and out.device.type == "cpu" and hasattr(f, "copy_box") and out.data_ptr()
+                    and not out.is_conj() and not out.is_neg()
                     and (not self.verify or not item.checksum or (f.path, item.key) in self._verified)):
                 # the common case in one call: no tensor views, no per-item torch calls
                 done = f.copy_box(item.key, dtype_name(out.dtype), item.chunk_lengths, item.src_offsets, item.lengths,

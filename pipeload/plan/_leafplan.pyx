@@ -19,12 +19,16 @@ cdef extern from "Python.h":
 import numpy as np
 import torch
 
+from .tensorkinds import adopt, problem as kind_problem
+
 try:  # DTensor moved out of the private namespace in torch 2.4
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
 
 cdef object _Tensor = torch.Tensor
+cdef object _Parameter = torch.nn.Parameter
+cdef object _strided = torch.strided
 cdef PyTypeObject* _TensorType = <PyTypeObject*>_Tensor  # (kept alive by _Tensor)
 
 
@@ -123,14 +127,23 @@ def box(str fqn, value, dict cache):
     return shape, offsets, lengths, local
 
 
+cdef inline bint _plain(t):
+    """The common kind of destination (see :mod:`pipeload.plan.tensorkinds`): a plain tensor or parameter,
+    dense, on the CPU or a CUDA device. Anything else goes to ``tensorkinds.adopt``."""
+    return (type(t) is _Tensor or type(t) is _Parameter) and (t.is_cpu or t.is_cuda) and t.layout is _strided
+
+
 def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_ssize_t width, dict dtype_names,
             exact_of, reads_of, make_shard, broadcastable, writer_of):
     """The tensor leaves of ``names`` (sorted fqns of ``leaves``) resolved against ``md``.
 
-    Returns ``(shards, offsets, lengths, problems, unboxed, others)``: one ``make_shard(...)`` per box this
-    rank loads, in ``names`` order, and their boxes as ``n x width`` int64 arrays (zero-padded); the
-    problems found (dtype, shape, box); the tensors whose box was not resolved (their meshes still
-    count); the fqns of every leaf that is not a tensor of the checkpoint, for the caller.
+    Returns ``(shards, offsets, lengths, problems, unboxed, others, adopted)``: one ``make_shard(...)`` per
+    box this rank loads, in ``names`` order, and their boxes as ``n x width`` int64 arrays (zero-padded);
+    the problems found (dtype, shape, box, a kind of tensor pipeload refuses); the tensors whose box was
+    not resolved (their meshes still count); the fqns of every leaf that is not a tensor of the
+    checkpoint, for the caller; ``(fqn, tensor)`` for each leaf loaded into a tensor that stands in for it
+    (``tensorkinds.adopt``: a meta tensor's materialised copy; only when ``box_of`` is None, as the
+    simulation's boxes hold meta tensors on purpose).
 
     ``box_of(fqn, value, cache)`` gives a leaf's box as :func:`box` does (None: :func:`box` itself);
     ``exact_of(rows, offsets, lengths)`` the ``(file, checksum)`` of the stored chunk that is exactly each
@@ -152,7 +165,7 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
     rows_a = np.zeros(n, dtype=np.int64)
     cdef long long[:, ::1] off = offsets_a, ln = lengths_a
     cdef long long[::1] rows = rows_a
-    cdef list problems = [], unboxed = [], others = [], todo = []
+    cdef list problems = [], unboxed = [], others = [], todo = [], adopted = []
     cdef tuple shape, offsets, lengths, b
     cdef bint mismatch
     for fqn in names:
@@ -178,11 +191,15 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
             want_dtype, want_shape = m[0], m[1]
         try:
             b = box(fqn, value, cache) if box_of is None else tuple(box_of(fqn, value, cache))
-        except ValueError as e:
-            problems.append(str(e))
+            shape, offsets, lengths, local = b
+            if box_of is None and local is not None and not _plain(local):
+                local = adopt(fqn, value, local)
+                if local is not b[3]:
+                    adopted.append((fqn, local))
+        except (ValueError, RuntimeError) as e:  # (a nested tensor has no .shape)
+            problems.append(kind_problem(fqn, value, e))
             unboxed.append(value)
             continue
-        shape, offsets, lengths, local = b
         dtype = value.dtype
         have = dtype_names.get(dtype)
         if have is None:
@@ -243,7 +260,7 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
             reads, affinity = reads_of(fqn, offsets, lengths, itemsize)
         shards.append(make_shard(fqn, (key_index[fqn], offsets, lengths), dtype, numel * itemsize, reads, local,
                                  broadcastable(local), affinity))
-    return shards, offsets_a, lengths_a, problems, unboxed, others
+    return shards, offsets_a, lengths_a, problems, unboxed, others, adopted
 
 
 def walk(object state_dict, is_container):
@@ -252,7 +269,7 @@ def walk(object state_dict, is_container):
     Visits containers as ``statedict.flatten`` does (a stack, children in order; ``is_container`` is its
     rule). Per container: a dict's keys with their types, or a list's length, then the keys of its children
     that are containers. Per leaf in visiting order: its value, and its facts (a DTensor's spec; a plain
-    tensor's shape, dtype and device type; None for an object, whose ``(container, key)`` goes to
+    tensor's shape, dtype, device type, class and layout; None for an object, whose ``(container, key)`` goes to
     ``homes`` under the leaf's position). A tensor is an instance of a subclass of ``torch.Tensor``, tested
     without ``isinstance``'s call to the metaclass's ``__instancecheck__`` (an object that claims the class
     by its ``__class__`` alone is an object here, and so in every kept plan's ``homes``: the plan's objects,
@@ -273,7 +290,7 @@ def walk(object state_dict, is_container):
         for k, v in items:
             if _is_subtype(Py_TYPE(v), _TensorType):  # (isinstance, without the metaclass's __instancecheck__)
                 spec = getattr(v, "_spec", None)
-                facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type))
+                facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type, type(v), v.layout))
             elif is_container(v):
                 stack.append(v)
                 inner.append(k)
@@ -305,7 +322,7 @@ cdef class _Match:
             if spec is not None:
                 if spec is not f and not (spec == f):
                     return -1
-            elif f is None or not (f == (v.shape, v.dtype, v.device.type)):
+            elif f is None or not (f == (v.shape, v.dtype, v.device.type, type(v), v.layout)):
                 return -1
         elif self.is_container(v):
             if m[0] >= len(inner):

@@ -78,7 +78,7 @@ def signature(state_dict: dict) -> tuple[tuple, list, dict[int, tuple]]:
     themselves; a state dict built in another order does not reuse the plan: conservative, and no
     sort), and per leaf its facts: a DTensor's spec
     (mesh, placements, global shape, stride, dtype: its box on this rank and its device follow from
-    them), a plain tensor's shape, dtype and device type, nothing for an object (objects are replaced in
+    them), a plain tensor's shape, dtype, device type, class and layout (a kept plan never copies into another kind of tensor), nothing for an object (objects are replaced in
     whatever container holds them at load time). Equal containers name every leaf alike, so the leaves
     are not named here: a plan kept with :func:`leaf_positions` finds its tensors and objects by position.
 

@@ -132,6 +132,8 @@ class LocalPlan:
     missing: list[str] = field(default_factory=list)  # state dict keys absent from the checkpoint
     boxes: tuple | None = None  # (offsets, lengths) of ``shards`` as n x width arrays, when local_plan built them
     meshes: list = field(default_factory=list)  # every DTensor mesh of the state dict (its groups may be reused)
+    # (leaf, tensor) of each meta leaf, loaded into a new CPU tensor put in its place after a successful load
+    adopted: list = field(default_factory=list)
 
 
 def fqn_index(md: Metadata) -> dict[str, int]:
@@ -193,10 +195,11 @@ def local_plan(
         one_file = writer_of is not None and reads and all(r.file == reads[0].file for r in reads)
         return reads, writer_of(reads[0].file) if one_file else -1
 
-    plan.shards, offsets, lengths, plan.problems, unboxed, others = resolve(
+    plan.shards, offsets, lengths, plan.problems, unboxed, others, adopted = resolve(
         sorted(leaves), leaves, index, md, box_of, boxes, width, NAMES_OF_DTYPES, md.exact_rows, reads_of, DestShard,
         broadcastable, writer_of)
     plan.boxes = (offsets, lengths)  # one shard per box, in order
+    plan.adopted = [(leaves[fqn], t) for fqn, t in adopted]
     for fqn in others:  # every leaf that is not a tensor of the checkpoint, in fqn order
         leaf = leaves[fqn]
         value = leaf.value

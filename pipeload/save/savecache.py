@@ -111,7 +111,10 @@ def offer(comm, state_dict: dict) -> Offer | None:
     e = _cache.get(_key(comm))
     if e is None or e.pg is not comm.pg or not isinstance(state_dict, dict):
         return None
-    found = match(state_dict, is_container, *e.signature)
+    try:
+        found = match(state_dict, is_container, *e.signature)
+    except Exception:  # noqa: BLE001 - a leaf whose facts cannot be read (a nested tensor): the full path
+        return None  # refuses it, naming the key
     if found is None:
         return None
     values = found[0]

@@ -51,6 +51,7 @@ from ..plan.exchange import Classes, classes, hash64, key_owner_threshold, recor
 from ..plan.globalplan import _mix, _row_groups, _unique_rows
 from ..formats.metadata import NAMES_OF_DTYPES, dtype_itemsize, dtype_name, storable_dtype, tiling_problem
 from ..plan.statedict import is_tensor, tensor_box
+from ..plan.tensorkinds import source_refusal
 
 ROW_WORDS = 10
 # row layout (int64 words)
@@ -166,10 +167,9 @@ def objects_word(pairs: Sequence[tuple[str, str]]) -> int:
 
 
 def _unstorable(v: torch.Tensor) -> str | None:
-    if v.layout != torch.strided or v.is_nested:
-        return f"tensors with layout {v.layout} cannot be stored; convert to dense"
-    if v.device.type == "meta":
-        return "tensor on the meta device has no data to store"
+    why = source_refusal(v)  # (the kinds of tensor a save refuses: pipeload.plan.tensorkinds)
+    if why is not None:
+        return why
     if not storable_dtype(v.dtype):
         return f"dtype {v.dtype} has no safetensors name"
     return None

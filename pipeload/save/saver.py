@@ -178,8 +178,9 @@ def _host_bytes(t: torch.Tensor) -> tuple[memoryview, Any]:
     chain of torch views and ``numpy()`` cost ~50 us per tensor, more than writing most of them.
     """
     if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        n = t.nbytes
-        return (_from_memory(t.data_ptr(), n, _PyBUF_READ) if n else memoryview(b"")), t
+        n, p = t.nbytes, t.data_ptr()
+        if p or not n:  # (a subclass without memory of its own reports 0: torch's copy below raises or works)
+            return (_from_memory(p, n, _PyBUF_READ) if n else memoryview(b"")), t
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
