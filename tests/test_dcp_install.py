@@ -357,3 +357,36 @@ def test_uninstall_restores_dcps_objects_exactly():
             assert dcp.FileSystemReader is pd.FileSystemReader
         assert dcp.FileSystemReader is pd.FileSystemReader  # the inner block left the outer's switch on
     assert dcp.FileSystemReader is before[0] and su.FileSystemReader is before[0]
+
+
+def _item(fqn: str, row: int, rows: int = 4):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    idx = MetadataIndex(fqn, (row, 0))
+    return ReadItem(LoadItemType.TENSOR, idx, torch.Size([0, 0]), idx, torch.Size([0, 0]), torch.Size([rows, 8]))
+
+
+def test_plan_shared_prefers_the_files_writer_then_the_least_loaded_holder():
+    """Four boxes held by ranks 10 and 11 (global ranks, plans in another order): a box goes to the rank
+    that wrote its file while that rank stays within 11/10 of the mean; the greedy places the rest; one
+    holder alone, or holders on one host under the host-aware policy, read for themselves."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from pipeload.dcp.readonce import _Tag, plan_shared
+
+    boxes = [_item(f"w{i}", 0) for i in range(4)]
+    plans = [LoadPlan(list(boxes) + [_item("own", 0)]), LoadPlan(list(reversed(boxes)))]
+    tags = [_Tag(11, 1, True), _Tag(10, 2, True)]
+    writer = {"w0": 10, "w1": 10, "w2": 10, "w3": 11}
+    nbytes = lambda item: 100
+    ops = plan_shared(plans, tags, nbytes, lambda item: True, lambda item: writer[item.storage_index.fqn],
+                      same_host_private=True)
+    readers = {op[1][0]: op[2] for op in ops[0]}
+    # the cap is 1.1 x (100 alone + 400 shared) / 2 = 275: rank 10 takes w0 and w1 (200), w2 would pass it
+    assert readers == {"w0": 10, "w1": 10, "w3": 11, "w2": 11}
+    assert ops[0] == ops[1] and [op[0] for op in ops[0]] == [0, 1, 2, 3]  # one numbering, in key order
+    assert all(op[3] == (11, 10) for op in ops[0])  # holders in plan order
+    same_host = [_Tag(11, 1, True), _Tag(10, 1, True)]
+    assert plan_shared(plans, same_host, nbytes, lambda i: True, lambda i: -1, same_host_private=True) == [[], []]
+    assert len(plan_shared(plans, same_host, nbytes, lambda i: True, lambda i: -1, same_host_private=False)[0]) == 4

@@ -8,12 +8,12 @@ relies on (torch 2.5 - 2.13, ``state_dict_loader._load_state_dict``):
 - ``prepare_global_plan`` runs on DCP's coordinator only, with one plan per rank of DCP's group (one under
   ``no_dist`` or a group of one). With two plans or more, every rank identified (distinct global ranks,
   each able to send over the reader's group, a gloo group), the coordinator gives each box several
-  plans read (its *holders*) one reader (largest first, to the holder with the fewest bytes so far,
-  ties to the first) and writes into each plan the shared boxes it takes part in;
+  plans read (its *holders*) one reader (:func:`_choose_readers`: the rank that wrote its file, else the
+  least loaded holder) and writes into each plan the shared boxes it takes part in, numbered;
   otherwise it plans nothing and every rank reads what it needs, as DCP's reader does;
-- ``read_data`` on every rank: the shared boxes in the coordinator's order — the reader reads and sends
-  each (``isend`` on the reader's group, to global ranks that are all in DCP's group), the others post
-  their receives — then its own boxes, through the reader's own path.
+- ``read_data`` on every rank: every receive posted, then this rank's shared boxes read in file order,
+  each sent once read (``isend`` on the reader's group, to global ranks that are all in DCP's group),
+  all awaited; then its own boxes, through the reader's own path.
 
 So the reader issues no collective, and sends only between ranks DCP's coordinator reported as loading
 together. Under the host-aware policy (``share="auto"``, the default) a box is shared only when its
