@@ -11,7 +11,8 @@ DCP's own reader on the same checkpoint, bit for bit:
   tensor, an int) loads through ``checkpoint_id=`` and through ``FileSystemReader(path)``, each
   replicated box read by one rank; ``dcp_to_torch_save`` (``no_dist``, ``_EmptyStateDictLoadPlanner``)
   on rank 0 alone; a subgroup of two ranks; a planner that renames a key and skips one; a ZStandard
-  checkpoint (transformed boxes read by DCP's code, tensors still shared); the Hugging Face reader.
+  checkpoint (transformed boxes read by DCP's code, tensors still shared); the Hugging Face reader;
+  ``load_sharded_optimizer_state_dict`` with the installed ``FileSystemReader``.
 
 The switch itself (identity restored, idempotent, nested) is checked in this process.
 """
@@ -281,12 +282,39 @@ def _zstd_and_hf_case(rank: int, world: int, root: str, out: dict) -> None:
     out["hf_tensors"] = _same(ours, stock, "install(), HuggingFaceStorageReader")
 
 
+def _sharded_optimizer_case(rank: int, world: int, root: str, out: dict) -> None:
+    """``load_sharded_optimizer_state_dict`` (its own metadata read, its offset planner, ShardedTensors over
+    the world) with an installed ``FileSystemReader``, against DCP's reader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+    import pipeload.dcp as pd
+    from pipeload.dcp.reader import DCP_FILE_SYSTEM_READER
+
+    torch.manual_seed(3)
+    path = os.path.join(root, "optim")
+    dcp.save({"model": {"w": torch.randn(8, 4)},
+              "optim": {"state": {"w": {"exp_avg": torch.randn(8, 4), "step": torch.tensor(3.0)}},
+                        "param_groups": [{"lr": 0.1, "params": ["w"]}]}}, checkpoint_id=path)
+    model = {"w": torch.zeros(8, 4)}
+    stock = load_sharded_optimizer_state_dict(model, "optim", DCP_FILE_SYSTEM_READER(path))
+    with pd.installed():
+        reader = dcp.FileSystemReader(path)
+        ours = load_sharded_optimizer_state_dict(model, "optim", reader)
+    a, b = stock["optim"]["state"]["w"], ours["optim"]["state"]["w"]
+    mine = [(s.tensor, t.tensor) for s, t in zip(a["exp_avg"].local_shards(), b["exp_avg"].local_shards())]
+    assert mine and all(torch.equal(x, y) for x, y in mine) and torch.equal(a["step"], b["step"])
+    assert ours["optim"]["param_groups"] == stock["optim"]["param_groups"]
+    out["sharded_optimizer"] = _read_once(reader.stats, world)
+
+
 def world(rank: int, size: int, root: str) -> dict:
     warnings.filterwarnings("ignore")
     out: dict = {}
     _off_the_world_case(rank, size, root, out)
     _switch_case(rank, size, root, out)
     _zstd_and_hf_case(rank, size, root, out)
+    _sharded_optimizer_case(rank, size, root, out)
     return out
 
 
@@ -315,6 +343,10 @@ def test_install_no_dist_subgroup_and_planners(results):
     for pair in (results[:2], results[2:]):
         assert [sum(r["pair"][i] for r in pair) for i in (0, 1)] == [2, 2]
     assert results[0]["renamed"]["received"] == 3 and results[0]["renamed"]["read"] == 1
+
+
+def test_install_load_sharded_optimizer_state_dict(results):
+    assert results[0]["sharded_optimizer"]["received"] > 0  # the step and param_groups: read once, sent
 
 
 def test_install_zstandard_and_hugging_face(results):
