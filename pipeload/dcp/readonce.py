@@ -151,9 +151,12 @@ def _choose_readers(boxes: list[tuple], holders: dict, size: dict, affinity: dic
 
 
 def _dense(target: torch.Tensor | None, item: ReadItem, reader: "ReadOnce") -> bool:
-    """Whether a message of ``item``'s box can land in (or leave from) ``target`` itself."""
-    return (target is not None and target.device.type == "cpu" and target.is_contiguous()
-            and tuple(target.shape) == tuple(item.lengths) and target.dtype == reader._dtype(item))
+    """Whether a message of ``item``'s box can land in (or leave from) ``target`` itself: a plain dense host
+    tensor with memory of its own (a wrapper subclass, e.g. ``LocalShardsWrapper``, reports a null
+    pointer: it gets the box through ``copy_``, as from DCP's reader)."""
+    return (type(target) is torch.Tensor and target.device.type == "cpu" and target.is_contiguous()
+            and target.data_ptr() != 0 and tuple(target.shape) == tuple(item.lengths)
+            and target.dtype == reader._dtype(item))
 
 
 class _Capture:
