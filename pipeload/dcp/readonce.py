@@ -1,7 +1,7 @@
 """The read-once protocol over DCP's storage readers: a stored box several ranks read is read by one.
 
 ``dcp.load`` drives a reader through four hooks and tells it nothing about its group; what this module
-relies on (torch 2.5 - 2.13, ``state_dict_loader._load_state_dict``):
+relies on (torch 2.13's ``state_dict_loader._load_state_dict``):
 
 - ``prepare_local_plan`` runs on every rank that loads; each rank's reader adds a :class:`_Tag` to its
   plan's ``storage_data``: its global rank, its host, whether it can send host tensors;
@@ -18,8 +18,8 @@ relies on (torch 2.5 - 2.13, ``state_dict_loader._load_state_dict``):
 So the reader issues no collective, and sends only between ranks DCP's coordinator reported as loading
 together. Under the host-aware policy (``share="auto"``, the default) a box is shared only when its
 holders run on more than one host (``PIPELOAD_HOST_ID`` emulates hosts), as in ``pipeload.load``.
-A reader whose read fails still sends (zeros), then raises naming the file, the item and the rank;
-``dcp.load`` gathers every rank's outcome and raises on all of them; so does a planner whose
+A reader whose read fails still sends (zeros), then raises naming the file and the item; ``dcp.load``
+gathers every rank's outcome and raises on all of them, naming the ranks; so does a planner whose
 ``resolve_tensor`` fails. A planner whose ``finish_plan`` drops the plan's ``storage_data`` or changes
 the boxes the coordinator saw breaks the storage layer's contract with DCP and is not supported.
 """
