@@ -1,0 +1,285 @@
+"""The read-once protocol over DCP's storage readers: a stored box several ranks read is read by one.
+
+``dcp.load`` drives a reader through four hooks and tells it nothing about its group; what this module
+relies on (torch 2.5 - 2.13, ``state_dict_loader._load_state_dict``):
+
+- ``prepare_local_plan`` runs on every rank that loads; each rank's reader adds a :class:`_Tag` to its
+  plan's ``storage_data``: its global rank, its host, whether it can send host tensors;
+- ``prepare_global_plan`` runs on DCP's coordinator only, with one plan per rank of DCP's group (one under
+  ``no_dist`` or a group of one). With two plans or more, every rank identified (distinct global ranks,
+  each able to send over the reader's group, a gloo group), the coordinator gives each box several
+  plans read (its *holders*) one reader (largest first, to the holder with the fewest bytes so far,
+  ties to the first) and writes into each plan the shared boxes it takes part in;
+  otherwise it plans nothing and every rank reads what it needs, as DCP's reader does;
+- ``read_data`` on every rank: the shared boxes in the coordinator's order — the reader reads and sends
+  each (``isend`` on the reader's group, to global ranks that are all in DCP's group), the others post
+  their receives — then its own boxes, through the reader's own path.
+
+So the reader issues no collective, and sends only between ranks DCP's coordinator reported as loading
+together. Under the host-aware policy (``share="auto"``, the default) a box is shared only when its
+holders run on more than one host (``PIPELOAD_HOST_ID`` emulates hosts), as in ``pipeload.load``.
+A reader whose read fails still sends (zeros), then raises naming the file, the item and the rank;
+``dcp.load`` gathers every rank's outcome and raises on all of them. A planner whose ``finish_plan``
+drops the plan's ``storage_data`` breaks the storage layer's contract with DCP and is not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from ..plan.exchange import host_id
+
+SHARE_POLICIES = (True, False, "auto")
+
+
+def _key(item: ReadItem) -> tuple:
+    """The stored box a read item copies: the same key on every rank that reads it."""
+    idx = item.storage_index
+    return (idx.fqn, tuple(idx.offset or ()), tuple(item.storage_offsets or ()), tuple(item.lengths or ()),
+            int(item.type.value))
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """What one reader did on this rank: boxes it read from storage (their keys), boxes it received from
+    the rank that read them, and the bytes of each."""
+
+    items_read: list = dataclasses.field(default_factory=list)
+    items_received: int = 0
+    bytes_read: int = 0
+    bytes_received: int = 0
+
+
+_last: ReadStats | None = None
+
+
+def last_stats() -> ReadStats | None:
+    """The statistics of the last ``read_data`` of a pipeload reader in this process (None before one):
+    how a caller of ``dcp.load(sd, checkpoint_id=...)``, which never sees the reader, reads them."""
+    return _last
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tag:
+    """A rank's words in its local plan's ``storage_data``, and the coordinator's answer (``ops``)."""
+
+    rank: int | None  # global rank; None without an initialised process group
+    host: int
+    can_send: bool  # the send group holds this rank and carries host tensors
+    inner: Any = None  # the plan's storage_data before the tag, handed back to DCP's own reader
+    ops: tuple = ()  # (message tag, box key, reader, holders), global ranks, in the coordinator's order
+
+
+def _carries_host_tensors(pg: Any) -> bool:
+    """Whether a group's backend sends CPU tensors (gloo, also as the CPU half of ``cpu:gloo,cuda:nccl``)."""
+    try:
+        config = str(dist.get_backend_config(pg))
+    except Exception:  # noqa: BLE001 - an unknown backend: do not send on it
+        return False
+    return any(part.strip() in ("gloo", "cpu:gloo") for part in config.split(","))
+
+
+def _whoami(pg: Any) -> tuple[int | None, bool]:
+    """(global rank, can send over ``pg``): (None, False) without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, False
+    group = pg if pg is not None else dist.distributed_c10d._get_default_group()
+    return dist.get_rank(), dist.get_rank(group) >= 0 and _carries_host_tensors(group)
+
+
+def plan_shared(plans: list[LoadPlan], tags: list[_Tag], nbytes: Callable[[ReadItem], int],
+                shareable: Callable[[ReadItem], bool], *, same_host_private: bool) -> list[list[tuple]]:
+    """Each plan's shared boxes: ``(message tag, key, reader, holders)`` with global ranks.
+
+    A box is shared when two plans or more read it, ``shareable`` admits it and (``same_host_private``)
+    its holders span hosts. Readers: largest box first, each to the holder with the fewest bytes so far
+    (ties: the first holder in plan order). Every holder's list is in one order (the message tags)."""
+    holders: dict[tuple, list[int]] = {}
+    first: dict[tuple, ReadItem] = {}
+    for i, p in enumerate(plans):
+        for item in p.items:
+            k = _key(item)
+            hs = holders.setdefault(k, [])
+            if not hs or hs[-1] != i:
+                hs.append(i)
+            first.setdefault(k, item)
+    shared = [k for k, hs in holders.items() if len(hs) > 1 and shareable(first[k])
+              and not (same_host_private and len({tags[h].host for h in hs}) == 1)]
+    size = {k: nbytes(first[k]) for k in shared}
+    load = [0] * len(plans)
+    reader: dict[tuple, int] = {}
+    for k in sorted(shared, key=lambda k: (-size[k], k)):
+        r = min(holders[k], key=lambda h: (load[h], h))
+        reader[k] = r
+        load[r] += size[k]
+    mine: list[list[tuple]] = [[] for _ in plans]
+    for n, k in enumerate(sorted(shared)):
+        op = (n, k, tags[reader[k]].rank, tuple(tags[h].rank for h in holders[k]))
+        for h in holders[k]:
+            mine[h].append(op)
+    return mine
+
+
+class _Capture:
+    """A stand-in planner for one box read through DCP's own reader: its tensor lands in a fresh buffer
+    (DCP's transforms, layouts and checks applied), its bytes are kept."""
+
+    def __init__(self, empty: Callable[[ReadItem], torch.Tensor]):
+        self.empty, self.value = empty, None
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        self.value = self.empty(item)
+        return self.value
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, item: ReadItem, value: io.BytesIO) -> None:
+        self.value = torch.frombuffer(bytearray(value.getvalue()), dtype=torch.uint8)
+
+
+class ReadOnce:
+    """Mixin in front of one of DCP's readers (the next class in the MRO): the hooks above. Subclasses
+    give :meth:`_nbytes`, :meth:`_shareable` and may give faster :meth:`_read_box` / :meth:`_read_private`.
+
+    ``process_group``: the group sends go over (default: the world); every rank of DCP's group must be in
+    it. ``share``: ``"auto"`` (default: across hosts only), ``True`` (always), ``False`` (never). The
+    coordinator's reader decides for all."""
+
+    def _init_read_once(self, process_group: Any, share: Any) -> None:
+        if share not in SHARE_POLICIES:
+            raise ValueError(f"share={share!r}: one of True, False, 'auto'")
+        self.pg, self.share = process_group, share
+        self.stats = ReadStats()
+        self._md = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        super().reset(checkpoint_id)  # type: ignore[misc]
+        self.stats = ReadStats()
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)  # type: ignore[misc]
+        self._md = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan = super().prepare_local_plan(plan)  # type: ignore[misc]
+        rank, can_send = _whoami(self.pg)
+        return dataclasses.replace(plan, storage_data=_Tag(rank, host_id(), can_send, plan.storage_data))
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Coordinator: the shared boxes of every plan, when every plan's rank is known and can send."""
+        plans = super().prepare_global_plan(plans)  # type: ignore[misc]
+        tags = [p.storage_data for p in plans]
+        if (self.share is False or len(plans) < 2 or not all(isinstance(t, _Tag) for t in tags)
+                or not all(t.rank is not None and t.can_send for t in tags)
+                or len({t.rank for t in tags}) != len(tags)):
+            return plans
+        mine = plan_shared(plans, tags, self._nbytes, self._shareable, same_host_private=self.share == "auto")
+        return [dataclasses.replace(p, storage_data=dataclasses.replace(t, ops=tuple(m)))
+                for p, t, m in zip(plans, tags, mine)]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        """The shared boxes (read and sent, or received), then this rank's own boxes."""
+        global _last
+        tag = plan.storage_data if isinstance(plan.storage_data, _Tag) else None
+        if tag is not None:
+            plan = dataclasses.replace(plan, storage_data=tag.inner)
+        try:
+            rest = self._shared_phase(plan, planner, tag.ops) if tag is not None and tag.ops else plan.items
+            if rest:
+                self._read_private(dataclasses.replace(plan, items=list(rest)), planner)
+        finally:
+            _last = self.stats
+            self._done()
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _shared_phase(self, plan: LoadPlan, planner: LoadPlanner, ops: tuple) -> list[ReadItem]:
+        """Every op in order: read and ``isend`` to each holder, or ``irecv`` from the reader; all awaited
+        before any value is delivered or any error raised. Returns the items no op covers."""
+        by_key: dict[tuple, list[ReadItem]] = {}
+        for item in plan.items:
+            by_key.setdefault(_key(item), []).append(item)
+        me, error = dist.get_rank(), None
+        works, landed = [], []
+        for n, k, reader, holders in ops:
+            items = by_key.pop(k)
+            if me == reader:
+                try:
+                    buf = self._read_box(items[0]).contiguous()  # a send needs a dense buffer
+                except Exception as e:  # noqa: BLE001 - the holders still get their message
+                    error = error or e
+                    buf = self._empty(items[0])
+                works += [dist.isend(buf, dst=h, group=self.pg, tag=n) for h in holders if h != me]
+            else:
+                buf = self._empty(items[0])
+                works.append(dist.irecv(buf, src=reader, group=self.pg, tag=n))
+                self.stats.items_received += 1
+                self.stats.bytes_received += buf.numel() * buf.element_size()
+            landed.append((items, buf))
+        for w in works:
+            w.wait()
+        if error is not None:
+            raise error
+        for items, buf in landed:
+            for item in items:
+                self._deliver(item, buf, planner)
+        return [item for items in by_key.values() for item in items]
+
+    # -- what a layout gives ------------------------------------------------------------------------
+
+    def _dtype(self, item: ReadItem) -> torch.dtype:
+        return self._md.state_dict_metadata[item.storage_index.fqn].properties.dtype
+
+    def _nbytes(self, item: ReadItem) -> int:
+        if item.type == LoadItemType.BYTE_IO:  # as stored (what a box without transforms holds)
+            return int(getattr(self.storage_data.get(item.storage_index), "length", 0) or 0)
+        n = self._dtype(item).itemsize
+        for x in item.lengths:
+            n *= x
+        return n
+
+    def _shareable(self, item: ReadItem) -> bool:
+        """Whether a receiver can size the box from the plan alone (tensors: shape and dtype)."""
+        return item.type != LoadItemType.BYTE_IO
+
+    def _empty(self, item: ReadItem) -> torch.Tensor:
+        if item.type == LoadItemType.BYTE_IO:
+            return torch.zeros(self._nbytes(item), dtype=torch.uint8)
+        return torch.zeros(tuple(item.lengths), dtype=self._dtype(item))
+
+    def _read_box(self, item: ReadItem) -> torch.Tensor:
+        """One box as a tensor (bytes: uint8), read by DCP's own reader into a buffer of ours."""
+        capture = _Capture(self._empty)
+        super().read_data(LoadPlan([item]), capture).wait()  # type: ignore[misc]
+        self.stats.items_read.append(_key(item))
+        self.stats.bytes_read += self._nbytes(item)
+        return capture.value
+
+    def _read_private(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """The boxes nobody shares with this rank: DCP's own reader reads them."""
+        super().read_data(plan, planner).wait()  # type: ignore[misc]
+        self.stats.items_read += [_key(i) for i in plan.items]
+        self.stats.bytes_read += sum(self._nbytes(i) for i in plan.items)
+
+    def _deliver(self, item: ReadItem, value: torch.Tensor, planner: LoadPlanner) -> None:
+        """A box into the planner's destination, as DCP's reader hands it over."""
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(value.numpy().tobytes()))
+            return
+        target = planner.resolve_tensor(item).detach()
+        if target.shape != value.shape:
+            raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {value.size()}")
+        target.copy_(value)
+        planner.commit_tensor(item, target)
+
+    def _done(self) -> None:
+        """After every read of a load (files to close)."""
