@@ -82,7 +82,11 @@ class ReadOnce:
 
     def load(self, path: Any, fallback, **load_kwargs: Any) -> Any:
         path = os.fspath(path)
-        obj, stats = load_once("accelerate", path, fallback, timeout=self.agree_timeout, **load_kwargs)
+        _local.scope = None  # what load_file calls inside is not routed again
+        try:
+            obj, stats = load_once("accelerate", path, fallback, timeout=self.agree_timeout, **load_kwargs)
+        finally:
+            _local.scope = self
         self.last_stats[os.path.basename(path)] = stats
         return obj
 
@@ -155,13 +159,14 @@ def _routed_torch_load(f: Any, map_location: Any = None, *args: Any, **kwargs: A
                       weights_only=weights_only_of(kwargs.get("weights_only")))
 
 
-def _routed_load_file(filename: Any, device: Any = "cpu") -> Any:
+def _routed_load_file(filename: Any, device: Any = "cpu", **kwargs: Any) -> Any:
+    # ``backend=`` (safetensors >= 0.6: mmap or pread) says how bytes are read, not what is returned
     original = _originals["safetensors.load_file"]
     scope = getattr(_local, "scope", None)
-    if scope is None or not scope.takes(filename, {}):
-        return original(filename, device=device)
+    if scope is None or not scope.takes(filename, {k: v for k, v in kwargs.items() if k != "backend"}):
+        return original(filename, device=device, **kwargs)
     where = f"cuda:{device}" if isinstance(device, int) else device
-    return scope.load(filename, lambda: original(filename, device=device), map_location=where)
+    return scope.load(filename, lambda: original(filename, device=device, **kwargs), map_location=where)
 
 
 @contextlib.contextmanager
