@@ -1,0 +1,503 @@
+"""``pipeload.load_file``: a whole-file checkpoint every rank of a group loads, read from storage once.
+
+Trainers that keep a checkpoint in one file (Lightning's DDP ``load_checkpoint``, Accelerate's
+``load_state``, a ``Trainer`` resuming) call ``torch.load(path)`` on every rank: W ranks, W reads of
+the same bytes. Here one rank of the group reads the file and broadcasts its bytes in chunks while it
+reads the next ones; every rank then deserializes the same bytes with the call the caller would have
+made, so every rank returns what ``torch.load`` (or ``safetensors.torch.load_file``) returns.
+
+The collectives, issued in this order by every rank of the group (see docs/ARCHITECTURE.md):
+
+1. four words per rank — contended, host, a hash of the collective-deciding options, a hash of the
+   path: every rank decides alike whether the bytes are broadcast and which rank reads them (rank 0's
+   path hash modulo the group size, so the files of one state directory spread their reads);
+2. broadcast, the reading rank's file size (-1: it could not open the file, then 4.);
+3. the bytes, ``ceil(size / chunk_bytes)`` broadcasts, at most ``max_inflight`` outstanding, each
+   received straight into one buffer of the file's size; the reader reads chunk k + 1 while chunk k
+   travels, and a reader whose read failed still sends (nothing more is read);
+4. one word per rank: whether the read failed or the file changed under it (size, mtime, inode);
+   then every rank raises one ``DistributedError`` naming the reader, the file and the cause;
+5. each rank deserializes the buffer; one word per rank: whether it failed, then every rank raises.
+
+Without broadcasting (``broadcast=False``, or ``"auto"`` with every rank on one host under gloo) only
+1. and 5. remain: each rank calls ``torch.load(path)`` itself. A world of one issues no collective.
+
+Memory: the buffer is an anonymous in-memory file (``memfd``) every rank maps once; a ``torch.save``
+zip is then loaded with ``torch.load(..., mmap=True)`` and a safetensors file with safetensors' own
+mapping, both over that file, so the tensors returned *are* the received bytes (no second copy). A
+file in the legacy (non-zip) format is read from the buffer into new storages: the buffer and the
+result coexist until the call returns (at most the file twice, transiently).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import mmap
+import os
+import pickle
+import stat as stat_module
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointFormatError, DistributedError, PipeloadError, ReadError, UnpicklingError
+from ..io import storage
+from ..plan.exchange import hash64, host_id
+from ._busy import Guard
+from .comm import Comm
+
+CHUNK_BYTES = 4 << 20  # bytes per broadcast
+MAX_INFLIGHT = 4  # broadcasts outstanding (and, under an accelerator backend, device chunks)
+_ZIP = b"PK\x03\x04"  # how a torch.save zip (the default format since torch 1.6) begins
+
+
+@dataclass
+class FileStats:
+    """What one rank's :func:`load_file` did (pass one as ``stats=`` to have it filled)."""
+
+    path: str = ""
+    size: int = 0  # bytes of the file
+    format: str = ""  # "torch-zip", "torch-pickle" (legacy format, or bytes torch.load refuses), "safetensors"
+    broadcast: bool = False  # read once by ``reader`` and broadcast; False: every rank read the file itself
+    reader: int = -1  # the group rank that read the file (-1: every rank read its own)
+    bytes_read: int = 0  # bytes this rank read from storage (fetched, for an object store)
+    bytes_received: int = 0  # bytes this rank received by broadcast
+    broadcasts: int = 0  # data broadcasts this rank took part in
+    timings: dict[str, float] = field(default_factory=dict)  # exchange, transfer, deserialize, agree
+    wall: float = 0.0
+
+
+@dataclass
+class _Run:
+    path: str
+    comm: Comm
+    stats: FileStats
+    map_location: Any
+    weights_only: bool
+    last: float = field(default_factory=time.perf_counter)
+
+    @property
+    def what(self) -> str:
+        return f"pipeload.load_file of {self.path}"
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.stats.timings[phase] = self.stats.timings.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+def load_file(path: str | os.PathLike, *, process_group=None, map_location=None, weights_only: bool = True,
+              broadcast: bool | str = "auto", stats: FileStats | None = None, storage_options: dict | None = None,
+              timeout=None, chunk_bytes: int = CHUNK_BYTES, max_inflight: int = MAX_INFLIGHT) -> Any:
+    """What ``torch.load(path, map_location=..., weights_only=...)`` returns, on every rank of the group,
+    the file read from storage by one rank. Every rank of ``process_group`` (default: the world) must
+    call it; without an initialised process group it is a world of one.
+
+    A path ending in ``.safetensors`` returns what ``safetensors.torch.load_file(path, device)`` returns
+    (``map_location``: None, a device or a device string); any other file what ``torch.load`` returns,
+    whatever its content (a ``torch.save`` zip, the legacy format, or bytes ``torch.load`` refuses,
+    which fail alike on every rank). ``path`` may be a URL (``s3://bucket/key``, ``storage_options`` as
+    for :func:`pipeload.load`): the reader fetches it by ranged GETs pinned to one version.
+
+    Options:
+        weights_only: as ``torch.load``'s (default True): what it refuses is refused, on every rank, as
+            :class:`pipeload.UnpicklingError` (a ``pickle.UnpicklingError``) naming the file and rank.
+        broadcast: ``"auto"`` (default): read once and broadcast under an accelerator backend, and under
+            gloo when the group spans hosts (``socket.gethostname()`` or ``PIPELOAD_HOST_ID``; ranks of
+            one host share a page cache, where a second read costs a memory copy); ``True``: always;
+            ``False``: every rank reads the file itself.
+        stats: a :class:`FileStats` filled with what this rank did (also when the call raises).
+        timeout: of the group's collectives as seen in errors (default: the group's own).
+        chunk_bytes, max_inflight: bytes per broadcast (4 MiB) and broadcasts outstanding (4); every
+            rank must pass the same.
+
+    Every failure — the file missing or unreadable on the reader, changed or truncated while read,
+    refused by the deserializer, a rank that died — raises on every rank (a rank raises its own error
+    where it has one, otherwise a :class:`pipeload.DistributedError` naming the ranks that failed).
+    """
+    path = os.fspath(path)
+    _check_options(path, map_location, broadcast, chunk_bytes, max_inflight)
+    stats = stats if stats is not None else FileStats()
+    stats.__init__(path=path)  # a FileStats passed again starts afresh
+    t0 = time.perf_counter()
+    try:
+        storage.configure(path, storage_options)
+        comm = Comm(process_group, timeout)
+        run = _Run(path, comm, stats, map_location, weights_only)
+        if comm.size == 1:
+            result, error = _each_reads(run)
+            if error is not None:
+                raise error
+            return result
+        with Guard() as guard:
+            contended = guard.enter_sync(comm, True, run.what, comm.timeout.total_seconds())
+            reader = _first_gather(run, (broadcast, chunk_bytes, max_inflight), contended)
+            result, error = _read_once(run, reader, chunk_bytes, max_inflight) if reader >= 0 else _each_reads(run)
+            _agree(run, error, guard.late(comm))
+            return result
+    finally:
+        stats.wall = time.perf_counter() - t0
+
+
+def _check_options(path: str, map_location, broadcast, chunk_bytes: int, max_inflight: int) -> None:
+    if broadcast not in (True, False, "auto"):
+        raise ValueError(f"broadcast must be True, False or 'auto', not {broadcast!r}")
+    if chunk_bytes < 1 or max_inflight < 1:
+        raise ValueError("chunk_bytes and max_inflight must be at least 1")
+    if path.endswith(".safetensors") and not (map_location is None or isinstance(map_location, (str, int, torch.device))):
+        raise ValueError(f"{path}: a safetensors file takes a device as map_location (safetensors.torch.load_file's "
+                         f"device), not {type(map_location).__name__}")
+
+
+def _first_gather(run: _Run, agreed: tuple, contended: str | None) -> int:
+    """The first collective: the reading rank, or -1 when every rank reads the file itself."""
+    comm = run.comm
+    row = np.array([contended is not None, host_id(), hash64(repr(agreed).encode()), hash64(run.path.encode())],
+                   dtype=np.int64)
+    first = comm.gather_rows(row, run.what, "first gather of load_file")
+    run.lap("exchange")
+    if first[:, 0].any():
+        raise PipeloadError(contended or f"{run.what}: another pipeload operation ran at the same time on an "
+                            f"overlapping process group on rank(s) {np.flatnonzero(first[:, 0]).tolist()}; "
+                            f"run loads one after the other")
+    if len(np.unique(first[:, 2])) > 1:
+        odd = np.flatnonzero(first[:, 2] != first[0, 2]).tolist()
+        raise PipeloadError(f"{run.what}: rank(s) {odd} passed other broadcast, chunk_bytes or max_inflight "
+                            f"than rank 0; every rank must pass the same")
+    broadcast = agreed[0]
+    one_host = len(np.unique(first[:, 1])) == 1
+    if broadcast is False or (broadcast == "auto" and one_host and comm.broadcast_device.type == "cpu"):
+        return -1
+    return int(first[0, 3]) % comm.size
+
+
+# -- every rank on its own -------------------------------------------------------------------------------
+
+
+def _each_reads(run: _Run) -> tuple[Any, PipeloadError | None]:
+    """This rank reads and deserializes the file itself: ``(result, None)`` or ``(None, its error)``."""
+    try:
+        if not storage.is_url(run.path):
+            run.stats.size = run.stats.bytes_read = os.stat(run.path).st_size
+            with open(run.path, "rb") as f:
+                head = f.read(len(_ZIP))
+            return _deserialize(run, run.path, head == _ZIP, mapped=False), None
+        source = _ObjectSource(run.path)
+        mem = _Memfile(source.size)
+        try:
+            run.stats.size = source.size
+            source.read_into(mem.view, 0, source.size)
+            run.stats.bytes_read = source.fetched
+            source.close()
+            run.lap("transfer")
+            return _deserialize(run, mem.path, mem.head() == _ZIP), None
+        finally:
+            source.close()
+            mem.close()
+    except PipeloadError as e:
+        return None, e
+    except OSError as e:
+        return None, ReadError(f"{run.path}: reading it on rank {run.comm.rank} failed: {type(e).__name__}: {e}")
+
+
+def _deserialize(run: _Run, where: str, is_zip: bool, mapped: bool = True) -> Any:
+    """``torch.load`` (or safetensors' ``load_file``) of ``where``, which holds the file's bytes; errors
+    name the file (not ``where``) and this rank. ``mapped``: ``where`` is the received buffer, which a
+    zip's tensors then map instead of copying."""
+    t0 = time.perf_counter()
+    st = run.path.endswith(".safetensors")
+    run.stats.format = "safetensors" if st else "torch-zip" if is_zip else "torch-pickle"
+    try:
+        if st:
+            from safetensors.torch import load_file as safetensors_load
+
+            device = "cpu" if run.map_location is None else run.map_location
+            return safetensors_load(where, device=str(device) if isinstance(device, torch.device) else device)
+        mm = {"mmap": True} if mapped and is_zip else {}
+        return torch.load(where, map_location=run.map_location, weights_only=run.weights_only, **mm)
+    except pickle.UnpicklingError as e:
+        raise UnpicklingError(f"{run.path}: torch.load(weights_only={run.weights_only}) refused it on rank "
+                              f"{run.comm.rank}: {_text(e, where, run.path)}") from e
+    except PipeloadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch's and safetensors' errors are of many kinds
+        call = "safetensors.torch.load_file" if st else "torch.load"
+        raise CheckpointFormatError(f"{run.path}: {call} failed on rank {run.comm.rank}: {type(e).__name__}: "
+                                    f"{_text(e, where, run.path)}") from e
+    finally:
+        run.stats.timings["deserialize"] = time.perf_counter() - t0
+        run.last = time.perf_counter()
+
+
+def _text(e: BaseException, where: str, path: str) -> str:
+    return str(e).replace(where, path)
+
+
+def _agree(run: _Run, error: PipeloadError | None, late: str | None) -> None:
+    """The last collective: every rank raises when any failed — its own error where it has one."""
+    comm = run.comm
+    mine = str(error) if error is not None else late
+    failed = comm.gather_rows(np.array([mine is not None], dtype=np.int64), run.what, "final agreement")[:, 0]
+    run.lap("agree")
+    if not failed.any():
+        return
+    texts = comm.all_gather_object(mine, run.what)
+    if error is not None:
+        raise error
+    raise DistributedError(run.what, {r: t for r, t in enumerate(texts) if t is not None})
+
+
+# -- read once, broadcast --------------------------------------------------------------------------------
+
+
+def _read_once(run: _Run, reader: int, chunk: int, inflight: int) -> tuple[Any, PipeloadError | None]:
+    """Collectives 2-4 (the size, the bytes, the read's agreement), then this rank's deserialization."""
+    comm, stats = run.comm, run.stats
+    stats.broadcast, stats.reader = True, reader
+    source, error, size = None, None, 0
+    if comm.rank == reader:
+        try:
+            source = _ObjectSource(run.path) if storage.is_url(run.path) else _LocalSource(run.path)
+            size = source.size
+        except Exception as e:  # noqa: BLE001 - carried to every rank by the agreement below
+            error, size = _read_error(run, e), -1
+    size = int(comm.broadcast_row(np.array([size]), reader, run.what, "broadcast of the file's size")[0])
+    run.lap("exchange")
+    if size < 0:
+        comm.agree(run.what, error)
+    stats.size = size
+    mem = _Memfile(size)
+    try:
+        try:
+            error = _transfer(run, mem, source, reader, chunk, inflight)
+        finally:
+            if source is not None:
+                source.close()
+        comm.agree(run.what, error)
+        run.lap("agree")
+        try:
+            return _deserialize(run, mem.path, mem.head() == _ZIP), None
+        except PipeloadError as e:
+            return None, e
+    finally:
+        mem.close()
+
+
+def _read_error(run: _Run, e: BaseException) -> str:
+    if isinstance(e, PipeloadError) and run.path in str(e):
+        return str(e)
+    return f"{run.path}: reading it failed: {type(e).__name__}: {e}"
+
+
+def _transfer(run: _Run, mem: "_Memfile", source, reader: int, chunk: int, inflight: int) -> str | None:
+    """The bytes from ``reader`` to every rank of the group; returns the reader's error (None elsewhere).
+
+    Chunk k is read (reader) while chunks < k travel; at most ``inflight`` broadcasts are outstanding,
+    and every one is awaited before the buffer can go (also when one fails)."""
+    comm, stats = run.comm, run.stats
+    reading = comm.rank == reader
+    ring = _DeviceRing(comm.broadcast_device, chunk, inflight, mem) if comm.broadcast_device.type != "cpu" else None
+    pending: deque = deque()
+    error = None
+    try:
+        for k, a in enumerate(range(0, mem.size, chunk)):
+            b = min(mem.size, a + chunk)
+            if reading and error is None:
+                try:
+                    source.read_into(mem.view, a, b)
+                except Exception as e:  # noqa: BLE001 - the broadcasts still go out; the agreement raises
+                    error = _read_error(run, e)
+            if len(pending) >= inflight:
+                _complete(run, ring, *pending.popleft())
+            part = mem.tensor[a:b]
+            call = f"broadcast of bytes {a}-{b} from rank {reader}"
+            sent = ring.stage(k, part, reading) if ring is not None else part
+            pending.append((comm.post_broadcast(sent, reader, run.what, call), k, part, reading, call))
+            stats.broadcasts += 1
+        while pending:
+            _complete(run, ring, *pending.popleft())
+    finally:
+        for work, *_ in pending:  # a broadcast failed: the others must not write into a freed buffer
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the first error is already propagating
+                pass
+        if ring is not None:
+            ring.close()
+    run.lap("transfer")
+    if reading:
+        stats.bytes_read = source.fetched
+        return error or source.check()
+    stats.bytes_received = mem.size
+    return None
+
+
+def _complete(run: _Run, ring, work, k: int, part: torch.Tensor, reading: bool, call: str) -> None:
+    run.comm.wait(work, run.what, call)
+    if ring is not None and not reading:
+        ring.unstage(k, part)
+
+
+class _DeviceRing:
+    """Under an accelerator backend (NCCL): the broadcasts go through ``slots`` device chunks of the current
+    device. The reader copies each chunk host -> device before its broadcast, a receiver device -> host
+    after it; the host buffer is page-locked for the call (``cudaHostRegister``) so the copies are
+    asynchronous. A slot is reused only after the broadcast it served was awaited (which orders the
+    current stream after it) and its copy back was queued on the current stream (which the next
+    broadcast's stream waits for)."""
+
+    def __init__(self, device: torch.device, chunk: int, slots: int, mem: "_Memfile"):
+        self.device = device
+        self.slots = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.pinned = 0
+        if mem.size and device.type == "cuda":
+            try:
+                if torch.cuda.cudart().cudaHostRegister(mem.tensor.data_ptr(), mem.size, 0) == 0:
+                    self.pinned = mem.tensor.data_ptr()
+            except Exception:  # noqa: BLE001 - pageable memory still works, synchronously
+                pass
+
+    def stage(self, k: int, part: torch.Tensor, reading: bool) -> torch.Tensor:
+        slot = self.slots[k % len(self.slots)][: part.numel()]
+        if reading:
+            slot.copy_(part, non_blocking=bool(self.pinned))
+        return slot
+
+    def unstage(self, k: int, part: torch.Tensor) -> None:
+        part.copy_(self.slots[k % len(self.slots)][: part.numel()], non_blocking=bool(self.pinned))
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            if self.pinned:
+                torch.cuda.cudart().cudaHostUnregister(self.pinned)
+        self.slots = []
+
+
+class _Memfile:
+    """The file's bytes on this rank: an anonymous in-memory file of its size, mapped while it is filled.
+
+    Deserializers open it by name (``path``); what a zip's tensors map of it stays alive after ``close``."""
+
+    def __init__(self, size: int):
+        self.size = size
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("pipeload-load-file", os.MFD_CLOEXEC)
+        else:  # no memfd: an unlinked temporary file
+            import tempfile
+
+            f = tempfile.TemporaryFile()
+            self.fd = os.dup(f.fileno())
+            f.close()
+        os.ftruncate(self.fd, size)
+        self.map = mmap.mmap(self.fd, size) if size else None
+        self.view = memoryview(self.map) if size else memoryview(bytearray(0))
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def path(self) -> str:
+        return f"/proc/self/fd/{self.fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{self.fd}"
+
+    def head(self) -> bytes:
+        return bytes(self.view[: len(_ZIP)])
+
+    def close(self) -> None:
+        """Unmap (once no broadcast or GET holds a view of the mapping: else when the last one goes) and
+        close the file (its pages stay as long as a returned tensor maps them)."""
+        if self.fd < 0:
+            return
+        self.tensor = None
+        self.view.release()
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:  # a view is still exported: the mapping goes with it
+                pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+class _LocalSource:
+    """A local file read with ``preadv`` into the buffer; ``check`` says whether it changed meanwhile."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.stat = os.fstat(self.fd)
+        if not stat_module.S_ISREG(self.stat.st_mode):
+            os.close(self.fd)
+            raise ReadError(f"{path}: not a regular file")
+        self.size = self.stat.st_size
+        self.fetched = 0
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def read_into(self, view: memoryview, a: int, b: int) -> None:
+        pos = a
+        while pos < b:
+            n = os.preadv(self.fd, [view[pos:b]], pos)
+            if n <= 0:
+                raise ReadError(f"{self.path}: the file ends at byte {pos}, not at the {self.size} bytes it had "
+                                f"when it was opened (truncated while it was read)")
+            pos += n
+            self.fetched += n
+
+    def check(self) -> str | None:
+        """None, or why the bytes read may not be one version of the file."""
+        now = os.fstat(self.fd)
+        if (now.st_size, now.st_mtime_ns) != (self.stat.st_size, self.stat.st_mtime_ns):
+            return (f"{self.path}: the file changed while it was read (size {self.stat.st_size} -> {now.st_size}, "
+                    f"mtime changed: {now.st_mtime_ns != self.stat.st_mtime_ns})")
+        try:
+            named = os.stat(self.path)
+        except OSError as e:
+            return f"{self.path}: the file was removed while it was read ({e.strerror})"
+        if (named.st_ino, named.st_dev) != (self.stat.st_ino, self.stat.st_dev):
+            return f"{self.path}: the file was replaced while it was read (another inode now has its name)"
+        return None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _ObjectSource:
+    """An object read by ranged GETs (``part_size`` each, the store's ``max_requests`` in flight) straight
+    into the buffer, every GET pinned to the ETag of one HEAD, so a replaced object fails the read."""
+
+    def __init__(self, url: str):
+        self.store, self.key = storage.store_of(url)
+        self.size, self.etag = self.store.run(self.store.head(self.key))  # this call's version, not a pin
+        self.parts: list[tuple[int, int, concurrent.futures.Future]] = []
+        self.fetched = 0
+
+    def read_into(self, view: memoryview, a: int, b: int) -> None:
+        if not self.parts:  # every part requested at once; the store's semaphore bounds those in flight
+            from ..io.objstore import io_loop
+
+            loop, step = io_loop(), self.store.part_size
+            for lo in range(0, self.size, step):
+                hi = min(self.size, lo + step)
+                fut = loop.submit(self.store.get_into(self.key, lo, hi, self.etag, view[lo:hi]))
+                self.parts.append((lo, hi, fut))
+        for lo, hi, fut in self.parts:
+            if hi > a and lo < b:
+                fut.result()
+        self.fetched = sum(hi - lo for lo, hi, f in self.parts if f.done() and not f.cancelled()
+                           and f.exception() is None)
+
+    def check(self) -> str | None:
+        return None  # every GET carried If-Match
+
+    def close(self) -> None:
+        for _, _, fut in self.parts:
+            fut.cancel()
+        concurrent.futures.wait([f for _, _, f in self.parts])
+
+
+__all__ = ["FileStats", "load_file"]
