@@ -70,17 +70,14 @@ def every_rank_calls(site: str, what: str, *, group=None, timeout: float = 60.0)
 
 def load_once(site: str, path: str, fallback, *, group=None, timeout: float = 60.0, **load_kwargs):
     """``(obj, stats)``: ``path`` through :func:`pipeload.load_file` when every rank of ``group`` asked for it
-    (one read for the group), else ``(fallback(), None)`` — the framework's own read, on this rank alone."""
+    (one read for the group; ``stats`` its :class:`pipeload.FileStats`), else ``(fallback(), None)``: the
+    framework's own read, on this rank alone."""
     if not every_rank_calls(site, os.path.abspath(path), group=group, timeout=timeout):
         return fallback(), None
-    from .. import load_file
+    from ..engine.wholefile import FileStats, load_file
 
-    result = load_file(path, process_group=group, **load_kwargs)
-    return result, _stats_of(result)
-
-
-def _stats_of(result):
-    return None
+    stats = FileStats()
+    return load_file(path, process_group=group, stats=stats, **load_kwargs), stats
 
 
 def weights_only_of(weights_only: Optional[bool]) -> bool:
