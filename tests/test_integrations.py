@@ -231,6 +231,75 @@ def _accelerate_save(rank: int, root: str) -> None:
     torch.save(_accelerate_state(accelerator, model, opt, sched), os.path.join(root, f"acc-reference-{rank}.pt"))
 
 
+# ---- the transformers Trainer ----------------------------------------------------------------------
+
+class _Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels=None):
+        out = self.layer(x).squeeze(-1)
+        return {"loss": (out - labels).pow(2).mean(), "logits": out}
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(16, 4, generator=g), torch.randn(16, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def _hf_trainer(root: str, steps: int, callbacks=()):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=os.path.join(root, "hf"), max_steps=steps, per_device_train_batch_size=2,
+                             save_strategy="steps", save_steps=STEPS, report_to="none", use_cpu=True,
+                             logging_strategy="no", disable_tqdm=True, ddp_backend="gloo", seed=0,
+                             dataloader_num_workers=0, learning_rate=0.1)
+    return Trainer(model=_Regression(), args=args, train_dataset=_Data(), callbacks=list(callbacks))
+
+
+def _hf_snapshot(model, optimizer) -> dict:
+    import copy
+
+    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": copy.deepcopy(optimizer.state_dict())}
+
+
+def _hf_save(rank: int, root: str) -> None:
+    trainer = _hf_trainer(root, STEPS)
+    trainer.train()  # writes hf/checkpoint-2
+    torch.save(_hf_snapshot(trainer.model, trainer.optimizer), os.path.join(root, f"hf-reference-{rank}.pt"))
+
+
+def _hf_resume(rank: int, root: str) -> dict:
+    """The README's recipe: ``trainer.train(resume_from_checkpoint=...)`` inside ``reading_once``; what the
+    Trainer holds when training begins (after its loads) is what the saving run ended with."""
+    from transformers import TrainerCallback
+
+    from pipeload.integrations.accelerate import reading_once
+
+    seen = {}
+
+    class Begin(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            seen.update(_hf_snapshot(model, optimizer))
+
+    trainer = _hf_trainer(root, STEPS + 1, [Begin()])
+    checkpoint = os.path.join(root, "hf", f"checkpoint-{STEPS}")
+    with reading_once(trainer.accelerator, checkpoint) as scope:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    _equal(seen, torch.load(os.path.join(root, f"hf-reference-{rank}.pt"), weights_only=True), "transformers")
+    return {"stats": {name: _stats_row(s) for name, s in scope.last_stats.items()},
+            "sizes": {name: os.path.getsize(os.path.join(checkpoint, name)) for name in scope.last_stats}}
+
+
 def world_save(rank: int, world: int, root: str) -> dict:
     _env(rank, world)
     out = {"trainer": _lightning_trainer_cases(root)}
@@ -238,6 +307,7 @@ def world_save(rank: int, world: int, root: str) -> dict:
     out["fabric-async"] = _fabric_case(root, wrap=True)
     out["one-rank"] = _one_rank_only(rank, root)
     _accelerate_save(rank, root)
+    _hf_save(rank, root)
     return out
 
 
@@ -267,7 +337,7 @@ def world_load(rank: int, world: int, root: str) -> dict:
     accelerator.load_state(os.path.join(root, "acc"))  # stock again
     _equal(_accelerate_state(accelerator, model, opt, sched), reference, "accelerate, stock")
     sizes = {name: os.path.getsize(os.path.join(root, "acc", name)) for name in stats}
-    return {"stats": stats, "sizes": sizes}
+    return {"stats": stats, "sizes": sizes, "transformers": _hf_resume(rank, root)}
 
 
 @pytest.fixture(scope="module")
@@ -310,5 +380,14 @@ def test_accelerate_load_state_reads_each_shared_file_once(worlds):
     names = set(rows[0]["stats"])
     assert {"model.safetensors", "optimizer.bin", "scheduler.bin"} <= names, names
     assert not any(n.startswith("random_states") for n in names)
+    for name in names:
+        _read_once([r["stats"][name] for r in rows], rows[0]["sizes"][name])
+
+
+def test_transformers_trainer_resumes_through_reading_once(worlds):
+    rows = [r["transformers"] for r in worlds[1]]
+    names = set(rows[0]["stats"])
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt"} <= names, names
+    assert not any(n.startswith("rng_state") for n in names)
     for name in names:
         _read_once([r["stats"][name] for r in rows], rows[0]["sizes"][name])
