@@ -303,16 +303,21 @@ def _transfer(run: _Run, mem: "_Memfile", source, reader: int, chunk: int, infli
     ring = _DeviceRing(comm.broadcast_device, chunk, inflight, mem) if comm.broadcast_device.type != "cpu" else None
     pending: deque = deque()
     error = None
+    waited = [0.0, 0.0]  # in reads, on the oldest broadcast
     try:
         for k, a in enumerate(range(0, mem.size, chunk)):
             b = min(mem.size, a + chunk)
             if reading and error is None:
+                t0 = time.perf_counter()
                 try:
                     source.read_into(mem.view, a, b)
                 except Exception as e:  # noqa: BLE001 - the broadcasts still go out; the agreement raises
                     error = _read_error(run, e)
+                waited[0] += time.perf_counter() - t0
             if len(pending) >= inflight:
+                t0 = time.perf_counter()
                 _complete(run, ring, *pending.popleft())
+                waited[1] += time.perf_counter() - t0
             part = mem.tensor[a:b]
             call = f"broadcast of bytes {a}-{b} from rank {reader}"
             sent = ring.stage(k, part, reading) if ring is not None else part
@@ -329,6 +334,7 @@ def _transfer(run: _Run, mem: "_Memfile", source, reader: int, chunk: int, infli
         if ring is not None:
             ring.close()
     run.lap("transfer")
+    stats.timings["read"], stats.timings["wait"] = waited
     if reading:
         stats.bytes_read = source.fetched
         return error or source.check()
