@@ -142,6 +142,14 @@ def world_load_file(rank: int, world: int, root: str) -> dict:
                       ("device", torch.device("cpu"))):
         got = pipeload.load_file(p["zip"], map_location=loc, chunk_bytes=CHUNK)
         out[f"map_{name}"] = _same(torch.load(p["zip"], map_location=loc), got)
+    # the accelerator backend's path (a ring of staging chunks, copies on both sides) with host chunks
+    from pipeload.engine import wholefile
+
+    wholefile._STAGE_ON_HOST = True
+    try:
+        out["staged"] = _same(torch.load(p["zip"]), pipeload.load_file(p["zip"], chunk_bytes=CHUNK // 4, max_inflight=3))
+    finally:
+        wholefile._STAGE_ON_HOST = False
     out["legacy"] = _same(torch.load(p["legacy"]), pipeload.load_file(p["legacy"], chunk_bytes=CHUNK))
     st = pipeload.FileStats()
     from safetensors.torch import load_file as st_load
@@ -183,7 +191,7 @@ def world(tmp_path_factory):
 def test_every_rank_gets_what_torch_load_returns(world):
     res, _ = world
     for r in res:
-        assert r["zip"] and r["legacy"] and r["st"] and r["custom_allowed"]
+        assert r["zip"] and r["legacy"] and r["st"] and r["custom_allowed"] and r["staged"]
         assert all(r[f"map_{n}"] for n in ("cpu", "dict", "callable", "device"))
         assert r["st_format"] == "safetensors" and r["stats"].format == "torch-zip"
 
