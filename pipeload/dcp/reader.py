@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ..errors import CheckpointFormatError, ReadError
-from ..formats.dcp import _Unexpected, load_dcp_metadata, locate_tensor
+from ..formats.dcp import _Unexpected, load_dcp_metadata, locate_tensor, writer_of
 from ..formats.metadata import METADATA_FILE, plain_file_name, read_metadata_bytes, resolve_inside
 from ..io._fastio import RawFile
 from .readonce import ReadOnce, _key
@@ -85,6 +85,9 @@ class StorageReader(ReadOnce, DCP_FILE_SYSTEM_READER):
         # stored bytes without transforms are the object's bytes: their length is in the metadata
         return item.type != LoadItemType.BYTE_IO or not self._transformed(item)
 
+    def _writer(self, item: ReadItem) -> int:
+        return writer_of(os.path.basename(str(self.storage_data[item.storage_index].relative_path)))
+
     def _read_box(self, item: ReadItem) -> torch.Tensor:
         return super()._read_box(item) if self._transformed(item) else self._read(item)
 
@@ -94,8 +97,7 @@ class StorageReader(ReadOnce, DCP_FILE_SYSTEM_READER):
         if theirs:
             super()._read_private(LoadPlan(theirs, plan.storage_data, plan.planner_data), planner)
         plain = [i for i in plan.items if not self._transformed(i)]
-        plain.sort(key=lambda i: (self.storage_data[i.storage_index].relative_path,
-                                  self.storage_data[i.storage_index].offset))
+        plain.sort(key=self._storage_order)
         for item in plain:
             self._deliver(item, self._read(item), planner)
 

@@ -8,12 +8,12 @@ relies on (torch 2.5 - 2.13, ``state_dict_loader._load_state_dict``):
 - ``prepare_global_plan`` runs on DCP's coordinator only, with one plan per rank of DCP's group (one under
   ``no_dist`` or a group of one). With two plans or more, every rank identified (distinct global ranks,
   each able to send over the reader's group, a gloo group), the coordinator gives each box several
-  plans read (its *holders*) one reader (largest first, to the holder with the fewest bytes so far,
-  ties to the first) and writes into each plan the shared boxes it takes part in;
+  plans read (its *holders*) one reader (:func:`_choose_readers`: the rank that wrote its file, else the
+  least loaded holder) and writes into each plan the shared boxes it takes part in, numbered;
   otherwise it plans nothing and every rank reads what it needs, as DCP's reader does;
-- ``read_data`` on every rank: the shared boxes in the coordinator's order — the reader reads and sends
-  each (``isend`` on the reader's group, to global ranks that are all in DCP's group), the others post
-  their receives — then its own boxes, through the reader's own path.
+- ``read_data`` on every rank: every receive posted, then this rank's shared boxes read in file order,
+  each sent once read (``isend`` on the reader's group, to global ranks that are all in DCP's group),
+  all awaited; then its own boxes, through the reader's own path.
 
 So the reader issues no collective, and sends only between ranks DCP's coordinator reported as loading
 together. Under the host-aware policy (``share="auto"``, the default) a box is shared only when its
@@ -95,12 +95,12 @@ def _whoami(pg: Any) -> tuple[int | None, bool]:
 
 
 def plan_shared(plans: list[LoadPlan], tags: list[_Tag], nbytes: Callable[[ReadItem], int],
-                shareable: Callable[[ReadItem], bool], *, same_host_private: bool) -> list[list[tuple]]:
-    """Each plan's shared boxes: ``(message tag, key, reader, holders)`` with global ranks.
+                shareable: Callable[[ReadItem], bool], writer: Callable[[ReadItem], int], *,
+                same_host_private: bool) -> list[list[tuple]]:
+    """Each plan's shared boxes: ``(message tag, key, reader, holders)`` with global ranks, in key order.
 
     A box is shared when two plans or more read it, ``shareable`` admits it and (``same_host_private``)
-    its holders span hosts. Readers: largest box first, each to the holder with the fewest bytes so far
-    (ties: the first holder in plan order). Every holder's list is in one order (the message tags)."""
+    its holders span hosts. Readers: :func:`_choose_readers`."""
     holders: dict[tuple, list[int]] = {}
     first: dict[tuple, ReadItem] = {}
     for i, p in enumerate(plans):
@@ -110,21 +110,43 @@ def plan_shared(plans: list[LoadPlan], tags: list[_Tag], nbytes: Callable[[ReadI
             if not hs or hs[-1] != i:
                 hs.append(i)
             first.setdefault(k, item)
-    shared = [k for k, hs in holders.items() if len(hs) > 1 and shareable(first[k])
-              and not (same_host_private and len({tags[h].host for h in hs}) == 1)]
-    size = {k: nbytes(first[k]) for k in shared}
-    load = [0] * len(plans)
-    reader: dict[tuple, int] = {}
-    for k in sorted(shared, key=lambda k: (-size[k], k)):
-        r = min(holders[k], key=lambda h: (load[h], h))
-        reader[k] = r
-        load[r] += size[k]
+    shared = {k for k, hs in holders.items() if len(hs) > 1 and shareable(first[k])
+              and not (same_host_private and len({tags[h].host for h in hs}) == 1)}
+    size = {k: nbytes(item) for k, item in first.items()}
+    alone = [0] * len(plans)  # the bytes each plan reads anyway
+    for k, hs in holders.items():
+        if k not in shared:
+            for h in hs:
+                alone[h] += size[k]
+    rank_of = {t.rank: i for i, t in enumerate(tags)}
+    affinity = {k: rank_of.get(writer(first[k]), -1) for k in shared}
+    reader = _choose_readers(sorted(shared, key=lambda k: (-size[k], k)), holders, size, affinity, alone)
     mine: list[list[tuple]] = [[] for _ in plans]
     for n, k in enumerate(sorted(shared)):
         op = (n, k, tags[reader[k]].rank, tuple(tags[h].rank for h in holders[k]))
         for h in holders[k]:
             mine[h].append(op)
     return mine
+
+
+def _choose_readers(boxes: list[tuple], holders: dict, size: dict, affinity: dict, load: list[int]) -> dict:
+    """One reader per shared box (largest first). Affinity first: a box goes to the rank that wrote its
+    file (DCP's ``__<rank>_<i>.distcp``) when that rank holds it and stays within 11/10 of the mean load,
+    so each rank reads its own file front to back and no page is fetched by two; then the greedy: the
+    holder with the fewest bytes so far (its own reads included), ties to the first."""
+    cap = 1.1 * (sum(load) + sum(size[k] for k in boxes)) / len(load)
+    reader: dict[tuple, int] = {}
+    for k in boxes:
+        w = affinity[k]
+        if w in holders[k] and load[w] + size[k] <= cap:
+            reader[k] = w
+            load[w] += size[k]
+    for k in boxes:
+        if k not in reader:
+            r = min(holders[k], key=lambda h: (load[h], h))
+            reader[k] = r
+            load[r] += size[k]
+    return reader
 
 
 class _Capture:
@@ -181,7 +203,8 @@ class ReadOnce:
                 or not all(t.rank is not None and t.can_send for t in tags)
                 or len({t.rank for t in tags}) != len(tags)):
             return plans
-        mine = plan_shared(plans, tags, self._nbytes, self._shareable, same_host_private=self.share == "auto")
+        mine = plan_shared(plans, tags, self._nbytes, self._shareable, self._writer,
+                           same_host_private=self.share == "auto")
         return [dataclasses.replace(p, storage_data=dataclasses.replace(t, ops=tuple(m)))
                 for p, t, m in zip(plans, tags, mine)]
 
@@ -203,27 +226,32 @@ class ReadOnce:
         return done
 
     def _shared_phase(self, plan: LoadPlan, planner: LoadPlanner, ops: tuple) -> list[ReadItem]:
-        """Every op in order: read and ``isend`` to each holder, or ``irecv`` from the reader; all awaited
-        before any value is delivered or any error raised. Returns the items no op covers."""
+        """Every receive posted first; then this rank's shared boxes read in storage order, each sent to its
+        holders as soon as it is read; all awaited before any value is delivered or any error raised
+        (messages match by tag, so no rank waits on one another has not been able to post). Returns the
+        items no op covers."""
         by_key: dict[tuple, list[ReadItem]] = {}
         for item in plan.items:
             by_key.setdefault(_key(item), []).append(item)
         me, error = dist.get_rank(), None
-        works, landed = [], []
+        works, landed, to_read = [], [], []
         for n, k, reader, holders in ops:
             items = by_key.pop(k)
-            if me == reader:
-                try:
-                    buf = self._read_box(items[0]).contiguous()  # a send needs a dense buffer
-                except Exception as e:  # noqa: BLE001 - the holders still get their message
-                    error = error or e
-                    buf = self._empty(items[0])
-                works += [dist.isend(buf, dst=h, group=self.pg, tag=n) for h in holders if h != me]
-            else:
+            if me != reader:
                 buf = self._empty(items[0])
                 works.append(dist.irecv(buf, src=reader, group=self.pg, tag=n))
                 self.stats.items_received += 1
                 self.stats.bytes_received += buf.numel() * buf.element_size()
+                landed.append((items, buf))
+            else:
+                to_read.append((n, items, holders))
+        for n, items, holders in sorted(to_read, key=lambda x: self._storage_order(x[1][0])):
+            try:
+                buf = self._read_box(items[0]).contiguous()  # a send needs a dense buffer
+            except Exception as e:  # noqa: BLE001 - the holders still get their message
+                error = error or e
+                buf = self._empty(items[0])
+            works += [dist.isend(buf, dst=h, group=self.pg, tag=n) for h in holders if h != me]
             landed.append((items, buf))
         for w in works:
             w.wait()
@@ -250,6 +278,15 @@ class ReadOnce:
     def _shareable(self, item: ReadItem) -> bool:
         """Whether a receiver can size the box from the plan alone (tensors: shape and dtype)."""
         return item.type != LoadItemType.BYTE_IO
+
+    def _writer(self, item: ReadItem) -> int:
+        """The global rank that wrote the box's file, when the layout names it; -1 otherwise."""
+        return -1
+
+    def _storage_order(self, item: ReadItem) -> tuple:
+        """Where the box lies (file, offset): a rank reads its boxes in this order."""
+        info = self.storage_data.get(item.storage_index)
+        return (str(getattr(info, "relative_path", "")), int(getattr(info, "offset", 0) or 0))
 
     def _empty(self, item: ReadItem) -> torch.Tensor:
         if item.type == LoadItemType.BYTE_IO:

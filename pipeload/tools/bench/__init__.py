@@ -43,7 +43,7 @@ from dataclasses import asdict
 from typing import Any
 
 # the names below are the benchmark's API (the CLI and the tests use them from here)
-from .config import (DCP_LOADERS, DEFAULT_SIZE_MB, FLOOR, FORMATS, HF_LOADERS, LOADER_LABELS, LOADERS, MODES,
+from .config import (DCP_LOADERS, VIA_DCP_LOADERS, DEFAULT_SIZE_MB, FLOOR, FORMATS, HF_LOADERS, LOADER_LABELS, LOADERS, MODES,
                      QUICK_BASELINE_MODES, QUICK_LOADERS, QUICK_MODES, SEPARATE, TIMING_KEYS, BenchConfig, MiB)
 from .ranks import _all_ok, _Failure, experts_for, tensor_count
 from .report import check_targets, describe, format_table, headline, plot, summarize
@@ -68,6 +68,12 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
     if cfg.format not in FORMATS:
         raise ValueError(f"unknown format {cfg.format!r}: choose from {', '.join(FORMATS)}")
     allowed = {"hf": HF_LOADERS, "dcp": DCP_LOADERS}.get(cfg.format, LOADERS)
+    if cfg.via == "dcp.load":  # DCP's load against itself under the switch, in every mode asked for
+        if cfg.format != "dcp":
+            raise ValueError("--via dcp.load needs --format dcp")
+        cfg.loaders, cfg.baseline_modes = tuple(cfg.loaders or VIA_DCP_LOADERS), None
+    elif cfg.via != "pipeload":
+        raise ValueError(f"unknown --via {cfg.via!r}: pipeload or dcp.load")
     if cfg.loaders is None:
         cfg.loaders = QUICK_LOADERS[cfg.format]
         cfg.baseline_modes = QUICK_BASELINE_MODES

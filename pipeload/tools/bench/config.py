@@ -9,7 +9,9 @@ MiB = 2**20
 LOADERS = ("pipeload", "pipeload-nobcast", "safetensors", "dcp")
 FORMATS = ("pipeload", "dcp", "hf")
 HF_LOADERS = ("pipeload", "pipeload-nobcast", "safetensors")
-DCP_LOADERS = ("pipeload", "pipeload-nobcast", "dcp")  # --format dcp: every loader reads DCP's files
+DCP_LOADERS = ("pipeload", "pipeload-nobcast", "dcp", "dcp-install")  # --format dcp: every loader reads DCP's files
+# --via dcp.load: DCP's own load, stock and with pipeload.dcp.install() (no pipeload.load)
+VIA_DCP_LOADERS = ("dcp", "dcp-install")
 FLOOR = "floor"
 MODES = ("warm", "cold1", "cold", "throttled")
 # separate nodes emulated: each rank its own copy of every checkpoint and a host identity of its own
@@ -20,6 +22,7 @@ LOADER_LABELS = {
     "pipeload": "pipeload",
     "pipeload-nobcast": "pipeload broadcast off",
     "dcp": "torch DCP",
+    "dcp-install": "dcp.load, pipeload.dcp.install()",
     "safetensors": "plain safetensors reader",
 }
 DEFAULT_SIZE_MB = 256
@@ -49,6 +52,8 @@ class BenchConfig:
     # which checkpoint pipeload loads: its own ("pipeload"), the one dcp.save wrote ("dcp"), or an HF
     # layout copy ("hf", compared with a plain per-rank safetensors reader instead of DCP)
     format: str = "pipeload"
+    # "dcp.load": compare stock dcp.load with dcp.load under pipeload.dcp.install() (--format dcp)
+    via: str = "pipeload"
     # many small tensors: the expert count is chosen so the state dict holds about this many tensors
     # (model + optimizer steps); None: the --experts given
     tensors: int | None = None

@@ -326,6 +326,10 @@ def _timed_load(r: _Rank, mode: str, loader: str, directory: str, my_files: list
         stats = pipeload.load(r.dest, directory, broadcast_replicated_tensors=False, reuse_plan=False)
     elif loader == "dcp":
         dcp.load(r.dest, checkpoint_id=directory)
+    elif loader == "dcp-install":
+        with pipeload.dcp.installed():
+            dcp.load(r.dest, checkpoint_id=directory)
+        requested = pipeload.dcp.last_stats().bytes_read
     elif loader == "safetensors":
         requested = _plain_safetensors_load(r.dest, directory)
     wall = time.perf_counter() - t0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .config import FLOOR, LOADER_LABELS, LOADERS, MiB, SEPARATE, TIMING_KEYS
+from .config import FLOOR, LOADER_LABELS, MiB, SEPARATE, TIMING_KEYS
 
 
 def _median(xs: list[float]) -> float | None:
@@ -73,6 +73,15 @@ def check_targets(rows: list[dict[str, Any]], dp: int, format: str = "pipeload",
         if t_pl:
             add("throttled, DCP checkpoint: pipeload read amplification", t_pl["read_amp"],
                 t_pl["read_amp"] <= 1.02, "<= 1.02")
+        for mode in SEPARATE:  # --via dcp.load: DCP's own load, stock and under pipeload.dcp.install()
+            ours, stock = get.get((mode, "dcp-install")), get.get((mode, "dcp"))
+            if ours:
+                add(f"{mode}: dcp.load under install() read amplification", ours["read_amp"],
+                    ours["read_amp"] <= 1.10, "<= 1.10")
+            if ours and stock:
+                add(f"{mode}: stock dcp.load read amplification", stock["read_amp"], None, f"~{dp:.2f}")
+                add(f"{mode}: stock dcp.load / under install() (speed-up)", stock["wall"] / ours["wall"], None,
+                    "report")
         return out
     if format == "hf":  # pipeload reading the HF layout, against a plain per-rank safetensors reader
         t_st = get.get(("throttled", "safetensors"))
@@ -203,6 +212,10 @@ def describe(result: dict[str, Any]) -> str:
                    "from the page cache under gloo, replicas on other hosts get a broadcast); every timed "
                    "load plans afresh (reuse_plan=False); plan+exch s = LoadStats plan + exchange, max over "
                    "ranks, median")
+    if "dcp-install" in cfg["loaders"]:
+        out.append("dcp.load, pipeload.dcp.install(): dcp.load(sd, checkpoint_id=...) with DCP's FileSystemReader "
+                   "switched to pipeload's (share='auto': a box whose readers span hosts is read by one and sent); "
+                   "requested = the bytes its readers asked for")
     if cfg.get("baseline_modes"):
         out.append(f"baselines (DCP, the plain reader) run in {', '.join(m for m in cfg['modes'] if m in cfg['baseline_modes'])} "
                    "only; --full runs every loader in every mode")
@@ -238,7 +251,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         raise RuntimeError("--plot needs matplotlib: pip install 'pipeload[plot]' (or pip install matplotlib)")
     rows = result["summary"]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    loaders = [l for l in LOADERS if any(r["loader"] == l for r in rows)]
+    loaders = list(dict.fromkeys(r["loader"] for r in rows if r["loader"] != FLOOR))
     get = {(r["mode"], r["loader"]): r for r in rows}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / max(1, len(loaders))
@@ -274,24 +287,26 @@ def headline(result: dict[str, Any]) -> str:
     get = {(r["mode"], r["loader"]): r for r in result["summary"]}
     other = "safetensors" if cfg.get("format") == "hf" else "dcp"
     label = LOADER_LABELS[other]
+    main = "dcp-install" if cfg.get("via") == "dcp.load" else "pipeload"
+    name = "pipeload" if main == "pipeload" else LOADER_LABELS[main]
     lines = [f"pipeload bench: {cfg['world']} ranks (TP{cfg['tp']} x DP{cfg['dp']}, gloo), "
              f"{ck['unique_bytes'] / MiB:.0f} MiB checkpoint of {ck['tensors']} tensors "
              f"({cfg.get('format', 'pipeload')} layout), every load checked bit for bit"]
-    mode = next((m for m in ("throttled", "cold") if (m, "pipeload") in get), None)
-    pl, ot = get.get((mode, "pipeload")), get.get((mode, other))
+    mode = next((m for m in ("throttled", "cold") if (m, main) in get), None)
+    pl, ot = get.get((mode, main)), get.get((mode, other))
     if pl is not None:
         where = (f"shared storage ({cfg['read_mbps']:g} MiB/s for all ranks)" if mode == "throttled"
                  else "separate nodes, cold page cache")
-        text = f"{where}: pipeload {pl['wall']:.2f} s"
+        text = f"{where}: {name} {pl['wall']:.2f} s"
         if pl["vs_floor"] is not None:
             text += f" = {pl['vs_floor']:.2f}x the floor (reading the bytes once)"
         if ot is not None and pl["wall"]:
             text += f", {ot['wall'] / pl['wall']:.1f}x faster than {label} ({ot['wall']:.2f} s)"
         lines.append(text)
-        amp = f"bytes read from storage per checkpoint byte: pipeload {pl['read_amp']:.2f}"
+        amp = f"bytes read from storage per checkpoint byte: {name} {pl['read_amp']:.2f}"
         lines.append(amp + (f", {label} {ot['read_amp']:.2f}" if ot is not None else ""))
-    w_pl, w_ot = get.get(("warm", "pipeload")), get.get(("warm", other))
+    w_pl, w_ot = get.get(("warm", main)), get.get(("warm", other))
     if w_pl is not None:
-        lines.append(f"one host, page cache hot: pipeload {w_pl['wall']:.2f} s"
+        lines.append(f"one host, page cache hot: {name} {w_pl['wall']:.2f} s"
                      + (f", {label} {w_ot['wall']:.2f} s" if w_ot is not None else ""))
     return "\n".join(lines[:5])

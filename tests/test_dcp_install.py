@@ -1,0 +1,424 @@
+"""``pipeload.dcp``: the reader never issues a collective DCP did not ask for, and the process-wide switch.
+
+One real gloo world of 4 ranks (each its own emulated host) runs every sub-case; each compares with
+DCP's own reader on the same checkpoint, bit for bit:
+
+- the reader where ``dcp.load`` does not run on the world (issue 33): each rank loads its own
+  checkpoint (same keys, saved in another order on each rank) with ``no_dist=True``, then with
+  ``process_group=`` a group of its own, then rank 0 alone with ``no_dist=True`` while the others go on;
+- under ``install()``: a TP x DP checkpoint written by stock ``dcp.save`` (a ``Stateful`` wrapper of a
+  tensor-parallel model and its Adam state from ``get_state_dict``, DTensors on a 2 x 2 mesh, a plain
+  tensor, an int) loads through ``checkpoint_id=`` and through ``FileSystemReader(path)``, each
+  replicated box read by one rank; ``dcp_to_torch_save`` (``no_dist``, ``_EmptyStateDictLoadPlanner``)
+  on rank 0 alone; a subgroup of two ranks; a planner that renames a key and skips one; a ZStandard
+  checkpoint (transformed boxes read by DCP's code, tensors still shared); the Hugging Face reader;
+  ``load_sharded_optimizer_state_dict`` with the installed ``FileSystemReader``.
+
+The switch itself (identity restored, idempotent, nested) is checked in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeload.tools._world import run_world
+
+WORLD_TIMEOUT = 150
+
+
+def _leaves(sd, prefix=""):
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v.to_local() if isinstance(v, DTensor) else v
+    return out
+
+
+def _same(a, b, what: str) -> int:
+    """Bit-for-bit equality of two (nested) state dicts; the number of tensors compared."""
+    a, b = _leaves(a), _leaves(b)
+    assert a.keys() == b.keys(), f"{what}: keys {sorted(a.keys() ^ b.keys())}"
+    n = 0
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f"{what}: {k}"
+            n += 1
+        else:
+            assert x == y, f"{what}: {k}: {x!r} != {y!r}"
+    return n
+
+
+# -- issue 33: the reader off the world -----------------------------------------------------------
+
+
+def _own_checkpoint(rank: int, root: str) -> tuple[str, dict]:
+    import torch.distributed.checkpoint as dcp
+
+    own = os.path.join(root, f"own{rank}")
+    values = {"a": torch.full((4,), 1.0 + 10 * rank), "b": torch.full((4,), 2.0 + 10 * rank)}
+    order = ["b", "a"] if rank % 2 else ["a", "b"]
+    dcp.save({k: values[k] for k in order}, storage_writer=dcp.FileSystemWriter(own), no_dist=True)
+    return own, values
+
+
+def _load_own(reader, **kw) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    dest = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    dcp.load(dest, storage_reader=reader, **kw)
+    return dest
+
+
+def _off_the_world_case(rank: int, world: int, root: str, out: dict) -> None:
+    from pipeload.dcp import StorageReader
+    from pipeload.dcp.reader import DCP_FILE_SYSTEM_READER
+
+    own, values = _own_checkpoint(rank, root)
+    ref = _load_own(DCP_FILE_SYSTEM_READER(own), no_dist=True)
+    _same(ref, values, "DCP's reader, no_dist")
+    _same(_load_own(StorageReader(own), no_dist=True), ref, "no_dist")
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in one order
+    _same(_load_own(StorageReader(own), process_group=groups[rank]), ref, "a group of one")
+    dist.barrier()
+    if rank == 0:  # alone: the others go on to the barrier; a collective here would never complete
+        _same(_load_own(StorageReader(own), no_dist=True), ref, "rank 0 alone")
+    dist.barrier()
+    out["off_the_world"] = True
+
+
+# -- the switch: a TP x DP checkpoint written by stock dcp.save -------------------------------------
+
+
+class _App:
+    """DCP's ``Stateful`` protocol over a model and its optimizer (``get_state_dict``/``set_state_dict``)."""
+
+    def __init__(self, model, optim):
+        self.model, self.optim = model, optim
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        m, o = get_state_dict(self.model, self.optim)
+        return {"model": m, "optim": o}
+
+    def load_state_dict(self, sd):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def _trained(mesh, seed: int, steps: int) -> _App:
+    """A tensor-parallel MLP (the ``tp`` dim; replicas along ``dp``) and Adam after ``steps`` steps."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    for i in range(steps):
+        model(torch.full((2, 8), float(i + seed))).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return _App(model, optim)
+
+
+def _tp_dp_state(mesh, seed: int, steps: int) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(100 + seed)
+    grid, rep, plain = torch.randn(8, 6), torch.randn(6, 4).to(torch.bfloat16), torch.randn(5)
+    fill = (lambda t: t) if steps else torch.zeros_like
+    return {"app": _trained(mesh, seed, steps),
+            "extra": {"grid": distribute_tensor(fill(grid), mesh, [Shard(0), Shard(1)]),
+                      "tp_only": distribute_tensor(fill(rep), mesh, [Replicate(), Shard(0)]),
+                      "plain": fill(plain), "step": 7 if steps else 0}}
+
+
+def _plain(sd: dict) -> dict:
+    """What a state dict holds after a load: ``Stateful`` values as their ``state_dict()``."""
+    return {k: (v.state_dict() if isinstance(v, _App) else _plain(v) if isinstance(v, dict) else v)
+            for k, v in sd.items()}
+
+
+def _read_once(stats, world: int, *, tensors_only: bool = False) -> dict:
+    """Each rank's boxes read and received, gathered: every box (every tensor box) read by one rank only."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    got: list = [None] * world
+    dist.all_gather_object(got, (stats.items_read, stats.items_received))
+    reads = [k for r in got for k in r[0] if not (tensors_only and k[4] == LoadItemType.BYTE_IO.value)]
+    assert len(reads) == len(set(reads)), "a box was read by two ranks"
+    return {"read": len(reads), "received": sum(r[1] for r in got)}
+
+
+def _switch_case(rank: int, world: int, root: str, out: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pipeload.dcp as pd
+    from pipeload.dcp.reader import DCP_FILE_SYSTEM_READER
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    path = os.path.join(root, "tpdp")
+    saved = _tp_dp_state(mesh, 1, 2)
+    dcp.save(saved, checkpoint_id=path)
+    expect = _plain(saved)
+    ref = _tp_dp_state(mesh, 2, 0)
+    dcp.load(ref, checkpoint_id=path)
+    out["stock_tensors"] = _same(_plain(ref), expect, "stock dcp.load")
+    with pd.installed():
+        by_id = _tp_dp_state(mesh, 3, 0)
+        dcp.load(by_id, checkpoint_id=path)
+        out["by_id"] = _read_once(pd.last_stats(), world)
+        _same(_plain(by_id), _plain(ref), "install(), checkpoint_id=")
+        reader = dcp.FileSystemReader(path)
+        assert type(reader) is pd.FileSystemReader and isinstance(reader, DCP_FILE_SYSTEM_READER)
+        explicit = _tp_dp_state(mesh, 4, 0)
+        dcp.load(explicit, storage_reader=reader)
+        out["explicit"] = _read_once(reader.stats, world)
+        _same(_plain(explicit), _plain(ref), "install(), FileSystemReader(path)")
+    out["tp_dp_tensors"] = out["stock_tensors"]
+    _dcp_to_torch_save_alone(rank, path, out)
+    _subgroup_and_planner(rank, world, path, out)
+
+
+def _dcp_to_torch_save_alone(rank: int, path: str, out: dict) -> None:
+    """``dcp_to_torch_save`` (``no_dist``, ``_EmptyStateDictLoadPlanner``) on rank 0 while the others go on."""
+    import pipeload.dcp as pd
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dist.barrier()
+    if rank == 0:
+        dcp_to_torch_save(path, path + ".stock.pt")
+        with pd.installed():
+            dcp_to_torch_save(path, path + ".ours.pt")
+        stock, ours = (torch.load(path + s, weights_only=False) for s in (".stock.pt", ".ours.pt"))
+        out["to_torch_save_tensors"] = _same(ours, stock, "dcp_to_torch_save under install()")
+        assert pd.last_stats().items_received == 0
+    dist.barrier()
+
+
+class _Rename:
+    """A planner that loads checkpoint key ``extra.plain`` into the state dict's ``renamed``."""
+
+    def __new__(cls):
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        class Rename(DefaultLoadPlanner):
+            def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+                state_dict = {("extra.plain" if k == "renamed" else k): v for k, v in state_dict.items()}
+                super().set_up_planner(state_dict, metadata, is_coordinator)
+
+        return Rename(allow_partial_load=True)
+
+
+def _subgroup_and_planner(rank: int, world: int, path: str, out: dict) -> None:
+    """Ranks {0, 1} and {2, 3} load on their own group; then a renaming, skipping planner on the world."""
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload.dcp as pd
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    stock = {"extra": {"plain": torch.zeros(5), "step": 0}}
+    dcp.load(stock, checkpoint_id=path, process_group=pairs[rank // 2])
+    with pd.installed():
+        ours = {"extra": {"plain": torch.zeros(5), "step": 0}}
+        dcp.load(ours, checkpoint_id=path, process_group=pairs[rank // 2])
+        out["pair"] = (pd.last_stats().items_received, len(pd.last_stats().items_read))
+        _same(ours, stock, "install(), a subgroup")
+        renamed = {"renamed": torch.zeros(5), "absent": torch.ones(2)}
+        dcp.load(renamed, checkpoint_id=path, planner=_Rename())
+        out["renamed"] = _read_once(pd.last_stats(), world)
+    assert torch.equal(renamed["renamed"], stock["extra"]["plain"]) and torch.equal(renamed["absent"], torch.ones(2))
+
+
+def _zstd_and_hf_case(rank: int, world: int, root: str, out: dict) -> None:
+    """A ZStandard checkpoint and a safetensors directory, under install(), against DCP's readers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.device_mesh import init_device_mesh
+    from safetensors.torch import save_file
+
+    import pipeload.dcp as pd
+    from pipeload.dcp.reader import DCP_HF_READER
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    path = os.path.join(root, "zstd")
+    saved = _tp_dp_state(mesh, 5, 1)
+    dcp.save(saved["extra"], storage_writer=dcp.FileSystemWriter(path, _extensions=[ZStandard()]))
+    ref = _tp_dp_state(mesh, 6, 0)["extra"]
+    dcp.load(ref, checkpoint_id=path)
+    _same(ref, saved["extra"], "stock dcp.load, ZStandard")
+    with pd.installed():
+        ours = _tp_dp_state(mesh, 7, 0)["extra"]
+        dcp.load(ours, checkpoint_id=path)
+        # a compressed object's size is not in the metadata: each rank reads it through DCP's code
+        out["zstd"] = _read_once(pd.last_stats(), world, tensors_only=True)
+        _same(ours, ref, "install(), ZStandard")
+    hf = os.path.join(root, "hf")
+    if rank == 0:
+        os.makedirs(hf)
+        torch.manual_seed(9)
+        save_file({"w": torch.randn(6, 4), "v": torch.randn(3).to(torch.bfloat16)}, os.path.join(hf, "model.safetensors"))
+    dist.barrier()
+    stock = {"w": torch.zeros(6, 4), "v": torch.zeros(3, dtype=torch.bfloat16)}
+    dcp.load(stock, storage_reader=DCP_HF_READER(hf))
+    with pd.installed():
+        reader = dcp.HuggingFaceStorageReader(hf)
+        assert type(reader) is pd.HuggingFaceStorageReader and isinstance(reader, DCP_HF_READER)
+        ours = {"w": torch.zeros(6, 4), "v": torch.zeros(3, dtype=torch.bfloat16)}
+        dcp.load(ours, storage_reader=reader)
+        out["hf"] = _read_once(reader.stats, world)
+    out["hf_tensors"] = _same(ours, stock, "install(), HuggingFaceStorageReader")
+
+
+def _sharded_optimizer_case(rank: int, world: int, root: str, out: dict) -> None:
+    """``load_sharded_optimizer_state_dict`` (its own metadata read, its offset planner, ShardedTensors over
+    the world) with an installed ``FileSystemReader``, against DCP's reader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+    import pipeload.dcp as pd
+    from pipeload.dcp.reader import DCP_FILE_SYSTEM_READER
+
+    torch.manual_seed(3)
+    path = os.path.join(root, "optim")
+    dcp.save({"model": {"w": torch.randn(8, 4)},
+              "optim": {"state": {"w": {"exp_avg": torch.randn(8, 4), "step": torch.tensor(3.0)}},
+                        "param_groups": [{"lr": 0.1, "params": ["w"]}]}}, checkpoint_id=path)
+    model = {"w": torch.zeros(8, 4)}
+    stock = load_sharded_optimizer_state_dict(model, "optim", DCP_FILE_SYSTEM_READER(path))
+    with pd.installed():
+        reader = dcp.FileSystemReader(path)
+        ours = load_sharded_optimizer_state_dict(model, "optim", reader)
+    a, b = stock["optim"]["state"]["w"], ours["optim"]["state"]["w"]
+    mine = [(s.tensor, t.tensor) for s, t in zip(a["exp_avg"].local_shards(), b["exp_avg"].local_shards())]
+    assert mine and all(torch.equal(x, y) for x, y in mine) and torch.equal(a["step"], b["step"])
+    assert ours["optim"]["param_groups"] == stock["optim"]["param_groups"]
+    out["sharded_optimizer"] = _read_once(reader.stats, world)
+
+
+def world(rank: int, size: int, root: str) -> dict:
+    warnings.filterwarnings("ignore")
+    out: dict = {}
+    _off_the_world_case(rank, size, root, out)
+    _switch_case(rank, size, root, out)
+    _zstd_and_hf_case(rank, size, root, out)
+    _sharded_optimizer_case(rank, size, root, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    pytest.importorskip("zstandard")
+    root = str(tmp_path_factory.mktemp("dcp_install"))
+    return run_world(world, 4, root, timeout=WORLD_TIMEOUT, pg_timeout=60, separate_hosts=True)
+
+
+def test_reader_off_the_world_equals_dcps_reader(results):
+    """no_dist, a group of one, one rank alone: each rank gets its own checkpoint's values, no hang."""
+    assert all(r["off_the_world"] for r in results)
+
+
+def test_install_loads_a_tp_dp_checkpoint_as_stock_dcp_and_reads_each_box_once(results):
+    assert all(r["tp_dp_tensors"] >= 10 for r in results)  # weights, Adam's moments and steps, extras
+    for how in ("by_id", "explicit"):
+        got = results[0][how]
+        assert got["received"] > 0 and got["read"] > 0, how  # replicas along dp received, not read
+
+
+def test_install_no_dist_subgroup_and_planners(results):
+    assert results[0]["to_torch_save_tensors"] >= 10
+    # each pair shares its two boxes (the tensor and the int): each read by one rank, received by the other
+    for pair in (results[:2], results[2:]):
+        assert [sum(r["pair"][i] for r in pair) for i in (0, 1)] == [2, 2]
+    assert results[0]["renamed"]["received"] == 3 and results[0]["renamed"]["read"] == 1
+
+
+def test_install_load_sharded_optimizer_state_dict(results):
+    assert results[0]["sharded_optimizer"]["received"] > 0  # the step and param_groups: read once, sent
+
+
+def test_install_zstandard_and_hugging_face(results):
+    zstd = results[0]["zstd"]
+    assert zstd["received"] > 0  # compressed tensors shared too (read by DCP's code on one rank)
+    assert results[0]["hf"] == {"read": 2, "received": 6} and all(r["hf_tensors"] == 2 for r in results)
+
+
+def test_uninstall_restores_dcps_objects_exactly():
+    import importlib
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint._storage_utils as su
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.hf_storage as hfs
+
+    import pipeload.dcp as pd
+
+    names = [(dcp, "FileSystemReader"), (su, "FileSystemReader"), (fs, "FileSystemReader"),
+             (dcp, "HuggingFaceStorageReader"), (hfs, "HuggingFaceStorageReader")]
+    before = [getattr(m, n) for m, n in names]
+    pd.install()
+    pd.install()  # idempotent
+    assert pd.is_installed() and dcp.FileSystemReader is su.FileSystemReader is fs.FileSystemReader is pd.FileSystemReader
+    assert dcp.HuggingFaceStorageReader is hfs.HuggingFaceStorageReader is pd.HuggingFaceStorageReader
+    assert issubclass(pd.FileSystemReader, before[0]) and issubclass(pd.HuggingFaceStorageReader, before[3])
+    sys.modules.pop("torch.distributed.checkpoint.format_utils", None)  # imported while installed
+    fu = importlib.import_module("torch.distributed.checkpoint.format_utils")
+    assert fu.FileSystemReader is pd.FileSystemReader
+    with pd.installed():  # nested in an install(): leaves it on
+        pass
+    assert pd.is_installed()
+    pd.uninstall()
+    pd.uninstall()
+    assert [getattr(m, n) for m, n in names] == before and all(getattr(m, n) is b for (m, n), b in zip(names, before))
+    assert fu.FileSystemReader is before[0] and not pd.is_installed()
+    with pd.installed():
+        with pd.installed():
+            assert dcp.FileSystemReader is pd.FileSystemReader
+        assert dcp.FileSystemReader is pd.FileSystemReader  # the inner block left the outer's switch on
+    assert dcp.FileSystemReader is before[0] and su.FileSystemReader is before[0]
+
+
+def _item(fqn: str, row: int, rows: int = 4):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    idx = MetadataIndex(fqn, (row, 0))
+    return ReadItem(LoadItemType.TENSOR, idx, torch.Size([0, 0]), idx, torch.Size([0, 0]), torch.Size([rows, 8]))
+
+
+def test_plan_shared_prefers_the_files_writer_then_the_least_loaded_holder():
+    """Four boxes held by ranks 10 and 11 (global ranks, plans in another order): a box goes to the rank
+    that wrote its file while that rank stays within 11/10 of the mean; the greedy places the rest; one
+    holder alone, or holders on one host under the host-aware policy, read for themselves."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from pipeload.dcp.readonce import _Tag, plan_shared
+
+    boxes = [_item(f"w{i}", 0) for i in range(4)]
+    plans = [LoadPlan(list(boxes) + [_item("own", 0)]), LoadPlan(list(reversed(boxes)))]
+    tags = [_Tag(11, 1, True), _Tag(10, 2, True)]
+    writer = {"w0": 10, "w1": 10, "w2": 10, "w3": 11}
+    nbytes = lambda item: 100
+    ops = plan_shared(plans, tags, nbytes, lambda item: True, lambda item: writer[item.storage_index.fqn],
+                      same_host_private=True)
+    readers = {op[1][0]: op[2] for op in ops[0]}
+    # the cap is 1.1 x (100 alone + 400 shared) / 2 = 275: rank 10 takes w0 and w1 (200), w2 would pass it
+    assert readers == {"w0": 10, "w1": 10, "w3": 11, "w2": 11}
+    assert ops[0] == ops[1] and [op[0] for op in ops[0]] == [0, 1, 2, 3]  # one numbering, in key order
+    assert all(op[3] == (11, 10) for op in ops[0])  # holders in plan order
+    same_host = [_Tag(11, 1, True), _Tag(10, 1, True)]
+    assert plan_shared(plans, same_host, nbytes, lambda i: True, lambda i: -1, same_host_private=True) == [[], []]
+    assert len(plan_shared(plans, same_host, nbytes, lambda i: True, lambda i: -1, same_host_private=False)[0]) == 4
