@@ -11,6 +11,8 @@ World 1, Lightning then Accelerate:
   plug-in's file stock: what ``on_train_start`` sees (weights, optimizer state, global step) is what the
   saving run ended with, and the plug-in's ``last_stats`` show the file read by one rank;
 - the same, save and resume, with the plug-in wrapped in ``AsyncCheckpointIO``;
+- ModelParallel (which loads with ``dcp.load``, never through a ``CheckpointIO``) resumed under
+  ``pipeload.dcp.installed()``: restored exactly, boxes both ranks need read by one;
 - Fabric ``save``/``load`` through the plug-in, plain and wrapped in ``AsyncCheckpointIO``;
 - a load only rank 0 makes: it reads the file itself after ``agree_timeout``, no hang, and the next load
   every rank makes is collective again;
@@ -103,14 +105,15 @@ def _equal(a, b, what: str) -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             _equal(x, y, f"{what}[{i}]")
     elif isinstance(a, torch.Tensor):
+        a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))  # DTensor: this rank's shard
         assert a.dtype == b.dtype and torch.equal(a, b), what
     else:
         assert a == b, what
 
 
-def _fit(L, Tiny, Record, root, *, plugins=(), steps=STEPS, save_to=None, ckpt_path=None):
+def _fit(L, Tiny, Record, root, *, plugins=(), steps=STEPS, save_to=None, ckpt_path=None, strategy="ddp"):
     rec = Record(save_to)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, plugins=list(plugins),
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, plugins=list(plugins),
                         callbacks=[rec], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root)
     trainer.fit(Tiny(), ckpt_path=ckpt_path)
@@ -150,6 +153,41 @@ def _lightning_trainer_cases(root: str) -> dict:
     out["async"] = {"stats": _stats_row(wrapped.checkpoint_io.last_stats), "size": os.path.getsize(async_ckpt)}
     assert trained_async["step"] == STEPS and rec.end["step"] == STEPS + 1
     return out
+
+
+def _model_parallel_case(root: str) -> dict:
+    """ModelParallel (tensor parallel over both ranks) saves a DCP checkpoint and loads it with
+    ``dcp.load(checkpoint_id=)``, never through a ``CheckpointIO``: resumed under the DCP switch, what it
+    restores is what it saved, and boxes both ranks need (the optimizer's param groups) were received."""
+    import pipeload.dcp
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    L, Tiny, Record = _lightning_classes()
+
+    class Parallel(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.out = torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)  # even shards over 2 ranks
+
+        def configure_model(self):
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(self, self.device_mesh["tensor_parallel"],
+                               {"layer": ColwiseParallel(), "out": RowwiseParallel()})
+
+        def training_step(self, batch, batch_idx):
+            return self.out(self.layer(batch[0])).pow(2).mean()
+
+    def strategy():
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+
+    path = os.path.join(root, "model-parallel.ckpt")
+    trained = _fit(L, Parallel, Record, root, strategy=strategy(), save_to=path).end
+    with pipeload.dcp.installed():
+        rec = _fit(L, Parallel, Record, root, strategy=strategy(), steps=STEPS + 1, ckpt_path=path)
+    _equal(rec.start, trained, "model parallel")
+    stats = pipeload.dcp.last_stats()
+    return {"items_received": stats.items_received, "items_read": len(stats.items_read)}
 
 
 def _fabric_case(root: str, wrap: bool) -> dict:
@@ -205,6 +243,19 @@ def _one_rank_only(rank: int, root: str) -> dict:
 
 # ---- Accelerate ------------------------------------------------------------------------------------
 
+class _Custom:
+    """An object registered for checkpointing: Accelerate loads its file with ``weights_only=False``."""
+
+    def __init__(self):
+        self.state = {"seen": 0, "scale": torch.zeros(2)}
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
 def _accelerate_objects(seed: int):
     from accelerate import Accelerator
 
@@ -214,25 +265,28 @@ def _accelerate_objects(seed: int):
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     model, opt, sched = accelerator.prepare(model, opt, sched)
-    return accelerator, model, opt, sched
+    accelerator.register_for_checkpointing(custom := _Custom())
+    return accelerator, model, opt, sched, custom
 
 
-def _accelerate_state(accelerator, model, opt, sched) -> dict:
+def _accelerate_state(accelerator, model, opt, sched, custom) -> dict:
     import copy
 
     return {"model": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
             "optimizer": copy.deepcopy(opt.state_dict()), "scheduler": sched.state_dict(),
-            "step": accelerator.step}
+            "custom": copy.deepcopy(custom.state), "step": accelerator.step}
 
 
 def _accelerate_save(rank: int, root: str) -> None:
-    accelerator, model, opt, sched = _accelerate_objects(3)
+    accelerator, model, opt, sched, custom = _accelerate_objects(3)
     accelerator.backward(model(torch.randn(2, 4)).pow(2).mean())
     opt.step()
     sched.step()
     opt.zero_grad()
+    custom.state = {"seen": 5, "scale": torch.arange(2.0)}
     accelerator.save_state(os.path.join(root, "acc"))
-    torch.save(_accelerate_state(accelerator, model, opt, sched), os.path.join(root, f"acc-reference-{rank}.pt"))
+    torch.save(_accelerate_state(accelerator, model, opt, sched, custom),
+               os.path.join(root, f"acc-reference-{rank}.pt"))
 
 
 # ---- the transformers Trainer ----------------------------------------------------------------------
@@ -310,6 +364,7 @@ def world_save(rank: int, world: int, root: str) -> dict:
     out["fabric"] = _fabric_case(root, wrap=False)
     out["fabric-async"] = _fabric_case(root, wrap=True)
     out["one-rank"] = _one_rank_only(rank, root)
+    out["model-parallel"] = _model_parallel_case(root)
     _accelerate_save(rank, root)
     return out
 
@@ -326,19 +381,19 @@ def world_load(rank: int, world: int, root: str) -> dict:
 
     _env(rank, world)
     reference = torch.load(os.path.join(root, f"acc-reference-{rank}.pt"), weights_only=True)
-    accelerator, model, opt, sched = _accelerate_objects(4)
+    accelerator, model, opt, sched, custom = _accelerate_objects(4)
     handle = pl_accelerate.enable(accelerator)
     assert pl_accelerate.enable(accelerator) is handle
     originals = (torch.load, safetensors.torch.load_file)
     accelerator.load_state(os.path.join(root, "acc"))
     assert (torch.load, safetensors.torch.load_file) == originals, "the routers outlived load_state"
-    _equal(_accelerate_state(accelerator, model, opt, sched), reference, "accelerate")
+    _equal(_accelerate_state(accelerator, model, opt, sched, custom), reference, "accelerate")
     stats = {name: _stats_row(s) for name, s in handle.last_stats.items()}
     pl_accelerate.disable(accelerator)
     assert "load_state" not in vars(accelerator)
-    accelerator, model, opt, sched = _accelerate_objects(5)
+    accelerator, model, opt, sched, custom = _accelerate_objects(5)
     accelerator.load_state(os.path.join(root, "acc"))  # stock again
-    _equal(_accelerate_state(accelerator, model, opt, sched), reference, "accelerate, stock")
+    _equal(_accelerate_state(accelerator, model, opt, sched, custom), reference, "accelerate, stock")
     sizes = {name: os.path.getsize(os.path.join(root, "acc", name)) for name in stats}
     _hf_save(rank, root)  # here, not in the first world: transformers is imported by one world only
     return {"stats": stats, "sizes": sizes, "transformers": _hf_resume(rank, root)}
@@ -373,6 +428,11 @@ def test_fabric_save_load_through_the_plugin(worlds, case):
     _read_once([r["stats"] for r in rows], rows[0]["size"])
 
 
+def test_lightning_model_parallel_resumes_under_the_dcp_switch(worlds):
+    rows = [r["model-parallel"] for r in worlds[0]]
+    assert sum(r["items_received"] for r in rows) > 0, rows  # a box both ranks load was read by one
+
+
 def test_a_load_one_rank_skips_is_read_locally_and_does_not_hang(worlds):
     rank0, rank1 = (r["one-rank"] for r in worlds[0])
     assert rank0["alone"] is None and "alone" not in rank1  # read by rank 0's own torch.load
@@ -382,7 +442,7 @@ def test_a_load_one_rank_skips_is_read_locally_and_does_not_hang(worlds):
 def test_accelerate_load_state_reads_each_shared_file_once(worlds):
     rows = worlds[1]
     names = set(rows[0]["stats"])
-    assert {"model.safetensors", "optimizer.bin", "scheduler.bin"} <= names, names
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "custom_checkpoint_0.pkl"} <= names, names
     assert not any(n.startswith("random_states") for n in names)
     for name in names:
         _read_once([r["stats"][name] for r in rows], rows[0]["sizes"][name])
