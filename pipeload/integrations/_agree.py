@@ -16,7 +16,8 @@ late gets the decision already taken. ``some`` costs the callers ``timeout`` sec
 local read: slower, never wrong, never a hang.
 
 Keys are ``pipeload/integrations/<site>/<digest of what is loaded>/<n>``, ``n`` counting this process's
-questions about that object: ranks that load the same files in the same order meet on the same keys. A
+questions about that object: ranks that load the same files in the same order meet on the same keys (the
+callers pass the absolute path: ranks that name one file differently never meet, and read it locally). A
 rank that skipped a load stays one question behind for that object, so its later loads go the local way
 (each after a ``timeout``); other objects are not affected.
 """

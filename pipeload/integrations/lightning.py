@@ -23,11 +23,13 @@ What it covers, exactly (Lightning 2.6):
   nothing on one node, a file missing on one node) is not waited for: after ``agree_timeout`` seconds the
   ranks that did call read the file themselves, as stock Lightning does. Paths with a scheme (fsspec URLs)
   are read by Lightning's own loader.
-- **Not covered: FSDP and ModelParallel.** Their ``load_checkpoint`` never calls the ``CheckpointIO`` (the
-  Trainer strategies override it; Fabric's refuse a ``CheckpointIO`` plug-in outright): a sharded
-  checkpoint is read with ``torch.distributed.checkpoint.load(..., checkpoint_id=path)`` and a
-  ``FileSystemReader(path)``, a full one with ``torch.load`` or a lazy loader. For the sharded ones, run the
-  call under pipeload's DCP switch, which those calls reach by name::
+- **Not covered: FSDP and ModelParallel loads.** Their ``load_checkpoint`` never calls the
+  ``CheckpointIO`` (the Trainer strategies override it; Fabric's refuse a ``CheckpointIO`` plug-in
+  outright): a sharded checkpoint is read with ``torch.distributed.checkpoint.load(...,
+  checkpoint_id=path)`` (and FSDP's optimizer through a ``FileSystemReader(path)``), a full one with
+  ``torch.load`` or Lightning's lazy loader, on every rank. Only their full-state-dict *saves* reach the
+  plug-in (rank 0, Lightning's own file). For the sharded loads, run the call under pipeload's DCP
+  switch, which those calls reach by name (tested with ModelParallel, tensor parallel on CPU)::
 
       with pipeload.dcp.installed():
           trainer.fit(model, ckpt_path="ckpt/")
