@@ -455,3 +455,40 @@ def test_transformers_trainer_resumes_through_reading_once(worlds):
     assert not any(n.startswith("rng_state") for n in names)
     for name in names:
         _read_once([r["stats"][name] for r in rows], rows[0]["sizes"][name])
+
+
+def test_reading_once_routes_only_this_threads_shared_files_of_its_directory(tmp_path):
+    """Without a process group (a world of one) the routing itself: which calls reach ``load_file``."""
+    import threading
+    from types import SimpleNamespace
+
+    import safetensors.torch
+
+    from pipeload.integrations.accelerate import reading_once
+
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    for d in (ckpt, other):
+        d.mkdir()
+        for name in ("optimizer.pt", "rng_state_0.pth"):
+            torch.save({"x": torch.arange(3)}, d / name)
+        safetensors.torch.save_file({"w": torch.ones(2)}, str(d / "model.safetensors"))
+    originals = (torch.load, safetensors.torch.load_file)
+    seen = {}
+    with reading_once(SimpleNamespace(distributed_type="MULTI_CPU"), str(ckpt)) as scope:
+        worker = threading.Thread(target=lambda: seen.update(t=torch.load(ckpt / "optimizer.pt", weights_only=True)))
+        worker.start()
+        worker.join()
+        assert torch.equal(torch.load(str(ckpt / "optimizer.pt"), weights_only=True)["x"], torch.arange(3))
+        assert torch.equal(safetensors.torch.load_file(str(ckpt / "model.safetensors"))["w"], torch.ones(2))
+        torch.load(ckpt / "rng_state_0.pth", weights_only=True)  # a per-rank file: each rank its own
+        torch.load(other / "optimizer.pt", weights_only=True)  # another directory
+        with open(ckpt / "optimizer.pt", "rb") as f:
+            torch.load(f, weights_only=True)  # a file object
+        torch.load(ckpt / "optimizer.pt", weights_only=True, mmap=True)  # an argument load_file does not take
+    assert torch.equal(seen["t"]["x"], torch.arange(3))  # the other thread: the original torch.load
+    assert sorted(scope.last_stats) == ["model.safetensors", "optimizer.pt"]
+    assert all(s.bytes_read == os.path.getsize(ckpt / n) for n, s in scope.last_stats.items())
+    assert (torch.load, safetensors.torch.load_file) == originals
+    with reading_once(SimpleNamespace(distributed_type="FSDP"), str(ckpt)) as scope:
+        torch.load(ckpt / "optimizer.pt", weights_only=True)  # under FSDP only rank 0 may read it: not routed
+    assert scope.last_stats == {}
