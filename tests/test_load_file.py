@@ -138,6 +138,9 @@ def world_load_file(rank: int, world: int, root: str) -> dict:
     out["io"] = _read_bytes() - before
     out["stats"] = stats
     out["zip"] = _same(torch.load(p["zip"]), got)
+    w = got["model"]["w"]
+    w.mul_(2)  # the result is the caller's to change (it maps this rank's buffer, shared with nobody)
+    out["writable"] = torch.equal(w, 2 * torch.load(p["zip"])["model"]["w"])
     for name, loc in (("cpu", "cpu"), ("dict", {"cpu": "cpu"}), ("callable", lambda s, _: s),
                       ("device", torch.device("cpu"))):
         got = pipeload.load_file(p["zip"], map_location=loc, chunk_bytes=CHUNK)
@@ -191,7 +194,7 @@ def world(tmp_path_factory):
 def test_every_rank_gets_what_torch_load_returns(world):
     res, _ = world
     for r in res:
-        assert r["zip"] and r["legacy"] and r["st"] and r["custom_allowed"] and r["staged"]
+        assert r["zip"] and r["legacy"] and r["st"] and r["custom_allowed"] and r["staged"] and r["writable"]
         assert all(r[f"map_{n}"] for n in ("cpu", "dict", "callable", "device"))
         assert r["st_format"] == "safetensors" and r["stats"].format == "torch-zip"
 

@@ -222,8 +222,12 @@ def _deserialize(run: _Run, where: str, is_zip: bool, mapped: bool = True) -> An
 
             device = "cpu" if run.map_location is None else run.map_location
             return safetensors_load(where, device=str(device) if isinstance(device, torch.device) else device)
-        mm = {"mmap": True} if mapped and is_zip else {}
-        return torch.load(where, map_location=run.map_location, weights_only=run.weights_only, **mm)
+        if not (mapped and is_zip):
+            return torch.load(where, map_location=run.map_location, weights_only=run.weights_only)
+        # MAP_SHARED: the buffer is this rank's alone, and a tensor written in place (an optimizer's
+        # state) then writes its pages instead of copying them (a private mapping would keep both)
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            return torch.load(where, map_location=run.map_location, weights_only=run.weights_only, mmap=True)
     except pickle.UnpicklingError as e:
         raise UnpicklingError(f"{run.path}: torch.load(weights_only={run.weights_only}) refused it on rank "
                               f"{run.comm.rank}: {_text(e, where, run.path)}") from e
@@ -439,21 +443,25 @@ class _Memfile:
 
     def close(self) -> None:
         """Unmap (once no broadcast or GET holds a view of the mapping: else when the last one goes) and
-        close the file (its pages stay as long as a returned tensor maps them)."""
+        close the file (its pages stay as long as a returned tensor maps them). Unmapping a large
+        buffer takes a while (~0.1 s for 256 MiB here): a thread does it, off the caller's path."""
         if self.fd < 0:
             return
         self._stop.set()
+        self.tensor = None
+        fd, self.fd = self.fd, -1
+        threading.Thread(target=self._release, args=(fd,), name="pipeload-unmap", daemon=True).start()
+
+    def _release(self, fd: int) -> None:
         if self._filler.is_alive():
             self._filler.join()
-        self.tensor = None
-        self.view.release()
-        if self.map is not None:
-            try:
+        try:
+            self.view.release()
+            if self.map is not None:
                 self.map.close()
-            except BufferError:  # a view is still exported: the mapping goes with it
-                pass
-        os.close(self.fd)
-        self.fd = -1
+        except BufferError:  # a view is still exported: the mapping goes with the last one
+            pass
+        os.close(fd)
 
 
 class _LocalSource:
