@@ -149,6 +149,12 @@ def _choose_readers(boxes: list[tuple], holders: dict, size: dict, affinity: dic
     return reader
 
 
+def _dense(target: torch.Tensor | None, item: ReadItem, reader: "ReadOnce") -> bool:
+    """Whether a message of ``item``'s box can land in (or leave from) ``target`` itself."""
+    return (target is not None and target.device.type == "cpu" and target.is_contiguous()
+            and tuple(target.shape) == tuple(item.lengths) and target.dtype == reader._dtype(item))
+
+
 class _Capture:
     """A stand-in planner for one box read through DCP's own reader: its tensor lands in a fresh buffer
     (DCP's transforms, layouts and checks applied), its bytes are kept."""
@@ -227,9 +233,10 @@ class ReadOnce:
 
     def _shared_phase(self, plan: LoadPlan, planner: LoadPlanner, ops: tuple) -> list[ReadItem]:
         """Every receive posted first; then this rank's shared boxes read in storage order, each sent to its
-        holders as soon as it is read; all awaited before any value is delivered or any error raised
-        (messages match by tag, so no rank waits on one another has not been able to post). Returns the
-        items no op covers."""
+        holders as soon as it is read; all awaited before any value is committed or any error raised
+        (messages match by tag, so no rank waits on one another has not been able to post). A message
+        lands in, and is sent from, the planner's destination where that is a dense host tensor of the
+        box's shape and dtype; otherwise in a buffer copied over at the end. Returns the items no op covers."""
         by_key: dict[tuple, list[ReadItem]] = {}
         for item in plan.items:
             by_key.setdefault(_key(item), []).append(item)
@@ -238,29 +245,40 @@ class ReadOnce:
         for n, k, reader, holders in ops:
             items = by_key.pop(k)
             if me != reader:
-                buf = self._empty(items[0])
+                target = self._resolve(items[0], planner)
+                buf = target if _dense(target, items[0], self) else self._empty(items[0])
                 works.append(dist.irecv(buf, src=reader, group=self.pg, tag=n))
                 self.stats.items_received += 1
                 self.stats.bytes_received += buf.numel() * buf.element_size()
-                landed.append((items, buf))
+                landed.append((items, buf, target))
             else:
                 to_read.append((n, items, holders))
         for n, items, holders in sorted(to_read, key=lambda x: self._storage_order(x[1][0])):
+            target = self._resolve(items[0], planner)
             try:
-                buf = self._read_box(items[0]).contiguous()  # a send needs a dense buffer
+                box = self._read_box(items[0])
+                if _dense(target, items[0], self):
+                    buf = target.copy_(box)
+                else:
+                    buf = box.contiguous()  # a send needs a dense buffer
             except Exception as e:  # noqa: BLE001 - the holders still get their message
                 error = error or e
                 buf = self._empty(items[0])
             works += [dist.isend(buf, dst=h, group=self.pg, tag=n) for h in holders if h != me]
-            landed.append((items, buf))
+            landed.append((items, buf, target))
         for w in works:
             w.wait()
         if error is not None:
             raise error
-        for items, buf in landed:
-            for item in items:
+        for items, buf, target in landed:
+            self._deliver(items[0], buf, planner, target)
+            for item in items[1:]:
                 self._deliver(item, buf, planner)
         return [item for items in by_key.values() for item in items]
+
+    def _resolve(self, item: ReadItem, planner: LoadPlanner) -> torch.Tensor | None:
+        """The planner's destination of a tensor box (resolved once; committed in :meth:`_deliver`)."""
+        return None if item.type == LoadItemType.BYTE_IO else planner.resolve_tensor(item).detach()
 
     # -- what a layout gives ------------------------------------------------------------------------
 
@@ -307,15 +325,18 @@ class ReadOnce:
         self.stats.items_read += [_key(i) for i in plan.items]
         self.stats.bytes_read += sum(self._nbytes(i) for i in plan.items)
 
-    def _deliver(self, item: ReadItem, value: torch.Tensor, planner: LoadPlanner) -> None:
-        """A box into the planner's destination, as DCP's reader hands it over."""
+    def _deliver(self, item: ReadItem, value: torch.Tensor, planner: LoadPlanner,
+                 target: torch.Tensor | None = None) -> None:
+        """A box into the planner's destination (``target``: already resolved), as DCP's reader hands it over."""
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(value.numpy().tobytes()))
             return
-        target = planner.resolve_tensor(item).detach()
+        if target is None:
+            target = planner.resolve_tensor(item).detach()
         if target.shape != value.shape:
             raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {value.size()}")
-        target.copy_(value)
+        if target is not value:
+            target.copy_(value)
         planner.commit_tensor(item, target)
 
     def _done(self) -> None:
