@@ -20,9 +20,8 @@ questions about that object: ranks that load the same files in the same order me
 callers pass the absolute path: ranks that name one file differently never meet, and read it locally). A
 rank that skipped a load stays one question behind for that object, so its later loads go the local way
 (each after a ``timeout``); other objects are not affected. The keys assume the store belongs to this
-job: ``init_process_group`` makes a fresh one, and torchrun prefixes the store it shares across restarts
-with the restart count; a store that already holds another job's keys could answer for ranks that are
-gone.
+job: ``init_process_group`` makes a fresh one, and torchrun's agent a new one for every restart; a store
+that already held another job's keys could answer for ranks that are gone.
 """
 
 from __future__ import annotations
