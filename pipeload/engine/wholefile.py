@@ -72,7 +72,9 @@ class FileStats:
     bytes_read: int = 0  # bytes this rank read from storage (fetched, for an object store)
     bytes_received: int = 0  # bytes this rank received by broadcast
     broadcasts: int = 0  # data broadcasts this rank took part in
-    timings: dict[str, float] = field(default_factory=dict)  # exchange, transfer, deserialize, agree
+    # exchange, transfer, deserialize, agree; read and wait: the caller's waits for storage and for the oldest
+    # broadcast within transfer; allocate: how long the buffer's pages took (a thread, overlapping transfer)
+    timings: dict[str, float] = field(default_factory=dict)
     wall: float = 0.0
 
 
@@ -345,6 +347,7 @@ def _transfer(run: _Run, mem: "_Memfile", source, reader: int, chunk: int, infli
             ring.close()
     run.lap("transfer")
     stats.timings["read"], stats.timings["wait"] = waited
+    stats.timings["allocate"] = mem.populated
     if reading:
         stats.bytes_read = source.fetched
         return error or source.check()
@@ -413,6 +416,7 @@ class _Memfile:
         self.map = mmap.mmap(self.fd, size) if size else None
         self.view = memoryview(self.map) if size else memoryview(bytearray(0))
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        self.populated = 0.0  # seconds the buffer's pages took to allocate (0: not done)
         self._stop = threading.Event()
         self._filler = threading.Thread(target=self._populate, name="pipeload-populate", daemon=True)
         if size >= POPULATE_STEP:
@@ -429,10 +433,11 @@ class _Memfile:
             madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         except (OSError, AttributeError):
             return
-        base = self.tensor.data_ptr()
+        base, t0 = self.tensor.data_ptr(), time.perf_counter()
         for off in range(0, self.size, POPULATE_STEP):
             if self._stop.is_set() or madvise(base + off, min(POPULATE_STEP, self.size - off), _MADV_POPULATE_WRITE):
                 return
+        self.populated = time.perf_counter() - t0
 
     @property
     def path(self) -> str:
