@@ -56,7 +56,7 @@ def run(cfg: FileBenchConfig) -> dict[str, Any]:
     directory = tempfile.mkdtemp(prefix="pipeload-bench-file-") if own else os.path.abspath(cfg.dir)
     os.makedirs(directory, exist_ok=True)
     throttle = setup_throttle(directory, cfg.read_mbps)
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), os.getloadavg()[0]
     try:
         values = run_world(_rank_main, cfg.world, cfg, directory, throttle, timeout=cfg.timeout, separate_hosts=True)
     finally:
@@ -77,7 +77,8 @@ def run(cfg: FileBenchConfig) -> dict[str, Any]:
     for t in targets:
         t["ok"] = t["value"] <= t["limit"]
     return {"config": asdict(cfg), "size": size, "throttle": {k: throttle.get(k) for k in ("ok", "mechanism", "reason")},
-            "rows": rows, "runs": runs, "targets": targets, "total_seconds": time.perf_counter() - t0}
+            "rows": rows, "runs": runs, "targets": targets, "total_seconds": time.perf_counter() - t0,
+            "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)]}  # other work makes timings noisy
 
 
 def _content(size: int) -> dict[str, Any]:
