@@ -12,9 +12,9 @@ The collectives, issued in this order by every rank of the group (see docs/ARCHI
    path: every rank decides alike whether the bytes are broadcast and which rank reads them (rank 0's
    path hash modulo the group size, so the files of one state directory spread their reads);
 2. broadcast, the reading rank's file size (-1: it could not open the file, then 4.);
-3. the bytes, ``ceil(size / chunk_bytes)`` broadcasts, at most ``max_inflight`` outstanding, each
-   received straight into one buffer of the file's size; the reader reads chunk k + 1 while chunk k
-   travels, and a reader whose read failed still sends (nothing more is read);
+3. the bytes, ``ceil(size / chunk_bytes)`` broadcasts through a ring of ``max_inflight`` chunk
+   buffers, at most ``max_inflight`` outstanding; a thread of the reader copies storage into its
+   buffer ahead of them, and a reader whose read failed still sends (nothing more is read);
 4. one word per rank: whether the read failed or the file changed under it (size, mtime, inode);
    then every rank raises one ``DistributedError`` naming the reader, the file and the cause;
 5. each rank deserializes the buffer; one word per rank: whether it failed, then every rank raises.
