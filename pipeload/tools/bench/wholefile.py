@@ -13,7 +13,9 @@ rotated every repeat, medians reported:
 - ``pipeload.load_file``: every rank calls it (default policy: the ranks are on separate hosts).
 
 Time: from a barrier before to the slowest rank's end. Bytes read from storage: ``/proc/self/io``
-``read_bytes`` summed over the ranks. Every ``load_file`` result is compared with the file's tensors
+``read_bytes`` summed over the ranks. Memory: the peak RSS over the RSS before, taken after every
+tensor of the result was read once (``load_file``'s tensors map shared memory, which counts in RSS
+once touched). Every ``load_file`` result is compared with the file's tensors
 (a digest of each, computed once) and objects on every rank.
 """
 
@@ -165,9 +167,10 @@ def _one(row: str, rank: int, path: str, digest: dict, drop_cache) -> dict[str, 
     elif row == "pipeload.load_file":
         got = pipeload.load_file(path, stats=stats)
     wall = time.perf_counter() - t0
-    rec = {"wall": wall, "read_bytes": proc_io()["read_bytes"] - io0,
-           "peak_rss_delta_mib": (status_kib("VmHWM") - rss0) / 1024, "ok": got is None or _digest(got) == digest,
-           "timings": stats.timings}
+    read_bytes = proc_io()["read_bytes"] - io0
+    ok = got is None or _digest(got) == digest  # touches every tensor: a mapped result now counts in RSS
+    rec = {"wall": wall, "read_bytes": read_bytes, "peak_rss_delta_mib": (status_kib("VmHWM") - rss0) / 1024,
+           "ok": ok, "timings": stats.timings}
     del got
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, rec)
