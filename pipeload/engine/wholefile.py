@@ -12,9 +12,9 @@ The collectives, issued in this order by every rank of the group (see docs/ARCHI
    path: every rank decides alike whether the bytes are broadcast and which rank reads them (rank 0's
    path hash modulo the group size, so the files of one state directory spread their reads);
 2. broadcast, the reading rank's file size (-1: it could not open the file, then 4.);
-3. the bytes, ``ceil(size / chunk_bytes)`` broadcasts, at most ``max_inflight`` outstanding, each
-   received straight into one buffer of the file's size; the reader reads chunk k + 1 while chunk k
-   travels, and a reader whose read failed still sends (nothing more is read);
+3. the bytes, ``ceil(size / chunk_bytes)`` broadcasts through a ring of ``max_inflight`` chunk
+   buffers, at most ``max_inflight`` outstanding; a thread of the reader copies storage into its
+   buffer ahead of them, and a reader whose read failed still sends (nothing more is read);
 4. one word per rank: whether the read failed or the file changed under it (size, mtime, inode);
    then every rank raises one ``DistributedError`` naming the reader, the file and the cause;
 5. each rank deserializes the buffer; one word per rank: whether it failed, then every rank raises.
@@ -22,11 +22,12 @@ The collectives, issued in this order by every rank of the group (see docs/ARCHI
 Without broadcasting (``broadcast=False``, or ``"auto"`` with every rank on one host under gloo) only
 1. and 5. remain: each rank calls ``torch.load(path)`` itself. A world of one issues no collective.
 
-Memory: the buffer is an anonymous in-memory file (``memfd``) every rank maps once; a ``torch.save``
-zip is then loaded with ``torch.load(..., mmap=True)`` and a safetensors file with safetensors' own
-mapping, both over that file, so the tensors returned *are* the received bytes (no second copy). A
-file in the legacy (non-zip) format is read from the buffer into new storages: the buffer and the
-result coexist until the call returns (at most the file twice, transiently).
+Memory: every rank's copy of the file is an anonymous in-memory file (``memfd``) written with
+``pwrite`` (the broadcasts go through a small ring of chunk buffers); a ``torch.save`` zip is then
+loaded with ``torch.load(..., mmap=True)`` and a safetensors file with safetensors' own mapping, both
+over that file, so the tensors returned *are* those pages (no second copy). A file in the legacy
+(non-zip) format is read from it into new storages: the buffer and the result coexist until the call
+returns (at most the file twice, transiently).
 """
 
 from __future__ import annotations
@@ -53,10 +54,8 @@ from .comm import Comm
 
 CHUNK_BYTES = 4 << 20  # bytes per broadcast
 MAX_INFLIGHT = 8  # broadcasts outstanding (and, under an accelerator backend, device chunks)
-READ_STEP = 4 << 20  # bytes per preadv of the reading thread
-POPULATE_STEP = 8 << 20  # the receive buffer's pages are allocated ahead in steps of this size
-_MADV_POPULATE_WRITE = 23
-_STAGE_ON_HOST = False  # tests: run the accelerator path's staging ring with host "device" chunks
+READ_STEP = 4 << 20  # bytes per preadv (and pwrite) of the reading thread
+_STAGE_ON_HOST = False  # tests: run the accelerator path's device slots with host chunks
 _ZIP = b"PK\x03\x04"  # how a torch.save zip (the default format since torch 1.6) begins
 
 
@@ -72,7 +71,9 @@ class FileStats:
     bytes_read: int = 0  # bytes this rank read from storage (fetched, for an object store)
     bytes_received: int = 0  # bytes this rank received by broadcast
     broadcasts: int = 0  # data broadcasts this rank took part in
-    timings: dict[str, float] = field(default_factory=dict)  # exchange, transfer, deserialize, agree
+    # exchange, transfer, deserialize, agree; read and wait: the caller's waits for storage and for the
+    # oldest broadcast within transfer
+    timings: dict[str, float] = field(default_factory=dict)
     wall: float = 0.0
 
 
@@ -195,7 +196,8 @@ def _each_reads(run: _Run) -> tuple[Any, PipeloadError | None]:
         mem = _Memfile(source.size)
         try:
             run.stats.size = source.size
-            source.read_into(mem.view, 0, source.size)
+            source.start(mem)
+            source.wait_for(source.size)
             run.stats.bytes_read = source.fetched
             source.close()
             run.lap("transfer")
@@ -305,44 +307,45 @@ def _read_error(run: _Run, e: BaseException) -> str:
 def _transfer(run: _Run, mem: "_Memfile", source, reader: int, chunk: int, inflight: int) -> str | None:
     """The bytes from ``reader`` to every rank of the group; returns the reader's error (None elsewhere).
 
-    Chunk k is read (reader) while chunks < k travel; at most ``inflight`` broadcasts are outstanding,
-    and every one is awaited before the buffer can go (also when one fails)."""
+    Chunk k goes through ring slot k mod ``inflight``: the reader copies it there from its buffer once
+    the source has it (the source runs ahead in a thread of its own), a receiver writes it from there
+    into its buffer once its broadcast completed. At most ``inflight`` broadcasts are outstanding, so a
+    slot is free again when it comes round; every one is awaited before the ring can go."""
     comm, stats = run.comm, run.stats
     reading = comm.rank == reader
-    staged = comm.broadcast_device.type != "cpu" or _STAGE_ON_HOST
-    ring = _DeviceRing(comm.broadcast_device, chunk, inflight, mem) if staged else None
+    ring = _Ring(comm.broadcast_device, chunk, inflight)
     pending: deque = deque()
     error = None
-    waited = [0.0, 0.0]  # in reads, on the oldest broadcast
+    waited = [0.0, 0.0]  # for the source, on the oldest broadcast
+    if reading:
+        source.start(mem)
     try:
         for k, a in enumerate(range(0, mem.size, chunk)):
             b = min(mem.size, a + chunk)
+            if len(pending) >= inflight:
+                t0 = time.perf_counter()
+                _complete(run, ring, mem, *pending.popleft())
+                waited[1] += time.perf_counter() - t0
             if reading and error is None:
                 t0 = time.perf_counter()
                 try:
-                    source.read_into(mem.view, a, b)
+                    source.wait_for(b)
                 except Exception as e:  # noqa: BLE001 - the broadcasts still go out; the agreement raises
                     error = _read_error(run, e)
                 waited[0] += time.perf_counter() - t0
-            if len(pending) >= inflight:
-                t0 = time.perf_counter()
-                _complete(run, ring, *pending.popleft())
-                waited[1] += time.perf_counter() - t0
-            part = mem.tensor[a:b]
+            sent = ring.outgoing(k, a, b, mem if reading and error is None else None)
             call = f"broadcast of bytes {a}-{b} from rank {reader}"
-            sent = ring.stage(k, part, reading) if ring is not None else part
-            pending.append((comm.post_broadcast(sent, reader, run.what, call), k, part, reading, call))
+            pending.append((comm.post_broadcast(sent, reader, run.what, call), k, a, b, reading, call))
             stats.broadcasts += 1
         while pending:
-            _complete(run, ring, *pending.popleft())
+            _complete(run, ring, mem, *pending.popleft())
     finally:
-        for work, *_ in pending:  # a broadcast failed: the others must not write into a freed buffer
+        for work, *_ in pending:  # a broadcast failed: the others must not fill a freed slot
             try:
                 work.wait()
             except Exception:  # noqa: BLE001 - the first error is already propagating
                 pass
-        if ring is not None:
-            ring.close()
+        ring.close()
     run.lap("transfer")
     stats.timings["read"], stats.timings["wait"] = waited
     if reading:
@@ -352,52 +355,64 @@ def _transfer(run: _Run, mem: "_Memfile", source, reader: int, chunk: int, infli
     return None
 
 
-def _complete(run: _Run, ring, work, k: int, part: torch.Tensor, reading: bool, call: str) -> None:
+def _complete(run: _Run, ring: "_Ring", mem: "_Memfile", work, k: int, a: int, b: int, reading: bool,
+              call: str) -> None:
     run.comm.wait(work, run.what, call)
-    if ring is not None and not reading:
-        ring.unstage(k, part)
+    if not reading:
+        ring.incoming(k, a, b, mem)
 
 
-class _DeviceRing:
-    """Under an accelerator backend (NCCL): the broadcasts go through ``slots`` device chunks of the current
-    device. The reader copies each chunk host -> device before its broadcast, a receiver device -> host
-    after it; the host buffer is page-locked for the call (``cudaHostRegister``) so the copies are
-    asynchronous. A slot is reused only after the broadcast it served was awaited (which orders the
-    current stream after it) and its copy back was queued on the current stream (which the next
-    broadcast's stream waits for)."""
+class _Ring:
+    """``slots`` chunk buffers the broadcasts go through, reused in turn (allocated once per call: the
+    buffer of the file is written with ``pwrite``, which allocates its pages without zeroing them or
+    faulting — several times cheaper than receiving into fresh memory, measured).
 
-    def __init__(self, device: torch.device, chunk: int, slots: int, mem: "_Memfile"):
+    Under an accelerator backend (NCCL) each slot also has a device chunk on the current device: the
+    reader copies host -> device before the broadcast, a receiver device -> host after it (page-locked
+    host slots; both copies complete before the CPU reuses the host slot, so no stream can still read
+    or write it)."""
+
+    def __init__(self, device: torch.device, chunk: int, slots: int):
+        cuda = device.type == "cuda"
         self.device = device
-        self.slots = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self.pinned = 0
-        if mem.size and device.type == "cuda":
-            try:
-                if torch.cuda.cudart().cudaHostRegister(mem.tensor.data_ptr(), mem.size, 0) == 0:
-                    self.pinned = mem.tensor.data_ptr()
-            except Exception:  # noqa: BLE001 - pageable memory still works, synchronously
-                pass
+        self.host = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(slots)]
+        staged = device.type != "cpu" or _STAGE_ON_HOST
+        self.dev = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(slots)] if staged else None
 
-    def stage(self, k: int, part: torch.Tensor, reading: bool) -> torch.Tensor:
-        slot = self.slots[k % len(self.slots)][: part.numel()]
-        if reading:
-            slot.copy_(part, non_blocking=bool(self.pinned))
-        return slot
+    def _host(self, k: int, n: int) -> tuple[torch.Tensor, memoryview]:
+        t = self.host[k % len(self.host)][:n]
+        return t, memoryview(t.numpy()).cast("B")
 
-    def unstage(self, k: int, part: torch.Tensor) -> None:
-        part.copy_(self.slots[k % len(self.slots)][: part.numel()], non_blocking=bool(self.pinned))
+    def outgoing(self, k: int, a: int, b: int, mem: "_Memfile | None") -> torch.Tensor:
+        """What chunk k's broadcast sends or fills: the reader's bytes [a, b) copied from ``mem`` (None:
+        a receiver's slot, or a failed reader's, sent as it is)."""
+        host, view = self._host(k, b - a)
+        if mem is not None:
+            mem.read(view, a)
+        if self.dev is None:
+            return host
+        dev = self.dev[k % len(self.dev)][: b - a]
+        if mem is not None:
+            dev.copy_(host)
+        return dev
+
+    def incoming(self, k: int, a: int, b: int, mem: "_Memfile") -> None:
+        """A receiver's chunk k, its broadcast complete, written into ``mem`` at ``a``."""
+        host, view = self._host(k, b - a)
+        if self.dev is not None:
+            host.copy_(self.dev[k % len(self.dev)][: b - a])
+        mem.write(view, a)
 
     def close(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-            if self.pinned:
-                torch.cuda.cudart().cudaHostUnregister(self.pinned)
-        self.slots = []
+        self.host, self.dev = [], None
 
 
 class _Memfile:
-    """The file's bytes on this rank: an anonymous in-memory file of its size, mapped while it is filled.
-
-    Deserializers open it by name (``path``); what a zip's tensors map of it stays alive after ``close``."""
+    """The file's bytes on this rank: an anonymous in-memory file (``memfd``) of its size, written and
+    read with ``pwrite``/``preadv``; deserializers open it by name (``path``). Closing it leaves the
+    pages that a returned tensor maps."""
 
     def __init__(self, size: int):
         self.size = size
@@ -410,66 +425,66 @@ class _Memfile:
             self.fd = os.dup(f.fileno())
             f.close()
         os.ftruncate(self.fd, size)
-        self.map = mmap.mmap(self.fd, size) if size else None
-        self.view = memoryview(self.map) if size else memoryview(bytearray(0))
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-        self._stop = threading.Event()
-        self._filler = threading.Thread(target=self._populate, name="pipeload-populate", daemon=True)
-        if size >= POPULATE_STEP:
-            self._filler.start()
-
-    def _populate(self) -> None:
-        """Allocate the buffer's pages front to back ahead of the bytes arriving (``MADV_POPULATE_WRITE``,
-        Linux >= 5.14; elsewhere the first write allocates). A receive that reaches a page first takes
-        its fault inside the socket copy, which measured several times slower than allocating ahead."""
-        try:
-            import ctypes
-
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            return
-        base = self.tensor.data_ptr()
-        for off in range(0, self.size, POPULATE_STEP):
-            if self._stop.is_set() or madvise(base + off, min(POPULATE_STEP, self.size - off), _MADV_POPULATE_WRITE):
-                return
 
     @property
     def path(self) -> str:
         return f"/proc/self/fd/{self.fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{self.fd}"
 
+    def write(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def read(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise ReadError(f"pipeload's buffer ended at byte {offset + done}")
+            done += n
+
     def head(self) -> bytes:
-        return bytes(self.view[: len(_ZIP)])
+        return os.pread(self.fd, len(_ZIP), 0)
 
     def close(self) -> None:
-        """Unmap (once no broadcast or GET holds a view of the mapping: else when the last one goes) and
-        close the file (its pages stay as long as a returned tensor maps them). Unmapping a large
-        buffer takes a while (~0.1 s for 256 MiB here): a thread does it, off the caller's path."""
-        if self.fd < 0:
-            return
-        self._stop.set()
-        self.tensor = None
-        fd, self.fd = self.fd, -1
-        threading.Thread(target=self._release, args=(fd,), name="pipeload-unmap", daemon=True).start()
-
-    def _release(self, fd: int) -> None:
-        if self._filler.is_alive():
-            self._filler.join()
-        try:
-            self.view.release()
-            if self.map is not None:
-                self.map.close()
-        except BufferError:  # a view is still exported: the mapping goes with the last one
-            pass
-        os.close(fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
-class _LocalSource:
-    """A local file, read front to back with ``preadv`` straight into the buffer by a thread of its own
-    (the buffer holds the whole file, so reading ahead costs no memory): storage streams at its own pace
-    while the broadcasts go out. ``check`` says whether the file changed meanwhile."""
+class _Progress:
+    """How far a source has filled the buffer (a contiguous prefix), or the error that stopped it."""
+
+    def __init__(self) -> None:
+        self.fetched = 0
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def advance(self, upto: int) -> None:
+        with self._cond:
+            self.fetched = upto
+            self._cond.notify_all()
+
+    def fail(self, e: BaseException) -> None:
+        with self._cond:
+            self.error = e
+            self._cond.notify_all()
+
+    def wait_for(self, b: int) -> None:
+        """Return once bytes [0, b) are in the buffer; raise the source's error if it stopped before."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.fetched >= b or self.error is not None)
+            if self.fetched < b:
+                raise self.error
+
+
+class _LocalSource(_Progress):
+    """A local file copied front to back into the buffer by a thread of its own (``preadv`` into a
+    small buffer, ``pwrite`` out of it): storage streams at its own pace, ahead of the broadcasts.
+    ``check`` says whether the file changed meanwhile."""
 
     def __init__(self, path: str):
+        super().__init__()
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self.stat = os.fstat(self.fd)
@@ -477,40 +492,28 @@ class _LocalSource:
             os.close(self.fd)
             raise ReadError(f"{path}: not a regular file")
         self.size = self.stat.st_size
-        self.fetched = 0  # bytes read so far (the thread's; read under the condition)
-        self.error: BaseException | None = None
-        self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
-    def _run(self, view: memoryview) -> None:
-        pos = 0
+    def start(self, mem: _Memfile) -> None:
+        self._thread = threading.Thread(target=self._run, args=(mem,), name="pipeload-read-file", daemon=True)
+        self._thread.start()
+
+    def _run(self, mem: _Memfile) -> None:
+        pos, view = 0, memoryview(bytearray(min(self.size, READ_STEP)))
         try:
             while pos < self.size and not self._stop:
-                n = os.preadv(self.fd, [view[pos : min(self.size, pos + READ_STEP)]], pos)
+                n = os.preadv(self.fd, [view[: min(self.size - pos, READ_STEP)]], pos)
                 if n <= 0:
                     raise ReadError(f"{self.path}: the file ends at byte {pos}, not at the {self.size} bytes it "
                                     f"had when it was opened (truncated while it was read)")
+                mem.write(view[:n], pos)
                 pos += n
-                with self._cond:
-                    self.fetched = pos
-                    self._cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - raised by read_into in the caller's thread
-            with self._cond:
-                self.error = e
-                self._cond.notify_all()
-
-    def read_into(self, view: memoryview, a: int, b: int) -> None:
-        """Return once bytes [a, b) are in ``view`` (the first call starts the reading thread)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, args=(view,), name="pipeload-read-file", daemon=True)
-            self._thread.start()
-        with self._cond:
-            self._cond.wait_for(lambda: self.fetched >= b or self.error is not None)
-            if self.fetched < b:
-                raise self.error
+                self.advance(pos)
+        except BaseException as e:  # noqa: BLE001 - raised by wait_for in the caller's thread
+            self.fail(e)
 
     def check(self) -> str | None:
         """None, or why the bytes read may not be one version of the file."""
@@ -535,30 +538,35 @@ class _LocalSource:
             self.fd = -1
 
 
-class _ObjectSource:
-    """An object read by ranged GETs (``part_size`` each, the store's ``max_requests`` in flight) straight
-    into the buffer, every GET pinned to the ETag of one HEAD, so a replaced object fails the read."""
+class _ObjectSource(_Progress):
+    """An object fetched by ranged GETs (``part_size`` each, every part requested at once, the store's
+    ``max_requests`` in flight) straight into a mapping of the buffer, every GET pinned to the ETag of
+    one HEAD, so a replaced object fails the read."""
 
     def __init__(self, url: str):
+        super().__init__()
         self.store, self.key = storage.store_of(url)
         self.size, self.etag = self.store.run(self.store.head(self.key))  # this call's version, not a pin
         self.parts: list[tuple[int, int, concurrent.futures.Future]] = []
-        self.fetched = 0
+        self._map: mmap.mmap | None = None
 
-    def read_into(self, view: memoryview, a: int, b: int) -> None:
-        if not self.parts:  # every part requested at once; the store's semaphore bounds those in flight
-            from ..io.objstore import io_loop
+    def start(self, mem: _Memfile) -> None:
+        if not self.size:
+            return
+        from ..io.objstore import io_loop
 
-            loop, step = io_loop(), self.store.part_size
-            for lo in range(0, self.size, step):
-                hi = min(self.size, lo + step)
-                fut = loop.submit(self.store.get_into(self.key, lo, hi, self.etag, view[lo:hi]))
-                self.parts.append((lo, hi, fut))
+        self._map = mmap.mmap(mem.fd, self.size)
+        view, loop, step = memoryview(self._map), io_loop(), self.store.part_size
+        for lo in range(0, self.size, step):
+            hi = min(self.size, lo + step)
+            self.parts.append((lo, hi, loop.submit(self.store.get_into(self.key, lo, hi, self.etag, view[lo:hi]))))
+        view.release()
+
+    def wait_for(self, b: int) -> None:
         for lo, hi, fut in self.parts:
-            if hi > a and lo < b:
-                fut.result()
-        self.fetched = sum(hi - lo for lo, hi, f in self.parts if f.done() and not f.cancelled()
-                           and f.exception() is None)
+            if lo < b and hi > self.fetched:
+                fut.result()  # the store's ReadError names the object and the range
+                self.fetched = hi
 
     def check(self) -> str | None:
         return None  # every GET carried If-Match
@@ -567,6 +575,12 @@ class _ObjectSource:
         for _, _, fut in self.parts:
             fut.cancel()
         concurrent.futures.wait([f for _, _, f in self.parts])
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a cancelled GET still holds its view: the mapping goes with it
+                pass
+            self._map = None
 
 
 __all__ = ["FileStats", "load_file"]

@@ -204,7 +204,8 @@ def _bench_file(args: argparse.Namespace) -> int:
           f"{args.repeats} repeats (medians); storage: "
           + (f"all ranks together {args.read_mbps:g} MiB/s" if th["ok"] else f"NOT throttled ({th['reason']})") + "\n")
     print(wholefile.format_table(result))
-    print(f"\ntotal {result['total_seconds']:.0f} s" + (f"; results in {args.out}" if args.out else ""))
+    print(f"\ntotal {result['total_seconds']:.0f} s, 1-minute load average {result['loadavg'][0]} -> "
+          f"{result['loadavg'][1]}" + (f"; results in {args.out}" if args.out else ""))
     return 0
 
 
