@@ -12,7 +12,8 @@ DCP's own reader on the same checkpoint, bit for bit:
   replicated box read by one rank; ``dcp_to_torch_save`` (``no_dist``, ``_EmptyStateDictLoadPlanner``)
   on rank 0 alone; a subgroup of two ranks; a planner that renames a key and skips one; a ZStandard
   checkpoint (transformed boxes read by DCP's code, tensors still shared); the Hugging Face reader;
-  ``load_sharded_optimizer_state_dict`` with the installed ``FileSystemReader``.
+  ``load_sharded_optimizer_state_dict`` with the installed ``FileSystemReader``; saved in one layout and
+  loaded in another (1-D and 2-D meshes, uneven and column shards); a file cut short raises on every rank.
 
 The switch itself (identity restored, idempotent, nested) is checked in this process.
 """
@@ -308,6 +309,58 @@ def _sharded_optimizer_case(rank: int, world: int, root: str, out: dict) -> None
     out["sharded_optimizer"] = _read_once(reader.stats, world)
 
 
+def _resharding_case(rank: int, world: int, root: str, out: dict) -> None:
+    """Saved in one layout, loaded under ``install()`` in another (1-D and 2-D meshes, uneven and column
+    shards, replicas): every pair equal to the saved tensor, replicated boxes received."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, zeros
+
+    import pipeload.dcp as pd
+
+    m1, m2 = init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (2, world // 2))
+    layouts = [(m1, [Shard(0)]), (m1, [Replicate()]), (m2, [Shard(1), Shard(0)]), (m2, [Replicate(), Shard(1)])]
+    full = torch.arange(60, dtype=torch.float).view(6, 10)  # 6 rows, 10 columns: uneven over 4 and 2
+    received = 0
+    for i, (mesh, placements) in enumerate(layouts):
+        path = os.path.join(root, f"reshard{i}")
+        dcp.save({"t": distribute_tensor(full, mesh, placements)}, checkpoint_id=path)
+        for mesh2, placements2 in layouts:
+            dest = {"t": zeros([6, 10], device_mesh=mesh2, placements=placements2)}
+            with pd.installed():
+                dcp.load(dest, checkpoint_id=path)
+            assert torch.equal(dest["t"].full_tensor(), full), (placements, placements2)
+            received += pd.last_stats().items_received
+    out["reshard_received"] = received
+
+
+def _failed_read_case(rank: int, world: int, root: str, out: dict) -> None:
+    """One of the TP x DP checkpoint's files cut short: every rank's ``dcp.load`` under ``install()`` raises
+    (the reader that fails still sends, DCP gathers the outcome), none hangs."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pipeload.dcp as pd
+
+    path = os.path.join(root, "cut")
+    if rank == 0:
+        shutil.copytree(os.path.join(root, "tpdp"), path)
+        with open(os.path.join(path, "__1_0.distcp"), "r+b") as f:
+            f.truncate(100)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pd.installed():
+        try:
+            dcp.load(_tp_dp_state(mesh, 8, 0), checkpoint_id=path)
+        except CheckpointException as e:  # DCP's (a BaseException): every rank's error, by rank
+            out["cut_raised"] = "__1_0.distcp" in str(e) or str(e)[-300:]
+        else:
+            out["cut_raised"] = False
+
+
 def world(rank: int, size: int, root: str) -> dict:
     warnings.filterwarnings("ignore")
     out: dict = {}
@@ -315,6 +368,8 @@ def world(rank: int, size: int, root: str) -> dict:
     _switch_case(rank, size, root, out)
     _zstd_and_hf_case(rank, size, root, out)
     _sharded_optimizer_case(rank, size, root, out)
+    _resharding_case(rank, size, root, out)
+    _failed_read_case(rank, size, root, out)
     return out
 
 
@@ -343,6 +398,14 @@ def test_install_no_dist_subgroup_and_planners(results):
     for pair in (results[:2], results[2:]):
         assert [sum(r["pair"][i] for r in pair) for i in (0, 1)] == [2, 2]
     assert results[0]["renamed"]["received"] == 3 and results[0]["renamed"]["read"] == 1
+
+
+def test_install_reshards_as_dcp_does(results):
+    assert sum(r["reshard_received"] for r in results) > 0
+
+
+def test_install_a_failed_read_raises_on_every_rank(results):
+    assert all(r["cut_raised"] is True for r in results), [r["cut_raised"] for r in results]
 
 
 def test_install_load_sharded_optimizer_state_dict(results):

@@ -19,8 +19,9 @@ So the reader issues no collective, and sends only between ranks DCP's coordinat
 together. Under the host-aware policy (``share="auto"``, the default) a box is shared only when its
 holders run on more than one host (``PIPELOAD_HOST_ID`` emulates hosts), as in ``pipeload.load``.
 A reader whose read fails still sends (zeros), then raises naming the file, the item and the rank;
-``dcp.load`` gathers every rank's outcome and raises on all of them. A planner whose ``finish_plan``
-drops the plan's ``storage_data`` breaks the storage layer's contract with DCP and is not supported.
+``dcp.load`` gathers every rank's outcome and raises on all of them; so does a planner whose
+``resolve_tensor`` fails. A planner whose ``finish_plan`` drops the plan's ``storage_data`` or changes
+the boxes the coordinator saw breaks the storage layer's contract with DCP and is not supported.
 """
 
 from __future__ import annotations
@@ -245,7 +246,10 @@ class ReadOnce:
         for n, k, reader, holders in ops:
             items = by_key.pop(k)
             if me != reader:
-                target = self._resolve(items[0], planner)
+                try:
+                    target = self._resolve(items[0], planner)
+                except Exception as e:  # noqa: BLE001 - the receive is still posted: its sender waits on it
+                    error, target = error or e, None
                 buf = target if _dense(target, items[0], self) else self._empty(items[0])
                 works.append(dist.irecv(buf, src=reader, group=self.pg, tag=n))
                 self.stats.items_received += 1
@@ -254,8 +258,9 @@ class ReadOnce:
             else:
                 to_read.append((n, items, holders))
         for n, items, holders in sorted(to_read, key=lambda x: self._storage_order(x[1][0])):
-            target = self._resolve(items[0], planner)
+            target = None
             try:
+                target = self._resolve(items[0], planner)
                 box = self._read_box(items[0])
                 if _dense(target, items[0], self):
                     buf = target.copy_(box)
