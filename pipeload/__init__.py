@@ -8,11 +8,13 @@ Public API::
     handle = pipeload.save(state_dict, "ckpt/", background=True)  # returns after the snapshot
     handle.wait()                                            # the commit (or the save's error)
     await pipeload.save_async(state_dict, "ckpt/")           # the same, awaited
+    obj = pipeload.load_file("last.ckpt")                    # torch.load's result, the file read once
 """
 
 from .errors import (CheckpointFormatError, ChecksumError, DistributedError, HeaderError, PipeloadError,
-                     ReadError, SaveTimeoutError, StateDictError, TensorNotFoundError)
+                     ReadError, SaveTimeoutError, StateDictError, TensorNotFoundError, UnpicklingError)
 from .engine.loader import LoadStats, load, load_async
+from .engine.wholefile import FileStats, load_file
 from .save.api import save, save_async
 from .save.background import SaveHandle
 
@@ -33,6 +35,8 @@ __all__ = [
     "load",
     "load_async",
     "LoadStats",
+    "load_file",
+    "FileStats",
     "clear_plan_cache",
     "PipeloadError",
     "CheckpointFormatError",
@@ -43,6 +47,7 @@ __all__ = [
     "ReadError",
     "DistributedError",
     "SaveTimeoutError",
+    "UnpicklingError",
 ]
 __version__ = "0.1.0"
 

@@ -6,6 +6,7 @@ tensor name) and, for distributed failures, the rank(s). Messages are one short 
 
 from __future__ import annotations
 
+import pickle
 from typing import Mapping
 
 
@@ -43,6 +44,12 @@ class StateDictError(PipeloadError):
         if self.problems:
             message = message + "\n  - " + "\n  - ".join(self.problems)
         super().__init__(message)
+
+
+class UnpicklingError(CheckpointFormatError, pickle.UnpicklingError):
+    """``torch.load`` refused a file's pickle (``weights_only=True`` and a global it does not allow, or
+    bytes that are no pickle): :func:`pipeload.load_file`'s form of torch's own error, which it chains.
+    Catching ``pickle.UnpicklingError`` (what ``torch.load`` raises) still catches it."""
 
 
 class ReadError(PipeloadError):

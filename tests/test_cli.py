@@ -310,6 +310,24 @@ def test_tiny_bench_of_the_hf_layout_with_pipeload_only(tmp_path):
     assert result["plan_reuse"]["reused"] is not None and result["plan_reuse"]["first"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_tiny_whole_file_bench(tmp_path, capsys):
+    """--whole-file: every row runs and is verified; load_file reads the file once, every rank 4 times."""
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--whole-file", "--world", "2", "--size", "2", "--repeats", "1", "--out", str(out),
+               "--dir", str(tmp_path / "b"), "--quiet", "--timeout", "100"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "pipeload.load_file" in text and "torch.load on every rank" in text and "target:" in text
+    result = json.loads(out.read_text())
+    assert set(result["rows"]) == {"read alone", "torch.load alone", "torch.load on every rank", "pipeload.load_file"}
+    assert not (tmp_path / "b" / "file-bench").exists()
+    if bench.block_device(str(tmp_path)) is not None:  # bytes from the device: each copy dropped before
+        rows, size = result["rows"], result["size"]
+        assert rows["pipeload.load_file"]["read_bytes"] <= 1.02 * size
+        assert rows["torch.load on every rank"]["read_bytes"] >= 1.9 * size
+
+
 def test_bench_rejects_bad_layout(capsys):
     assert main(["bench", "--world", "4", "--tp", "3", "--quiet"]) == 2
     # DCP's checkpoint has no HF copy to read plainly; fewer tensors than one expert per layer allows

@@ -93,6 +93,33 @@ def test_the_engine_never_imports_the_tools():
     assert not {n: d for n, d in bad.items() if d}
 
 
+FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "transformers")
+
+
+def _external_imports(path: str) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+    return found
+
+
+def test_only_the_integrations_import_the_trainers():
+    """pipeload works without Lightning, Accelerate or transformers: only the modules under
+    ``pipeload.integrations`` import them, and nothing imports those modules (the user does, by name);
+    ``pipeload.integrations`` itself imports none of its plug-ins."""
+    bad = {name: sorted(_external_imports(path) & set(FRAMEWORKS)) for name, path in _modules().items()
+           if not name.startswith("pipeload.integrations.")}
+    assert not {n: f for n, f in bad.items() if f}
+    graph = _graph()
+    users = {n: sorted(m for m in deps if m.startswith("pipeload.integrations"))
+             for n, deps in graph.items() if not n.startswith("pipeload.integrations")}
+    assert not {n: d for n, d in users.items() if d}
+    assert not {m for m in graph["pipeload.integrations"] if m.startswith("pipeload.integrations.")}
+
+
 def test_no_function_over_80_lines():
     long = []
     for name, path in _modules().items():

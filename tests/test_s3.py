@@ -89,13 +89,22 @@ def _setup(rank, root, meshes, server_url, port) -> None:
         names = sorted(full)
         save_file({k: full[k] for k in names[:5]}, os.path.join(hf, "model-1.safetensors"))
         save_file({k: full[k] for k in names[5:]}, os.path.join(hf, "model-2.safetensors"))
+        os.makedirs(os.path.join(root, "file"))
+        torch.save(_whole_file(), os.path.join(root, "file", "ckpt.pt"))
         up = LocalS3(port)
         for bucket, prefix, local in (("clean", "big", "big"), ("clean", "big-every", "big"),
                                       ("clean", "small", "small"), ("clean", "dcp", "dcp"), ("clean", "hf", "hf"),
                                       ("flaky", "big", "big"), ("flaky", "small", "small"),
-                                      ("broken", "big", "big"), ("swap", "big", "big")):
+                                      ("broken", "big", "big"), ("swap", "big", "big"),
+                                      ("clean", "file", "file")):
             up.upload(os.path.join(root, local), bucket, prefix)
     dist.barrier()
+
+
+def _whole_file() -> dict:
+    """What load_file reads from S3: 12 MiB of tensors (two 8 MiB parts) and Python objects."""
+    return {"model": {"w": L.global_value("file.w", (3 << 20,), torch.float32), "b": torch.arange(7)},
+            "epoch": 2, "betas": (0.9, 0.95)}
 
 
 def world_s3(rank: int, world: int, root: str, port: int, links: list[str]) -> dict:
@@ -163,6 +172,14 @@ def world_s3(rank: int, world: int, root: str, port: int, links: list[str]) -> d
     out["saved"] = pipeload.load(sd, "s3://saves/ck", storage_options=opts)
     lap('out["saved"] = pipel')
     L.check_values(sd)
+
+    # one whole file every rank loads: fetched by its reader alone (through its link), broadcast
+    fs = pipeload.FileStats()
+    got = pipeload.load_file("s3://clean/file/ckpt.pt", storage_options=opts, stats=fs)
+    want = torch.load(os.path.join(root, "file", "ckpt.pt"))
+    out["file"] = (fs, torch.equal(got["model"]["w"], want["model"]["w"]) and got["epoch"] == 2
+                   and got["betas"] == (0.9, 0.95) and torch.equal(got["model"]["b"], want["model"]["b"]))
+    lap("load_file")
     return out
 
 
@@ -223,6 +240,15 @@ def test_s3_world(s3, tmp_path):
         assert took < 15, (rank, took, msg)
         msg, _ = s["swap"]
         assert "swapped" in data and data["swapped"] in msg, (data, msg)
+
+    # load_file: every rank got the file; only the reader's link carried its bytes, once
+    reader = res[0]["file"][0].reader
+    size = res[0]["file"][0].size
+    file_gets = _gets(proxy, "/clean/file/")
+    assert all(s["file"][1] and s["file"][0].broadcast and s["file"][0].reader == reader for s in res)
+    assert {r.link for r in file_gets} == {reader}, [(r.link, r.range) for r in file_gets]
+    assert size <= sum(r.sent for r in file_gets) <= 1.02 * size and len(file_gets) == math.ceil(size / part)
+    assert res[reader]["file"][0].bytes_read == size and res[(reader + 1) % 4]["file"][0].bytes_received == size
 
 
 SAVE_SCRIPT = textwrap.dedent("""

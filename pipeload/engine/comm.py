@@ -175,6 +175,35 @@ class Comm:
             raise self._fail(what, "broadcast from rank 0", e) from e
         return t.cpu().numpy().tobytes()
 
+    def broadcast_row(self, row: np.ndarray, src: int, what: str = "pipeload",
+                      call: str = "broadcast") -> np.ndarray:
+        """Group rank ``src``'s int64 ``row`` on every rank (every rank passes a row of the same length)."""
+        if self.size == 1:
+            return np.asarray(row, dtype=np.int64).copy()
+        t = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)).to(self.broadcast_device)
+        try:
+            dist.broadcast(t, src=self.global_ranks[src], group=self.pg)
+        except Exception as e:  # noqa: BLE001 - typically a timeout: some rank never joined
+            raise self._fail(what, call, e) from e
+        return t.cpu().numpy()
+
+    def post_broadcast(self, tensor: torch.Tensor, src: int, what: str = "pipeload", call: str = "broadcast"):
+        """Issue a broadcast of ``tensor`` from group rank ``src`` over the whole group; return its work.
+
+        Its place in the group's order of collectives is where it was issued; complete it with
+        :meth:`wait` (which raises this operation's error naming the call)."""
+        try:
+            return dist.broadcast(tensor, src=self.global_ranks[src], group=self.pg, async_op=True)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(what, call, e) from e
+
+    def wait(self, work, what: str = "pipeload", call: str = "broadcast") -> None:
+        """Wait for a work of :meth:`post_broadcast` (and order the current device stream after it)."""
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - a peer died or timed out
+            raise self._fail(what, call, e) from e
+
     def _fail(self, what: str, call: str, e: Exception) -> PipeloadError:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return PipeloadError(

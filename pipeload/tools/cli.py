@@ -84,6 +84,11 @@ def _bench_parser(sub) -> None:
                    help="benchmark saving instead: write and memcpy floors, pipeload.save blocking and in the "
                    "background, dcp.save and dcp.async_save (--world, --tp, --dp, --size, --seed, --repeats, "
                    "--dir, --out, --timeout apply)")
+    b.add_argument("--whole-file", action="store_true",
+                   help="benchmark pipeload.load_file instead: one torch.save file (--size MiB) every rank loads, "
+                   "against torch.load on every rank and one rank reading it alone, on emulated separate nodes "
+                   "sharing a throttled file system (--world, --size, --repeats, --read-mbps, --dir, --out, "
+                   "--timeout apply)")
     b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
                    help="what pipeload loads: its own checkpoint (default), the one DCP wrote, or an HF-layout "
                    "copy; dcp/hf compare with dcp.load and a plain per-rank safetensors reader")
@@ -182,7 +187,31 @@ def _bench_save(args: argparse.Namespace, dp: int) -> int:
     return 0
 
 
+def _bench_file(args: argparse.Namespace) -> int:
+    from ._world import run_world_bench
+    from .bench import wholefile
+
+    cfg = wholefile.FileBenchConfig(world=args.world, size_mb=args.size, repeats=args.repeats,
+                                    read_mbps=args.read_mbps, dir=args.dir, timeout=args.timeout, quiet=args.quiet)
+    result, failed = run_world_bench("pipeload bench --whole-file", lambda: wholefile.run(cfg))
+    if failed is not None:
+        return failed
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    th = result["throttle"]
+    print(f"{args.world} ranks, each its own node and copy, one {result['size'] / MiB:.0f} MiB torch.save file, "
+          f"{args.repeats} repeats (medians); storage: "
+          + (f"all ranks together {args.read_mbps:g} MiB/s" if th["ok"] else f"NOT throttled ({th['reason']})") + "\n")
+    print(wholefile.format_table(result))
+    print(f"\ntotal {result['total_seconds']:.0f} s, 1-minute load average {result['loadavg'][0]} -> "
+          f"{result['loadavg'][1]}" + (f"; results in {args.out}" if args.out else ""))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.whole_file:
+        return _bench_file(args)
     if args.storage == "s3":
         from .bench.s3 import main as bench_s3
 
