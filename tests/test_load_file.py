@@ -170,6 +170,19 @@ def world_load_file(rank: int, world: int, root: str) -> dict:
     other = os.path.join(root, f"other-{rank}.bin")
     torch.save({"y": torch.zeros(5)}, other)
     out["swap"] = _under_change(p["swap"], lambda: os.replace(other, p["swap"]))
+    # an empty file: no chunk, torch.load's error on every rank
+    empty = os.path.join(root, "empty.pt")
+    if rank == 0:
+        open(empty, "wb").close()
+    dist.barrier()
+    out["empty"] = _error(lambda: pipeload.load_file(empty))
+    out["empty_torch"] = _error(lambda: torch.load(empty))
+    # a subgroup of ranks 0 and 2 (global ranks): rank 1 takes no part
+    sub = dist.new_group([0, 2])
+    if rank != 1:
+        st = pipeload.FileStats()
+        out["sub"] = _same(torch.load(p["zip"]), pipeload.load_file(p["zip"], process_group=sub, stats=st))
+        out["sub_stats"] = st
     # every rank reads its own copy; one rank's is missing: it raises its own error, the others theirs
     own = os.path.join(root, f"own-{rank}.pt")
     if rank != 1:
@@ -245,6 +258,17 @@ def test_failures_raise_on_every_rank(world):
             assert e["type"] == "DistributedError" and needle in e["msg"], (case, e)
             assert any(w in e["msg"] for w in ("truncated", "changed", "replaced")), (case, e)
             assert e["took"] < 30, (case, e)
+
+
+def test_empty_file_and_subgroup(world):
+    res, _ = world
+    for rank, r in enumerate(res):
+        assert r["empty"]["pipeload"] and r["empty_torch"]["msg"] in r["empty"]["msg"], (r["empty"], r["empty_torch"])
+    for rank in (0, 2):
+        s = res[rank]["sub_stats"]
+        assert res[rank]["sub"] and s.broadcast and s.reader in (0, 1)  # group ranks
+    assert "sub" not in res[1]
+    assert sorted(res[r]["sub_stats"].bytes_read for r in (0, 2)) == [0, res[0]["sub_stats"].size]
 
 
 def test_each_rank_reading_its_own_copy(world):

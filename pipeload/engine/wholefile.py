@@ -117,13 +117,17 @@ def load_file(path: str | os.PathLike, *, process_group=None, map_location=None,
             one host share a page cache, where a second read costs a memory copy); ``True``: always;
             ``False``: every rank reads the file itself.
         stats: a :class:`FileStats` filled with what this rank did (also when the call raises).
-        timeout: of the group's collectives as seen in errors (default: the group's own).
+        timeout: how long to wait for an earlier pipeload operation of this process on an overlapping
+            group before refusing (default: the group's timeout; the collectives keep the group's own).
         chunk_bytes, max_inflight: bytes per broadcast (4 MiB) and broadcasts outstanding (8); every
             rank must pass the same.
 
-    Every failure — the file missing or unreadable on the reader, changed or truncated while read,
-    refused by the deserializer, a rank that died — raises on every rank (a rank raises its own error
-    where it has one, otherwise a :class:`pipeload.DistributedError` naming the ranks that failed).
+    Every failure raises on every rank. The file missing or unreadable on the reader, truncated,
+    replaced or changed while read: one :class:`pipeload.DistributedError` naming the reader, the file
+    and the cause, before anything is deserialized. A deserialization that failed: the rank's own error
+    (``UnpicklingError``, ``CheckpointFormatError`` with torch's words, the file and the rank; the same
+    bytes fail alike everywhere), a ``DistributedError`` naming them on a rank that did not fail. A
+    rank that died: the collective's error on the others, naming the silent rank where it can.
     """
     path = os.fspath(path)
     _check_options(path, map_location, broadcast, chunk_bytes, max_inflight)
