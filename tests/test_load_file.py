@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import pipeload
+from pipeload.tools.bench.system import drop_cache
 from pipeload.tools._world import run_world
 
 CHUNK = 256 << 10
@@ -75,15 +76,6 @@ def _read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
-def _drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _error(fn) -> dict:
     try:
         fn()
@@ -130,7 +122,7 @@ def world_load_file(rank: int, world: int, root: str) -> dict:
     out: dict = {}
     # read once: the page cache dropped, then only the reader may read the file from storage
     if rank == 0:
-        _drop(p["zip"])
+        drop_cache([p["zip"]])
     dist.barrier()
     stats = pipeload.FileStats()
     before = _read_bytes()

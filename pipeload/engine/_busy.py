@@ -28,6 +28,10 @@ import itertools
 import threading
 from typing import Iterable
 
+import numpy as np
+
+from ..errors import PipeloadError
+
 _lock = threading.Lock()
 _seq = itertools.count()
 _active: dict[int, "Activity"] = {}
@@ -132,3 +136,19 @@ class Guard:
     def late(self, comm) -> str | None:
         a = self.activity
         return a.message(comm.rank) if a is not None and a.contended else None
+
+
+def refuse_contended_or_disagreeing(what: str, contended_ranks: np.ndarray, option_words: np.ndarray,
+                                    contended: str | None, options: str) -> None:
+    """Raise, on every rank alike (all hold the same gathered words), when a rank's operation overlapped
+    another (``contended_ranks``: a boolean per rank) or a rank passed other collective-deciding options
+    than rank 0 (``option_words``: a hash of them per rank; ``options`` names them)."""
+    if np.any(contended_ranks):
+        ranks = np.flatnonzero(contended_ranks).tolist()
+        raise PipeloadError(contended or f"{what}: another pipeload operation ran at the same time on an "
+                            f"overlapping process group on rank(s) {ranks}; run loads and saves on one "
+                            f"group one after the other")
+    if len(np.unique(option_words)) > 1:
+        odd = np.flatnonzero(option_words != option_words[0]).tolist()
+        raise PipeloadError(f"{what}: rank(s) {odd} passed other {options} than rank 0; every rank must pass "
+                            f"the same (they decide which collectives the operation issues)")

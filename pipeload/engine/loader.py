@@ -32,7 +32,7 @@ import torch
 
 from ..plan import plancache
 from . import stateful
-from ._busy import Guard
+from ._busy import Guard, refuse_contended_or_disagreeing
 from ._gcpause import paused_gc
 from .comm import Comm
 from ..errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
@@ -306,7 +306,8 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
     finally:
         if entry is not None and not reuse:
             _strip(entry.state)  # replaced by this load's plan, or dropped: never holds our tensors
-    _refuse_contended_or_disagreeing(run.what, first, contended)
+    refuse_contended_or_disagreeing(run.what, first[:, 0] == _CONTENDED, first[:, 2], contended,
+                                    "broadcast_replicated_tensors, broadcast_batch_bytes or strict options")
     if reuse:
         start.prep = entry.state
         reader.attach(start.prep.ckpt, cast=opts.cast)
@@ -317,22 +318,6 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
     start.sent = (int(first[0, 3]), early)
     run.clock.lap("exchange")
     return start
-
-
-def _refuse_contended_or_disagreeing(what: str, first: np.ndarray, contended: str | None) -> None:
-    """Raise, on every rank alike (all hold the same words), when a rank's load overlapped another or a
-    rank passed other collective-deciding options than rank 0."""
-    tokens = first[:, 0]
-    if np.any(tokens == _CONTENDED):
-        ranks = np.flatnonzero(tokens == _CONTENDED).tolist()
-        raise PipeloadError(contended or f"{what}: another pipeload operation ran at the same time on an "
-                            f"overlapping process group on rank(s) {ranks}; run loads and saves on one "
-                            f"group one after the other")
-    if len(np.unique(first[:, 2])) > 1:
-        odd = np.flatnonzero(first[:, 2] != first[0, 2]).tolist()
-        raise PipeloadError(f"{what}: rank(s) {odd} passed other broadcast_replicated_tensors, "
-                            f"broadcast_batch_bytes or strict options than rank 0; every rank must pass "
-                            f"the same (they decide which collectives the load issues)")
 
 
 def _count_plan(stats: LoadStats, prep: _Prepared, reader: ChunkReader) -> None:

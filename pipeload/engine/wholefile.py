@@ -49,7 +49,7 @@ import torch
 from ..errors import CheckpointFormatError, DistributedError, PipeloadError, ReadError, UnpicklingError
 from ..io import storage
 from ..plan.exchange import hash64, host_id
-from ._busy import Guard
+from ._busy import Guard, refuse_contended_or_disagreeing
 from .comm import Comm
 
 CHUNK_BYTES = 4 << 20  # bytes per broadcast
@@ -170,14 +170,8 @@ def _first_gather(run: _Run, agreed: tuple, contended: str | None) -> int:
                    dtype=np.int64)
     first = comm.gather_rows(row, run.what, "first gather of load_file")
     run.lap("exchange")
-    if first[:, 0].any():
-        raise PipeloadError(contended or f"{run.what}: another pipeload operation ran at the same time on an "
-                            f"overlapping process group on rank(s) {np.flatnonzero(first[:, 0]).tolist()}; "
-                            f"run loads one after the other")
-    if len(np.unique(first[:, 2])) > 1:
-        odd = np.flatnonzero(first[:, 2] != first[0, 2]).tolist()
-        raise PipeloadError(f"{run.what}: rank(s) {odd} passed other broadcast, chunk_bytes or max_inflight "
-                            f"than rank 0; every rank must pass the same")
+    refuse_contended_or_disagreeing(run.what, first[:, 0] != 0, first[:, 2], contended,
+                                    "broadcast, chunk_bytes or max_inflight")
     broadcast = agreed[0]
     one_host = len(np.unique(first[:, 1])) == 1
     if broadcast is False or (broadcast == "auto" and one_host and comm.broadcast_device.type == "cpu"):

@@ -177,14 +177,19 @@ def _bench_save(args: argparse.Namespace, dp: int) -> int:
     result, failed = run_world_bench("pipeload bench --save", lambda: bench_save.run(cfg))
     if failed is not None:
         return failed
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    _write_json(args.out, result)
     print(f"{args.world} ranks (TP{args.tp} x DP{dp}), {args.size:g} MiB model, owned MiB per rank "
           f"{result['owned_mib']}, {args.repeats} repeats (medians)\n")
     print(bench_save.format_table(result))
     print(f"\ntotal {result['total_seconds']:.0f} s" + (f"; results in {args.out}" if args.out else ""))
     return 0
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    """A bench's result as JSON at ``--out``, when one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def _bench_file(args: argparse.Namespace) -> int:
@@ -196,9 +201,7 @@ def _bench_file(args: argparse.Namespace) -> int:
     result, failed = run_world_bench("pipeload bench --whole-file", lambda: wholefile.run(cfg))
     if failed is not None:
         return failed
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    _write_json(args.out, result)
     th = result["throttle"]
     print(f"{args.world} ranks, each its own node and copy, one {result['size'] / MiB:.0f} MiB torch.save file, "
           f"{args.repeats} repeats (medians); storage: "
