@@ -31,6 +31,7 @@ from pipeload.errors import CheckpointFormatError, DistributedError, PipeloadErr
 from pipeload.tier import MemoryTier
 from pipeload.tier import format as tf
 from pipeload.tier import placement, transport
+from pipeload.tier.measure import snapshot_against_save
 from pipeload.tools._world import WorldError, run_world
 
 BIG = 3 << 20  # bytes of each rank's largest tensor: several messages of the test's 1 MiB
@@ -187,7 +188,7 @@ def _write_error_case(rank: int, world: int, base: str, tier: MemoryTier, sd: di
 
 
 def _damage_case(rank: int, world: int, base: str, tier: MemoryTier, sd: dict, out: dict) -> None:
-    path = tf.rank_file(tier.root, 21, rank)
+    path = tf.rank_file(tier.root, tier.steps()[-1], rank)
     tf.read_rank_header(path, job="t")
     with open(path, "r+b") as f:
         f.seek(12)
@@ -199,13 +200,21 @@ def _damage_case(rank: int, world: int, base: str, tier: MemoryTier, sd: dict, o
         tf.read_rank_header(path, job="t")
 
 
+def _measure_case(rank: int, world: int, base: str, tier: MemoryTier, sd: dict, out: dict) -> None:
+    """The bench's side-by-side measurement runs and leaves the tier at its last step."""
+    got = snapshot_against_save(sd, tier, os.path.join(base, "ckpt"), step=50, repeats=2)
+    assert all(got[k] > 0 for k in ("snapshot_blocked_s", "snapshot_done_s", "save_blocked_s", "save_done_s")), got
+    assert got["snapshot_blocked_s"] <= got["snapshot_done_s"] and got["bytes_sent"] == got["file_bytes"] > BIG, got
+    assert tier.steps() == [51]
+
+
 def world4_tier(rank: int, world: int, base: str) -> dict:
     transport.CHUNK = 1 << 20  # several messages per copy
     tier = MemoryTier(_root(base, rank), job="t")
     sd = _state(world)
     out: dict = {"took": {}}
     for name, case in (("placement", _placement_cases), ("cleanup", _cleanup_cases), ("refusals", _refusal_cases),
-                       ("write error", _write_error_case), ("damage", _damage_case)):
+                       ("write error", _write_error_case), ("measure", _measure_case), ("damage", _damage_case)):
         t0 = time.monotonic()
         case(rank, world, base, tier, sd, out)
         out["took"][name] = round(time.monotonic() - t0, 2)

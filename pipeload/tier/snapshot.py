@@ -182,7 +182,7 @@ def _start_background(local: _Local, tier: MemoryTier, step: int, comm: Comm, ow
     except Exception as e:  # noqa: BLE001 - carried to the agreement: every rank's wait() raises
         problem = f"staging rank {comm.rank}'s state: {type(e).__name__}: {e}"
     problem = problem or guard.late(comm)
-    handle.stats = stats  # type: ignore[attr-defined]  (this rank's SnapshotStats, complete after wait())
+    handle.stats = stats  # complete once the handle finished
     handle.blocked_seconds = stats.blocked_seconds = time.perf_counter() - t0
 
     def work() -> None:
@@ -197,7 +197,7 @@ def _stage(local: _Local, comm: Comm, handle: bg.SaveHandle) -> None:
     """Replace ``local``'s tensors by copies in the tier's staging (the caller may then change them)."""
     items = [(fqn, str(t.dtype), tuple(t.shape), t) for fqn, (t, _, _) in sorted(local.tensors.items())]
     sizes = bg.sizes_of(items)
-    key = tuple((k, d, s, v.device.type) for k, d, s, v in items)
+    key = tuple((k, d, s, str(v.device)) for k, d, s, v in items)
     layout = _layouts.get(key)
     if layout is None:
         if len(_layouts) > 8:
