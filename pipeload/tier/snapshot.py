@@ -33,6 +33,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,7 +252,10 @@ def _work(own: Comm, tier: MemoryTier, step: int, placement: Placement, local: _
             _unlink(os.path.join(tf.step_dir(tier.root, step), tf.COMPLETE_FILE))
         raise
     if lowest:
-        _drop_old(tier, step)
+        try:
+            _drop_old(tier, step)
+        except Exception as e:  # noqa: BLE001 - the step is complete everywhere; the next snapshot retries
+            warnings.warn(f"{what}: removing older steps from {tier.root} failed: {e}", RuntimeWarning, stacklevel=2)
 
 
 def _write_and_copy(own: Comm, tier: MemoryTier, step: int, placement: Placement, parts: list[memoryview],
@@ -263,11 +267,11 @@ def _write_and_copy(own: Comm, tier: MemoryTier, step: int, placement: Placement
 
     def write_own() -> None:
         try:
+            os.makedirs(tf.step_dir(tier.root, step), exist_ok=True)  # (the host's lowest rank made it)
             stats.file_bytes = tf.write_parts(path, parts)
         except Exception as e:  # noqa: BLE001 - reported by the agreement
             result[0] = f"writing {path}: {type(e).__name__}: {e}"
 
-    os.makedirs(tf.step_dir(tier.root, step), exist_ok=True)  # (the host's lowest rank made it; a no-op)
     writer = threading.Thread(target=write_own, name=f"pipeload-tier-write-{me}")
     writer.start()
     outs = [(c.writer, parts, sizes[me]) for c in placement.copies if c.rank == me]
