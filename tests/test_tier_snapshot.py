@@ -314,3 +314,18 @@ def test_every_kind_a_save_accepts_in_one_process(tmp_path, background):
     with pytest.raises(ValueError, match="step must be an integer"):
         pipeload.save(sd, tier, step=-1)
     assert sorted(os.listdir(tier.root)) == ["TIER.json", "step-000000000004"]
+
+
+@pytest.mark.asyncio
+async def test_save_async_into_a_tier(tmp_path):
+    """``save_async`` snapshots too: the event loop runs while the worker writes."""
+    import asyncio
+
+    sd = {"w": torch.arange(1 << 16, dtype=torch.float32), "step": 9}
+    tier = MemoryTier(tmp_path / "h", job="a")
+    task = asyncio.ensure_future(pipeload.save_async(sd, tier, step=9))
+    await asyncio.sleep(0)
+    sd["w"].zero_()
+    handle = await task
+    assert handle.done() and handle.stats.step == 9 and tier.steps() == [9]
+    assert torch.equal(load_file(tf.rank_file(tier.root, 9, 0))["w"], torch.arange(1 << 16, dtype=torch.float32))
