@@ -35,7 +35,9 @@ DEPTH = 2  # messages in flight per stream
 
 
 class _Out:
-    """The sending end of one file: ``parts`` (byte views, back to back) packed into messages."""
+    """The sending end of one file: ``parts`` (byte views, back to back) cut into messages. A message
+    inside one writable part is sent from it; one that spans parts (small tensors, the header) is
+    packed into a buffer of the stream's own."""
 
     def __init__(self, peer: int, parts: list[memoryview], size: int):
         self.peer, self.size = peer, size
@@ -49,6 +51,15 @@ class _Out:
 
     def post(self, pg) -> None:
         n = min(CHUNK, self.size - self.sent)
+        head = self.parts[0]
+        if head.nbytes >= n and not head.readonly:  # the message lies in one part: sent from it, no copy
+            self.pending.append((dist.isend(torch.frombuffer(head[:n], dtype=torch.uint8), dst=self.peer,
+                                            group=pg), None))
+            self.parts[0] = head[n:]
+            if n == head.nbytes:
+                self.parts.popleft()
+            self.sent += n
+            return
         buf = self.free.pop() if self.free else torch.empty(min(CHUNK, self.size), dtype=torch.uint8)
         out = memoryview(buf.numpy())
         filled = 0
@@ -64,8 +75,9 @@ class _Out:
         self.pending.append((dist.isend(buf[:n], dst=self.peer, group=pg), buf))
         self.sent += n
 
-    def done(self, work, buf: torch.Tensor) -> None:
-        self.free.append(buf)
+    def done(self, work, buf: torch.Tensor | None) -> None:
+        if buf is not None:
+            self.free.append(buf)
 
 
 class _In:
