@@ -7,15 +7,14 @@ destination host), so the pair's messages match in posting order with no tag of 
 
 Each stream (a file sent to one peer, or received from one) runs in a thread of its own, with at
 most :data:`DEPTH` messages posted at once (bounded memory: ``DEPTH x CHUNK`` per stream), and waits
-only for its own oldest message. One thread waiting for all streams could close a cycle between two
-ranks that send to each other: each blocked on the other's next message, whose posting waits behind
-that very wait. Gloo progresses posted messages in its own threads, so message ``k`` of a stream
-completes once both ends posted it, and each end posts it once its message ``k - DEPTH`` completed:
-by induction every message completes while both ends live. A peer that dies fails its streams' pending
-messages; one that stops progressing fails them at the group's timeout.
-
-This module and :mod:`pipeload.engine.comm` are the only ones that call ``torch.distributed``'s
-point-to-point functions.
+only for its own oldest message. All copies in one global order, waited for by one thread per rank,
+would not deadlock but would run the ring of copies one host after another (a rank would send only
+once it had received); one thread waiting on its streams in an order of its own could close a cycle
+between two ranks that send to each other. Gloo progresses posted messages in its own threads (a
+message is marked complete only once waited for), so message ``k`` of a stream completes once both
+ends posted it, and each end posts it once its message ``k - DEPTH`` completed: by induction every
+message completes while both ends live, whatever the other streams do. A peer that dies fails its
+streams' pending messages; one that stops progressing fails them at the group's timeout.
 """
 
 from __future__ import annotations
