@@ -17,6 +17,7 @@ from .engine.loader import LoadStats, load, load_async
 from .engine.wholefile import FileStats, load_file
 from .save.api import save, save_async
 from .save.background import SaveHandle
+from .tier import MemoryTier
 
 
 def clear_plan_cache() -> None:
@@ -32,6 +33,7 @@ __all__ = [
     "save",
     "save_async",
     "SaveHandle",
+    "MemoryTier",
     "load",
     "load_async",
     "LoadStats",

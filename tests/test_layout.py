@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, the engine never imports the tools, no function over 80 lines.
+"""The package's shape: no import cycle, the engine never imports the tools nor the memory tier (only the
+entry points' dispatch does), no function over 80 lines.
 
 Read from the source with ``ast`` (imports inside functions count too: a lazy import is still a
 dependency), so the checks hold for code that no test happens to import.
@@ -118,6 +119,17 @@ def test_only_the_integrations_import_the_trainers():
              for n, deps in graph.items() if not n.startswith("pipeload.integrations")}
     assert not {n: d for n, d in users.items() if d}
     assert not {m for m in graph["pipeload.integrations"] if m.startswith("pipeload.integrations.")}
+
+
+def test_only_the_dispatch_imports_the_tier():
+    """The memory tier is reached from ``pipeload.save`` / ``pipeload.load`` by an isinstance check of the
+    location, never from inside the engine, the planner or the saver's phases."""
+    allowed = {"pipeload", "pipeload.save.api", "pipeload.engine.loader"}
+    graph = _graph()
+    bad = {n: sorted(m for m in deps if m == "pipeload.tier" or m.startswith("pipeload.tier."))
+           for n, deps in graph.items()
+           if not n.startswith(("pipeload.tier", "pipeload.tools")) and n not in allowed}
+    assert not {n: d for n, d in bad.items() if d}
 
 
 def test_no_function_over_80_lines():
