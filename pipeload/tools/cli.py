@@ -133,9 +133,11 @@ def _simulate_parser(sub) -> None:
         "sampled ranks with a simulated exchange. Reports CPU and peak memory per rank, exchange bytes, "
         "reader balance, groups created, and whether every sampled rank took the same decisions. "
         "With --op save, the saver's own planning (pipeload.save.saver.plan_phase) runs instead, and rank 0's "
-        "commit (what it receives, the chunk index and .metadata it writes). Exit 1 when they did not.",
+        "commit (what it receives, the chunk index and .metadata it writes). With --op restore, the restore's "
+        "planning from a memory tier (pipeload.tier.restoreplan) with one host's tier lost. Exit 1 when they did not.",
     )
-    s.add_argument("--op", choices=["load", "save"], default="load", help="the planning to simulate (default load)")
+    s.add_argument("--op", choices=["load", "save", "restore"], default="load",
+                   help="the planning to simulate (default load); restore: from a memory tier, one host lost")
     s.add_argument("--world", type=int, required=True, help="simulated ranks (a multiple of 8; 64 for dense-pp8)")
     s.add_argument("--layout", required=True, choices=["dense", "dense-pp8", "moe", "fsdp"])
     s.add_argument("--optim", action="store_true", help="add AdamW state (exp_avg, exp_avg_sq, step) per parameter")
@@ -152,8 +154,11 @@ def _simulate(args: argparse.Namespace) -> int:
     from .simulate import format_result, simulate
 
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
-    run, fmt = (simulate_save, format_save_result) if args.op == "save" else (simulate, format_result)
-    kw = {} if args.op == "save" else {"format": args.format}
+    from .simrestore import format_restore_result, simulate_restore
+
+    run, fmt = {"save": (simulate_save, format_save_result), "restore": (simulate_restore, format_restore_result),
+                "load": (simulate, format_result)}[args.op]
+    kw = {"format": args.format} if args.op == "load" else {}
     res = run(args.world, args.layout, optim=args.optim, samples=args.samples, memory=not args.no_memory, log=log, **kw)
     print(json.dumps(res, indent=2) if args.json else fmt(res))
     return 0 if res["plans_identical"] else 1

@@ -1,0 +1,177 @@
+"""``pipeload.load(state_dict, tier, fallback=...)``: restore from a memory tier, the nearest copy first.
+
+One restore, on every rank of the load's group, in this order:
+
+1. each rank lists its own root (:mod:`.restoreread`) and computes the layout digest of its state dict;
+2. two gathers (:func:`.restoreplan.exchange`): the rows, then every rank's listing; from them alone,
+   alike on every rank, the newest step complete over the live ranks, whether every rank loads exactly
+   its saved rank's file (the same layout), and who reads what (:mod:`.restoreplan`). Resharding adds
+   two all-gathers: the chunk tables of the step (each file's lowest holder sends its table) and every
+   rank's requests;
+3. every rank verifies the checksums of the files it will read (its own, and those it sends); one word
+   per rank says whether some copy failed, and only then the failed copies travel: they are left out and
+   step 2's decision is re-taken from the same words (another copy, an older step, or the fallback).
+   Nothing has been written to a destination yet, so two steps never mix;
+4. the transfers (:mod:`.restorexfer`), then the local copies, then the final agreement; Python objects
+   are put in their containers and ``Stateful`` values loaded only after it succeeded.
+No whole step: ``pipeload.load(state_dict, fallback, **options)``, the ordinary load.
+
+Why this cannot deadlock (the argument of docs/ARCHITECTURE.md, for point-to-point messages): every
+message has a position in one sequence all ranks derive from the gathered words (transfers sorted by
+file, tensor, chunk, receiver; parts in byte order), and the gathers, the agreements and the re-taken
+decisions are collectives every rank issues alike, since every rank holds the same words. Each rank
+posts its messages in that order and blocks only on its oldest outstanding one. Take the lowest
+message not yet complete: its sender and receiver have each posted it or are before it, and "before
+it" is reading (which needs no other rank) or waiting on lower messages (complete, by the choice of the
+lowest), so both post it and it completes. A sender whose read fails still sends (zeros) and reports the
+error at the agreement; the receiver of object bytes waits for their sizes only after every older
+message (a drain), which is waiting on its oldest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..engine import stateful
+from ..engine.comm import Comm
+from ..errors import DistributedError, PipeloadError, StateDictError
+from ..formats.chunks import dtype_name
+from ..plan.exchange import host_id
+from ..plan.statedict import flatten, tensor_box
+from . import restoreplan
+from .restoreread import list_root, verify
+from .restorerun import SameJob, reshard_job
+
+_TIER_OPTIONS = ("process_group", "timeout", "strict")
+
+
+@dataclass
+class Wanted:
+    """This rank's destinations: tensors by fqn as (leaf, box, dtype name), objects by fqn (leaf)."""
+
+    tensors: dict = field(default_factory=dict)
+    objects: dict = field(default_factory=dict)
+    problems: list = field(default_factory=list)
+
+    def digest(self) -> int:
+        return restoreplan.layout_digest(
+            ((f, d, b.global_shape, b.offsets, b.lengths) for f, (_, b, d) in self.tensors.items()), self.objects)
+
+
+def wanted(leaves: dict) -> Wanted:
+    """Resolve each leaf: a tensor's box (a DTensor's local shard) or a Python object; problems collected."""
+    w = Wanted()
+    cache: dict = {}
+    for fqn, leaf in leaves.items():
+        v = leaf.value
+        if not isinstance(v, torch.Tensor):
+            w.objects[fqn] = leaf
+            continue
+        try:
+            box = tensor_box(fqn, v, cache)
+            name = dtype_name(v.dtype)
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the gather
+            w.problems.append(f"{fqn}: {type(e).__name__}: {e}")
+            continue
+        if box.local is not None and box.numel > 0:
+            w.tensors[fqn] = (leaf, box, name)
+    return w
+
+
+async def restore(state_dict: dict, tier, fallback, stats_cls, plain_load, options: dict):
+    """The tier restore of :func:`pipeload.load`; ``plain_load`` (``load_async``) serves the fallback."""
+    t0 = time.perf_counter()
+    if options.get("use_collectives") is False:
+        raise PipeloadError("pipeload.load from a memory tier needs collectives (use_collectives=False given)")
+    expanded, stateful_values = stateful.expand(state_dict)
+    stats = stats_cls()
+    kw = {k: options[k] for k in _TIER_OPTIONS if k in options}
+    result = await asyncio.to_thread(_restore, expanded, tier, stats, **kw)
+    if result is None:
+        if fallback is None:
+            raise PipeloadError(f"pipeload.load from memory tier {tier.root}: no step of the tier is complete "
+                                f"over the live ranks and no fallback was given")
+        stats = await plain_load(state_dict, fallback, **options)
+        stats.source, stats.step = "fallback", -1
+        return stats
+    for leaf, value in result:
+        leaf.container[leaf.key] = value
+    stateful.finish(stateful_values)
+    stats.source = "tier"
+    stats.wall = time.perf_counter() - t0
+    return stats
+
+
+def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, strict: bool = True):
+    """Steps 1-4 on this rank (in a worker thread); None: no whole step, the caller falls back."""
+    comm = Comm(process_group, timeout)
+    what = f"pipeload.load from memory tier {tier.root}"
+    clock = time.perf_counter()
+    want = wanted(flatten(state_dict))
+    files = list_root(tier.root, tier.job)
+    listing = restoreplan.encode_listing(tf.entry() for tf in files.values())
+    g = restoreplan.exchange(comm, host_id(), want.digest(), listing, what, flags=int(bool(want.problems)))
+    if np.any(g.rows[:, restoreplan.R_FLAGS]):
+        _raise_problems(comm, want.problems, what)
+    planned, checked = restoreplan.decide(g), set()
+    while True:
+        if planned.choice is None:
+            stats.timings["plan"] = time.perf_counter() - clock
+            return None
+        job = SameJob(planned, comm.rank) if planned.same else reshard_job(comm, planned, files, want, strict, what)
+        bad = _check(files, job.reads, checked, planned.choice.step)
+        flags = comm.gather_rows(np.array([len(bad)], dtype=np.int64), what, "all-gather of tier checks")[:, 0]
+        if not flags.any():
+            break
+        gathered = comm.all_gather_object(bad, what)
+        for r, items in enumerate(gathered):
+            for (step, f, why) in items:
+                warnings.warn(f"pipeload: {what}: rank {r}'s copy of saved rank {f}'s file of step {step} is "
+                              f"unusable ({why}); another copy or step is used", RuntimeWarning, stacklevel=2)
+        planned = restoreplan.decide(restoreplan.exclude(
+            planned.gathered, [(r, s, f) for r, items in enumerate(gathered) for (s, f, _) in items]))
+    stats.step = planned.choice.step
+    stats.timings["plan"] = time.perf_counter() - clock
+    decoded, error = job.run(comm, files, want, stats, what)
+    comm.agree(what, error) if comm.size > 1 else _alone(error, what)
+    stats.timings["transfer"] = time.perf_counter() - clock - stats.timings["plan"]
+    return decoded
+
+
+def _alone(error: str | None, what: str) -> None:
+    if error:
+        raise DistributedError(what, {0: error})
+
+
+def _raise_problems(comm: Comm, problems: list, what: str) -> None:
+    gathered = comm.all_gather_object(problems, what)
+    if len(gathered) == 1:
+        raise StateDictError(f"{what}: cannot load", gathered[0])
+    raise DistributedError(f"{what}: validation", {r: "\n".join(p) for r, p in enumerate(gathered) if p})
+
+
+def _check(files: dict, reads: set, checked: set, step: int) -> list:
+    """Verify the files this rank will read (each once per restore): [(step, saved rank, why)] of those
+    that failed, which are also dropped from ``files``."""
+    bad = []
+    for f in sorted(reads):
+        key = (step, f)
+        if key in checked:
+            continue
+        tf = files.get(key)
+        why = verify(tf) if tf is not None else "not listed"
+        checked.add(key)
+        if why is not None:
+            bad.append((step, f, why))
+            files.pop(key, None)
+    return bad
+
+
+__all__ = ["restore", "wanted", "Wanted"]

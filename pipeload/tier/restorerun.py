@@ -1,0 +1,286 @@
+"""The two kinds of restore job, as decided by :mod:`.restoreplan`: what a rank reads, sends and receives.
+
+- :class:`SameJob` (the saved layout): rank ``r`` copies saved rank ``r``'s file from its own root,
+  or receives it from the file's source; a source reads the files it sends. A file travels as its
+  tensors in sorted fqn order (each cut into parts), then its objects' sizes, then their bytes.
+- :class:`ReshardJob` (any other layout): the pieces of stored chunks each destination box needs,
+  read locally where the rank lists the file, else sent by the file's source, in the global order of
+  :func:`.restoreplan.transfer_order`; objects after the tensors, sorted likewise.
+
+``run`` returns (the decoded Python objects as ``(leaf, value)``, this rank's error or None): a failed
+read still sends (zeros), so no peer waits for ever; the error is raised at the agreement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import DistributedError, StateDictError
+from ..formats.chunks import torch_dtype
+from ..io._fastio import SafetensorsFile
+from ..io.reader import copy_box, decode_object, narrow
+from . import restoreplan
+from .restoreread import chunk_view, read_region
+from .restorexfer import Transfers, staged_into
+
+
+class _Files:
+    """This rank's open tier files of the chosen step (closed by :meth:`close`)."""
+
+    def __init__(self, files: dict, step: int):
+        self.files, self.step, self.open = files, step, {}
+
+    def get(self, f: int):
+        tf = self.files[(self.step, f)]
+        if f not in self.open:
+            self.open[f] = SafetensorsFile(tf.path)
+        return tf, self.open[f]
+
+    def close(self) -> None:
+        for sf in self.open.values():
+            sf.close()
+
+
+class _Errors:
+    def __init__(self):
+        self.items: list[str] = []
+
+    def guard(self, fn, fallback):
+        """``fn()``, or ``fallback()`` with the error recorded (a read failing still sends something)."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - reported at the agreement
+            self.items.append(f"{type(e).__name__}: {e}")
+            return fallback()
+
+    def text(self) -> str | None:
+        return "\n".join(self.items) if self.items else None
+
+
+def _part(tf, sf, fqn: str, errors: _Errors):
+    """``part(lo, hi)``: bytes [lo, hi) of the stored chunk ``fqn``, a guarded private copy."""
+
+    def part(lo: int, hi: int) -> torch.Tensor:
+        def read():
+            out = torch.empty(hi - lo, dtype=torch.uint8)
+            copy_box(out, torch.frombuffer(sf.buffer(fqn)[lo:hi], dtype=torch.uint8), tf.path)
+            return out
+
+        return errors.guard(read, lambda: torch.zeros(hi - lo, dtype=torch.uint8))
+
+    return part
+
+
+def _slices(buf: torch.Tensor):
+    return lambda lo, hi: buf[lo:hi]
+
+
+class SameJob:
+    """Same layout: this rank's own file (local or received) and the files it sends."""
+
+    def __init__(self, planned, rank: int):
+        self.plan, self.choice, self.rank = planned.same_plan, planned.choice, rank
+        self.local = bool(self.plan.local[rank])
+        self.reads = set(self.plan.sends(rank)) | ({rank} if self.local else set())
+
+    def run(self, comm, files: dict, want, stats, what: str) -> tuple[list, str | None]:
+        x, errors, opened = Transfers(comm, what), _Errors(), _Files(files, self.choice.step)
+        decoded: list = []
+        try:
+            ops = [(f, True) for f in self.plan.sends(self.rank)] + ([] if self.local else [(self.rank, False)])
+            for f, sending in sorted(ops):
+                if sending:
+                    _send_file(x, *opened.get(f), f, errors)
+                else:
+                    decoded = _recv_file(x, self.plan.source[self.rank], want, errors, what)
+            x.drain()
+            if self.local:
+                decoded = _copy_file(*opened.get(self.rank), want, errors, stats)
+        finally:
+            opened.close()
+        stats.bytes_read += x.sent
+        stats.bytes_received, stats.broadcasts = x.received, x.messages
+        stats.shared_shards = 0 if self.local else len(want.tensors)
+        stats.objects = len(want.objects)
+        return decoded, errors.text()
+
+
+def _send_file(x: Transfers, tf, sf, peer: int, errors: _Errors) -> None:
+    for fqn in sorted(tf.tensors):
+        x.send(peer, sf.buffer(fqn).nbytes, _part(tf, sf, fqn, errors))
+    names = sorted(tf.objects)
+    if names:
+        sizes = torch.tensor([sf.buffer(n).nbytes for n in names], dtype=torch.int64)
+        x.send(peer, sizes.numel() * 8, _slices(sizes.view(torch.uint8)))
+        data = torch.cat([_part(tf, sf, n, errors)(0, sf.buffer(n).nbytes) for n in names])
+        x.send(peer, data.numel(), _slices(data))
+
+
+def _recv_file(x: Transfers, peer: int, want, errors: _Errors, what: str) -> list:
+    for fqn in sorted(want.tensors):
+        _, box, _ = want.tensors[fqn]
+        buf, then = staged_into(box.local)
+        x.recv(peer, buf, then)
+    names = sorted(want.objects)
+    if not names:
+        return []
+    sizes = torch.empty(len(names), dtype=torch.int64)
+    x.recv(peer, sizes.view(torch.uint8))
+    x.drain()  # (waiting on the oldest: every older message first)
+    data = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    x.recv(peer, data)
+    x.drain()
+    out, at = [], 0
+    for n, size in zip(names, sizes.tolist()):
+        blob = data[at: at + size].numpy().tobytes()
+        at += size
+        value = errors.guard(lambda: decode_object(blob, f"{what}: object {n!r} from rank {peer}"), lambda: None)
+        out.append((want.objects[n], value))
+    return out
+
+
+def _copy_file(tf, sf, want, errors: _Errors, stats) -> list:
+    for fqn, (_, box, _) in want.tensors.items():
+        errors.guard(lambda: copy_box(box.local, chunk_view(sf, tf, fqn), tf.path), lambda: None)
+        stats.bytes_read += box.local.numel() * box.local.element_size()
+    stats.private_shards = len(want.tensors)
+    out = []
+    for fqn, leaf in want.objects.items():
+        blob = bytes(sf.buffer(fqn))
+        stats.bytes_read += len(blob)
+        out.append((leaf, errors.guard(lambda: decode_object(blob, f"{tf.path}: object {fqn!r}"), lambda: None)))
+    return out
+
+
+# -- resharding ------------------------------------------------------------------------------------
+
+def reshard_job(comm, planned, files: dict, want, strict: bool, what: str) -> "ReshardJob":
+    """Gather the step's chunk tables and every rank's requests, then this rank's part of the plan."""
+    c, rank = planned.choice, comm.rank
+    mine = {f: files[(c.step, f)].table() for f in range(c.world) if int(c.holders(f)[0]) == rank}
+    tables: dict[int, dict] = {}
+    for part in comm.all_gather_object(mine, what):
+        tables.update(part)
+    chunks = restoreplan.chunk_tables({f: t["tensors"] for f, t in tables.items()})
+    local = {f for f in range(c.world) if c.holds(rank, f)}
+    boxes = [(fqn, b.offsets, b.lengths) for fqn, (_, b, _) in sorted(want.tensors.items())]
+    pieces, missing = restoreplan.pieces_for(boxes, chunks, rank, local)
+    problems = [f"{p.fqn}: stored as {chunks[p.fqn][0].dtype}, loaded into {want.tensors[p.fqn][2]}"
+                for p in pieces if chunks[p.fqn][0].dtype != want.tensors[p.fqn][2]]
+    objs = []
+    for fqn in sorted(want.objects):
+        have = [f for f in sorted(tables) if fqn in tables[f]["objects"]]
+        if not have:
+            missing.append(fqn)
+            continue
+        f = min(set(have) & local, default=have[0])
+        objs.append((f, fqn, rank, int(tables[f]["objects"][fqn])))
+    requests = comm.all_gather_object((pieces, objs, sorted(set(problems)), missing), what)
+    _refuse(requests, tables, strict, what)
+    return ReshardJob(c, rank, requests, restoreplan.reshard_sources(c), sorted(set(missing)))
+
+
+def _refuse(requests: list, tables: dict, strict: bool, what: str) -> None:
+    """Raise on every rank alike (all hold the same requests): dtype mismatches; with ``strict``, keys
+    no stored chunk covers and stored keys no rank loads."""
+    failures = {r: "\n".join(p) for r, (_, _, p, _) in enumerate(requests) if p}
+    if strict:
+        for r, (_, _, _, m) in enumerate(requests):
+            if m:
+                failures[r] = "\n".join([failures.get(r, ""), *(f"{k}: not in step (or not covered)" for k in m)]).strip()
+    if failures:
+        raise DistributedError(f"{what}: validation", failures) if len(requests) > 1 else StateDictError(
+            f"{what}: cannot load", list(failures.values()))
+    if strict:
+        stored = {k for t in tables.values() for k in (*t["tensors"], *t["objects"])}
+        asked = {p.fqn for ps, _, _, _ in requests for p in ps} | {o[1] for _, os_, _, _ in requests for o in os_}
+        if stored - asked:
+            raise StateDictError(f"{what}: keys in the tier's step that no rank loads (strict=True)",
+                                 sorted(stored - asked))
+
+
+class ReshardJob:
+    """Another layout: pieces of stored chunks, local or sent by each file's source."""
+
+    def __init__(self, c, rank: int, requests: list, sources: dict, missing: list):
+        self.c, self.rank, self.sources, self.missing = c, rank, sources, missing
+        every = [p for ps, _, _, _ in requests for p in ps]
+        self.transfers = restoreplan.transfer_order(every, c, sources)
+        self.local = [p for p in requests[rank][0] if c.holds(rank, p.f)]
+        objs = [o for _, os_, _, _ in requests for o in os_]
+        self.obj_moves = sorted(o for o in objs if not c.holds(o[2], o[0]))
+        self.obj_local = [o for o in requests[rank][1] if c.holds(rank, o[0])]
+        self.reads = ({p.f for p in self.local} | {o[0] for o in self.obj_local}
+                      | {p.f for p, s in self.transfers if s == rank}
+                      | {o[0] for o in self.obj_moves if sources[o[0]] == rank})
+
+    def run(self, comm, files: dict, want, stats, what: str) -> tuple[list, str | None]:
+        x, errors, opened = Transfers(comm, what), _Errors(), _Files(files, self.c.step)
+        try:
+            for p, s in self.transfers:
+                if s == self.rank:
+                    flat = read_piece(opened, p, errors).reshape(-1).view(torch.uint8)
+                    x.send(p.receiver, flat.numel(), _slices(flat))
+                elif p.receiver == self.rank:
+                    buf, then = staged_into(dest_region(want.tensors[p.fqn][1], p.offsets, p.lengths))
+                    x.recv(s, buf, then)
+                    stats.shared_shards += 1
+            decoded = self._objects(x, opened, want, errors, what)
+            x.drain()
+            for p in self.local:
+                tf, sf = opened.get(p.f)
+                dst = dest_region(want.tensors[p.fqn][1], p.offsets, p.lengths)
+                src = narrow(chunk_view(sf, tf, p.fqn), *region_of_chunk(tf, p))
+                errors.guard(lambda: copy_box(dst, src, tf.path), lambda: None)
+                stats.bytes_read += dst.numel() * dst.element_size()
+                stats.private_shards += 1
+        finally:
+            opened.close()
+        stats.bytes_read += x.sent
+        stats.bytes_received, stats.broadcasts = x.received, x.messages
+        stats.objects, stats.missing_keys = len(decoded), list(self.missing)
+        return decoded, errors.text()
+
+    def _objects(self, x: Transfers, opened: _Files, want, errors: _Errors, what: str) -> list:
+        """Objects moved (in the global order, after every tensor piece), then this rank's local ones."""
+        got = []
+        for f, fqn, receiver, n in self.obj_moves:
+            if self.sources[f] == self.rank:
+                tf, sf = opened.get(f)
+                x.send(receiver, n, _part(tf, sf, fqn, errors))
+            elif receiver == self.rank:
+                buf = torch.empty(n, dtype=torch.uint8)
+                x.recv(self.sources[f], buf)
+                got.append((fqn, buf, f"{what}: object {fqn!r} from rank {self.sources[f]}"))
+        x.drain()
+        for f, fqn, _, _ in self.obj_local:
+            tf, sf = opened.get(f)
+            got.append((fqn, torch.frombuffer(bytearray(sf.buffer(fqn)), dtype=torch.uint8), f"{tf.path}: {fqn!r}"))
+        out = []
+        for fqn, buf, where in got:
+            blob = buf.numpy().tobytes()
+            out.append((want.objects[fqn], errors.guard(lambda: decode_object(blob, where), lambda: None)))
+        return out
+
+
+def region_of(box, offsets, lengths) -> tuple[tuple, tuple]:
+    """(offsets within the local tensor, lengths) of a global region inside ``box``."""
+    return tuple(o - b for o, b in zip(offsets, box.offsets)), tuple(lengths)
+
+
+def dest_region(box, offsets, lengths) -> torch.Tensor:
+    return narrow(box.local, *region_of(box, offsets, lengths))
+
+
+def region_of_chunk(tf, p) -> tuple[tuple, tuple]:
+    """(offsets within the stored chunk, lengths) of piece ``p``."""
+    return tuple(o - c for o, c in zip(p.offsets, tf.tensors[p.fqn][2])), tuple(p.lengths)
+
+
+def read_piece(opened: _Files, p, errors: _Errors) -> torch.Tensor:
+    """A private contiguous copy of piece ``p`` out of its file (zeros, the error recorded, if it fails)."""
+    tf, sf = opened.get(p.f)
+    dtype = torch_dtype(tf.tensors[p.fqn][0])
+    return errors.guard(lambda: read_region(sf, tf, p.fqn, p.offsets, p.lengths),
+                        lambda: torch.zeros(tuple(p.lengths), dtype=dtype))
