@@ -131,10 +131,10 @@ def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, st
         if not flags.any():
             break
         gathered = comm.all_gather_object(bad, what)
-        for r, items in enumerate(gathered):
-            for (step, f, why) in items:
-                warnings.warn(f"pipeload: {what}: rank {r}'s copy of saved rank {f}'s file of step {step} is "
-                              f"unusable ({why}); another copy or step is used", RuntimeWarning, stacklevel=2)
+        for step, f, why in bad:  # (warned where the copy lies; every rank leaves it out)
+            warnings.warn(f"pipeload: {what}: this rank's copy of saved rank {f}'s file of step {step} is "
+                          f"unusable ({why}); another copy, step or the fallback is used", RuntimeWarning,
+                          stacklevel=2)
         planned = restoreplan.decide(restoreplan.exclude(
             planned.gathered, [(r, s, f) for r, items in enumerate(gathered) for (s, f, _) in items]))
     stats.step = planned.choice.step
