@@ -84,6 +84,10 @@ def _bench_parser(sub) -> None:
                    help="benchmark saving instead: write and memcpy floors, pipeload.save blocking and in the "
                    "background, dcp.save and dcp.async_save (--world, --tp, --dp, --size, --seed, --repeats, "
                    "--dir, --out, --timeout apply)")
+    b.add_argument("--tier", action="store_true",
+                   help="benchmark the memory tier instead: snapshot against a background save, and restore with "
+                   "one host lost against a load from the persistent checkpoint on throttled storage "
+                   "(--world, --tp, --dp, --size, --seed, --repeats, --read-mbps, --dir, --out, --timeout apply)")
     b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
                    help="what pipeload loads: its own checkpoint (default), the one DCP wrote, or an HF-layout "
                    "copy; dcp/hf compare with dcp.load and a plain per-rank safetensors reader")
@@ -184,6 +188,32 @@ def _bench_save(args: argparse.Namespace, dp: int) -> int:
     return 0
 
 
+def _bench_tier(args: argparse.Namespace, dp: int) -> int:
+    import json
+
+    from ._world import run_world_bench
+    from .bench import tier as bench_tier
+    size = args.size
+    cfg = bench_tier.TierBenchConfig(world=args.world, tp=args.tp, dp=dp, size_mb=size, seed=args.seed,
+                                     repeats=args.repeats, read_mbps=args.read_mbps, dir=args.dir,
+                                     timeout=args.timeout, quiet=args.quiet)
+    result, failed = run_world_bench("pipeload bench --tier", lambda: bench_tier.run(cfg))
+    if failed is not None:
+        return failed
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    throttle = result["throttle"]
+    print(f"{args.world} ranks (TP{args.tp} x DP{dp}), each an emulated host; {size:g} MiB model "
+          f"({result['unique_mib']} MiB unique, per rank {result['local_mib']} MiB); tier roots under "
+          f"{result['tier_root']}; persistent loads "
+          + (f"throttled to {args.read_mbps:g} MiB/s ({throttle['mechanism']})" if throttle.get("ok")
+             else f"NOT throttled ({throttle.get('reason')})") + f"; {args.repeats} repeats (medians)\n")
+    print(bench_tier.format_table(result))
+    print(f"\ntotal {result['total_seconds']:.0f} s" + (f"; results in {args.out}" if args.out else ""))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.storage == "s3":
         from .bench.s3 import main as bench_s3
@@ -194,6 +224,8 @@ def _bench(args: argparse.Namespace) -> int:
     dp = args.dp if args.dp is not None else max(1, args.world // args.tp)
     if args.save:
         return _bench_save(args, dp)
+    if args.tier:
+        return _bench_tier(args, dp)
     modes = args.modes or (MODES if args.full else QUICK_MODES)
     loaders = args.loaders or (LOADERS if args.full else None)
     cfg = BenchConfig(
