@@ -45,6 +45,7 @@ from ..errors import DistributedError, PipeloadError, StateDictError
 from ..formats.chunks import dtype_name
 from ..plan.exchange import host_id
 from ..plan.statedict import flatten, tensor_box
+from ..plan.tensorkinds import refusal
 from . import restoreplan
 from .restoreread import list_root, verify
 from .restorerun import SameJob, reshard_job
@@ -77,8 +78,13 @@ def wanted(leaves: dict) -> Wanted:
         try:
             box = tensor_box(fqn, v, cache)
             name = dtype_name(v.dtype)
+            why = refusal(box.local, load=True) if box.local is not None else None
+            if why is None and box.local is not None and box.local.device.type == "meta":
+                why = "a tensor on the meta device: materialise it (to_empty) before restoring from a tier"
         except Exception as e:  # noqa: BLE001 - reported on every rank after the gather
-            w.problems.append(f"{fqn}: {type(e).__name__}: {e}")
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            w.problems.append(f"{fqn}: {why}")
             continue
         if box.local is not None and box.numel > 0:
             w.tensors[fqn] = (leaf, box, name)
