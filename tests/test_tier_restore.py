@@ -206,10 +206,13 @@ def _case_fallbacks(rank, world, roots, ckpt, mesh, persistent):
     stats = pipeload.load(dest, _tier(roots[rank]), fallback=ckpt)
     _same(dest, persistent)
     assert stats.source == "fallback" and stats.bytes_read > 0
+    with pytest.raises(pipeload.PipeloadError, match="no step of the tier is complete"):
+        pipeload.load(dest, _tier(roots[rank]))  # no whole step, no fallback: refused on every rank
 
 
 def _case_reshard(rank, world, roots, ckpt, mesh1):
     """Saved TP2 x DP2, loaded with every tensor sharded over the 4 ranks by columns, one host lost."""
+    import pipeload
     from torch.distributed.tensor import Shard, distribute_tensor
 
     _wipe(rank, roots, {1})
@@ -221,6 +224,11 @@ def _case_reshard(rank, world, roots, ckpt, mesh1):
     stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
     _same(dest, want)
     assert (stats.source, stats.step) == ("tier", 10)
+    # a key the step does not hold (strict): refused on every rank before anything is written
+    extra = {**dest, "extra": torch.ones(2)}
+    with pytest.raises(pipeload.PipeloadError, match="extra"):
+        pipeload.load(extra, _tier(roots[rank]), fallback=ckpt)
+    assert torch.equal(extra["extra"], torch.ones(2))
 
 
 def _case_fsdp(rank, world, roots, ckpt, mesh1):
