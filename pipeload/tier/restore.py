@@ -116,24 +116,28 @@ async def restore(state_dict: dict, tier, fallback, stats_cls, plain_load, optio
 
 
 def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, strict: bool = True):
-    """Steps 1-4 on this rank (in a worker thread); None: no whole step, the caller falls back."""
+    """Steps 1-4 on this rank (in a worker thread); None: no whole step, the caller falls back.
+    ``stats.timings``: list (root and state dict), exchange, check, transfer (and local copies), agree."""
     comm = Comm(process_group, timeout)
     what = f"pipeload.load from memory tier {tier.root}"
-    clock = time.perf_counter()
+    lap = _Laps(stats.timings)
     want = wanted(flatten(state_dict))
     files = list_root(tier.root, tier.job)
     listing = restoreplan.encode_listing(tf.entry() for tf in files.values())
+    lap("list")
     g = restoreplan.exchange(comm, host_id(), want.digest(), listing, what, flags=int(bool(want.problems)))
     if np.any(g.rows[:, restoreplan.R_FLAGS]):
         _raise_problems(comm, want.problems, what)
     planned, checked = restoreplan.decide(g), set()
+    lap("exchange")
     while True:
         if planned.choice is None:
-            stats.timings["plan"] = time.perf_counter() - clock
             return None
         job = SameJob(planned, comm.rank) if planned.same else reshard_job(comm, planned, files, want, strict, what)
+        lap("exchange")
         bad = _check(files, job.reads, checked, planned.choice.step)
         flags = comm.gather_rows(np.array([len(bad)], dtype=np.int64), what, "all-gather of tier checks")[:, 0]
+        lap("check")
         if not flags.any():
             break
         gathered = comm.all_gather_object(bad, what)
@@ -144,11 +148,21 @@ def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, st
         planned = restoreplan.decide(restoreplan.exclude(
             planned.gathered, [(r, s, f) for r, items in enumerate(gathered) for (s, f, _) in items]))
     stats.step = planned.choice.step
-    stats.timings["plan"] = time.perf_counter() - clock
     decoded, error = job.run(comm, files, want, stats, what)
+    lap("transfer")
     comm.agree(what, error) if comm.size > 1 else _alone(error, what)
-    stats.timings["transfer"] = time.perf_counter() - clock - stats.timings["plan"]
+    lap("agree")
     return decoded
+
+
+class _Laps:
+    def __init__(self, timings: dict):
+        self.timings, self.last = timings, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
 def _alone(error: str | None, what: str) -> None:

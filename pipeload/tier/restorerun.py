@@ -13,15 +13,17 @@ read still sends (zeros), so no peer waits for ever; the error is raised at the 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from ..errors import DistributedError, StateDictError
 from ..formats.chunks import torch_dtype
 from ..io._fastio import SafetensorsFile
-from ..io.reader import copy_box, decode_object, narrow
+from ..io.reader import decode_object, narrow
 from . import restoreplan
-from .restoreread import chunk_view, read_region
+from .restoreread import copy_region, pread_into, read_region
 from .restorexfer import Transfers, staged_into
 
 
@@ -29,7 +31,7 @@ class _Files:
     """This rank's open tier files of the chosen step (closed by :meth:`close`)."""
 
     def __init__(self, files: dict, step: int):
-        self.files, self.step, self.open = files, step, {}
+        self.files, self.step, self.open, self.fds = files, step, {}, {}
 
     def get(self, f: int):
         tf = self.files[(self.step, f)]
@@ -37,9 +39,16 @@ class _Files:
             self.open[f] = SafetensorsFile(tf.path)
         return tf, self.open[f]
 
+    def fd(self, f: int) -> int:
+        if f not in self.fds:
+            self.fds[f] = os.open(self.files[(self.step, f)].path, os.O_RDONLY | os.O_CLOEXEC)
+        return self.fds[f]
+
     def close(self) -> None:
         for sf in self.open.values():
             sf.close()
+        for fd in self.fds.values():
+            os.close(fd)
 
 
 class _Errors:
@@ -58,18 +67,23 @@ class _Errors:
         return "\n".join(self.items) if self.items else None
 
 
-def _part(tf, sf, fqn: str, errors: _Errors):
-    """``part(lo, hi)``: bytes [lo, hi) of the stored chunk ``fqn``, a guarded private copy."""
+def _part(tf, fd: int, fqn: str, errors: _Errors):
+    """``part(lo, hi)``: bytes [lo, hi) of the stored chunk (or object) ``fqn``, read with ``pread``."""
+    start = tf.spans[fqn][0]
 
     def part(lo: int, hi: int) -> torch.Tensor:
         def read():
             out = torch.empty(hi - lo, dtype=torch.uint8)
-            copy_box(out, torch.frombuffer(sf.buffer(fqn)[lo:hi], dtype=torch.uint8), tf.path)
+            pread_into(fd, tf.path, start + lo, out)
             return out
 
         return errors.guard(read, lambda: torch.zeros(hi - lo, dtype=torch.uint8))
 
     return part
+
+
+def _size(tf, fqn: str) -> int:
+    return tf.spans[fqn][1] - tf.spans[fqn][0]
 
 
 def _slices(buf: torch.Tensor):
@@ -91,12 +105,13 @@ class SameJob:
             ops = [(f, True) for f in self.plan.sends(self.rank)] + ([] if self.local else [(self.rank, False)])
             for f, sending in sorted(ops):
                 if sending:
-                    _send_file(x, *opened.get(f), f, errors)
+                    _send_file(x, opened.files[(self.choice.step, f)], opened.fd(f), f, errors)
                 else:
                     decoded = _recv_file(x, self.plan.source[self.rank], want, errors, what)
             x.drain()
             if self.local:
-                decoded = _copy_file(*opened.get(self.rank), want, errors, stats)
+                decoded = _copy_file(opened.files[(self.choice.step, self.rank)], opened.fd(self.rank), want,
+                                     errors, stats)
         finally:
             opened.close()
         stats.bytes_read += x.sent
@@ -106,14 +121,14 @@ class SameJob:
         return decoded, errors.text()
 
 
-def _send_file(x: Transfers, tf, sf, peer: int, errors: _Errors) -> None:
+def _send_file(x: Transfers, tf, fd: int, peer: int, errors: _Errors) -> None:
     for fqn in sorted(tf.tensors):
-        x.send(peer, sf.buffer(fqn).nbytes, _part(tf, sf, fqn, errors))
+        x.send(peer, _size(tf, fqn), _part(tf, fd, fqn, errors))
     names = sorted(tf.objects)
     if names:
-        sizes = torch.tensor([sf.buffer(n).nbytes for n in names], dtype=torch.int64)
+        sizes = torch.tensor([_size(tf, n) for n in names], dtype=torch.int64)
         x.send(peer, sizes.numel() * 8, _slices(sizes.view(torch.uint8)))
-        data = torch.cat([_part(tf, sf, n, errors)(0, sf.buffer(n).nbytes) for n in names])
+        data = torch.cat([_part(tf, fd, n, errors)(0, _size(tf, n)) for n in names])
         x.send(peer, data.numel(), _slices(data))
 
 
@@ -140,16 +155,20 @@ def _recv_file(x: Transfers, peer: int, want, errors: _Errors, what: str) -> lis
     return out
 
 
-def _copy_file(tf, sf, want, errors: _Errors, stats) -> list:
+def _copy_file(tf, fd: int, want, errors: _Errors, stats) -> list:
+    """This rank's own file into its destinations: ``pread`` straight into each contiguous host tensor."""
     for fqn, (_, box, _) in want.tensors.items():
-        errors.guard(lambda: copy_box(box.local, chunk_view(sf, tf, fqn), tf.path), lambda: None)
-        stats.bytes_read += box.local.numel() * box.local.element_size()
+        buf, then = staged_into(box.local)
+        errors.guard(lambda: (pread_into(fd, tf.path, tf.spans[fqn][0], buf), then()), lambda: None)
+        stats.bytes_read += buf.numel()
     stats.private_shards = len(want.tensors)
     out = []
     for fqn, leaf in want.objects.items():
-        blob = bytes(sf.buffer(fqn))
-        stats.bytes_read += len(blob)
-        out.append((leaf, errors.guard(lambda: decode_object(blob, f"{tf.path}: object {fqn!r}"), lambda: None)))
+        blob = torch.empty(_size(tf, fqn), dtype=torch.uint8)
+        errors.guard(lambda: pread_into(fd, tf.path, tf.spans[fqn][0], blob), lambda: None)
+        stats.bytes_read += blob.numel()
+        data = blob.numpy().tobytes()
+        out.append((leaf, errors.guard(lambda: decode_object(data, f"{tf.path}: object {fqn!r}"), lambda: None)))
     return out
 
 
@@ -231,8 +250,7 @@ class ReshardJob:
             for p in self.local:
                 tf, sf = opened.get(p.f)
                 dst = dest_region(want.tensors[p.fqn][1], p.offsets, p.lengths)
-                src = narrow(chunk_view(sf, tf, p.fqn), *region_of_chunk(tf, p))
-                errors.guard(lambda: copy_box(dst, src, tf.path), lambda: None)
+                errors.guard(lambda: copy_region(sf, tf, p.fqn, p.offsets, p.lengths, dst), lambda: None)
                 stats.bytes_read += dst.numel() * dst.element_size()
                 stats.private_shards += 1
         finally:
@@ -247,16 +265,16 @@ class ReshardJob:
         got = []
         for f, fqn, receiver, n in self.obj_moves:
             if self.sources[f] == self.rank:
-                tf, sf = opened.get(f)
-                x.send(receiver, n, _part(tf, sf, fqn, errors))
+                x.send(receiver, n, _part(opened.files[(self.c.step, f)], opened.fd(f), fqn, errors))
             elif receiver == self.rank:
                 buf = torch.empty(n, dtype=torch.uint8)
                 x.recv(self.sources[f], buf)
                 got.append((fqn, buf, f"{what}: object {fqn!r} from rank {self.sources[f]}"))
         x.drain()
-        for f, fqn, _, _ in self.obj_local:
-            tf, sf = opened.get(f)
-            got.append((fqn, torch.frombuffer(bytearray(sf.buffer(fqn)), dtype=torch.uint8), f"{tf.path}: {fqn!r}"))
+        for f, fqn, _, n in self.obj_local:
+            tf, buf = opened.files[(self.c.step, f)], torch.empty(n, dtype=torch.uint8)
+            errors.guard(lambda: pread_into(opened.fd(f), tf.path, tf.spans[fqn][0], buf), lambda: None)
+            got.append((fqn, buf, f"{tf.path}: {fqn!r}"))
         out = []
         for fqn, buf, where in got:
             blob = buf.numpy().tobytes()
@@ -271,11 +289,6 @@ def region_of(box, offsets, lengths) -> tuple[tuple, tuple]:
 
 def dest_region(box, offsets, lengths) -> torch.Tensor:
     return narrow(box.local, *region_of(box, offsets, lengths))
-
-
-def region_of_chunk(tf, p) -> tuple[tuple, tuple]:
-    """(offsets within the stored chunk, lengths) of piece ``p``."""
-    return tuple(o - c for o, c in zip(p.offsets, tf.tensors[p.fqn][2])), tuple(p.lengths)
 
 
 def read_piece(opened: _Files, p, errors: _Errors) -> torch.Tensor:
