@@ -15,6 +15,7 @@ from .errors import (CheckpointFormatError, ChecksumError, DistributedError, Hea
 from .engine.loader import LoadStats, load, load_async
 from .save.api import save, save_async
 from .save.background import SaveHandle
+from .tier import MemoryTier
 
 
 def clear_plan_cache() -> None:
@@ -30,6 +31,7 @@ __all__ = [
     "save",
     "save_async",
     "SaveHandle",
+    "MemoryTier",
     "load",
     "load_async",
     "LoadStats",

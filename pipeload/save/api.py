@@ -14,13 +14,15 @@ from ..engine._gcpause import paused_gc
 from ..engine.comm import Comm
 from ..io import storage
 from ..plan.statedict import check_top
+from ..tier import MemoryTier
 from . import background as bg
 from . import saver
 from .background import SaveHandle
 
 
-def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=None, background: bool = False,
-         staging_bytes: int | None = None, storage_options: dict | None = None):
+def save(state_dict: dict, checkpoint_dir: str | os.PathLike | MemoryTier, *, process_group=None,
+         background: bool = False, staging_bytes: int | None = None, storage_options: dict | None = None,
+         step: int | None = None):
     """Save ``state_dict`` as a pipeload checkpoint; every rank of ``process_group`` must call it.
 
     Values may be ``torch.Tensor`` (whole on this rank), ``DTensor`` (Shard/Replicate placements on any
@@ -38,9 +40,25 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike, *, process_group=N
     :mod:`pipeload.save.background`). Saves on one group run one at a time: any save first waits for the
     group's background save in flight to finish. ``Stateful`` values are saved as their ``state_dict()``.
     ``storage_options``: for a URL (``s3://bucket/prefix``), as for :func:`pipeload.load`.
+
+    A :class:`pipeload.MemoryTier` as the location snapshots every rank's whole state at ``step`` (required)
+    into host memory, with copies on other hosts (:mod:`pipeload.tier.snapshot`): the same values are
+    accepted and refused; blocking, it returns this rank's :class:`pipeload.tier.snapshot.SnapshotStats`;
+    ``background=True`` returns a :class:`SaveHandle` once the state is staged. Every rank of the world
+    must call it. ``staging_bytes`` and ``storage_options`` do not apply to a tier.
     """
     state_dict = stateful.expand(state_dict)[0]  # a Stateful value is saved as its state_dict()
     check_top(state_dict)
+    if isinstance(checkpoint_dir, MemoryTier):
+        if staging_bytes is not None or storage_options is not None:
+            raise TypeError("pipeload.save into a MemoryTier takes no staging_bytes or storage_options")
+        from ..tier import snapshot
+
+        comm = Comm(process_group)
+        bg.wait_previous(comm)
+        return snapshot.save(state_dict, checkpoint_dir, step, comm, background)
+    if step is not None:
+        raise TypeError("step= is for a MemoryTier location; a checkpoint directory takes none")
     directory = os.fspath(checkpoint_dir)
     storage.configure(directory, storage_options)  # s3:// and other URLs (see pipeload.load)
     comm = Comm(process_group)
