@@ -28,35 +28,10 @@ def _tier(root, job=JOB):
 
 
 def _snapshot(rank: int, world: int, roots: list[str], step: int, sd: dict, job: str = JOB) -> None:
-    """Snapshot ``sd`` at ``step`` into the tier of every rank (each rank's root is its host's): rank r's
-    file on its own root and on the next host's, as the snapshot's placement puts it."""
-    import json
+    """Snapshot ``sd`` at ``step`` into the tier (each rank's root is its host's; a copy on the next host)."""
+    import pipeload
 
-    import torch.distributed as dist
-
-    from pipeload.plan.statedict import flatten, tensor_box
-    from pipeload.save.saveplan import encode_object
-    from pipeload.tier import format as tf
-
-    tensors, objects = {}, {}
-    for fqn, leaf in flatten(sd).items():
-        if isinstance(leaf.value, torch.Tensor):
-            box = tensor_box(fqn, leaf.value)
-            tensors[fqn] = (box.local, box.global_shape, box.offsets)
-        else:
-            objects[fqn] = encode_object(leaf.value)
-    for r in (rank, (rank + 1) % world):
-        tf.write_rank_file(tf.rank_file(roots[r], step, rank), step, rank, world, job, tensors, objects)
-    dist.barrier()
-    with open(os.path.join(roots[rank], "TIER.json"), "w") as f:
-        json.dump({"format": 1, "job": job}, f)
-    held = sorted({rank, (rank - 1) % world})
-    with open(os.path.join(tf.step_dir(roots[rank], step), "COMPLETE.json"), "w") as f:
-        json.dump({"step": step, "world": world, "job": job, "ranks": held, "replicas": 2, "hosts": world}, f)
-    for d in os.listdir(roots[rank]):  # keep=1: the older complete steps go once this one is complete
-        if d.startswith("step-") and d != os.path.basename(tf.step_dir(roots[rank], step)):
-            shutil.rmtree(os.path.join(roots[rank], d))
-    dist.barrier()
+    pipeload.save(sd, _tier(roots[rank], job), step=step)
 
 
 def _wipe(rank: int, roots: list[str], who) -> None:

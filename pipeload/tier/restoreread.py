@@ -57,8 +57,8 @@ def list_root(root: str, job: str) -> dict[tuple[int, int], TierFile]:
     """Every readable rank file of the newest :data:`STEPS_LISTED` complete steps under ``root``."""
     out: dict[tuple[int, int], TierFile] = {}
     try:
-        steps = tierformat.list_steps(root, job)
-    except PipeloadError as e:
+        steps = tierformat.list_steps(root, job)  # (another job's or a damaged root: empty, warned there)
+    except (PipeloadError, OSError) as e:
         warnings.warn(f"pipeload: memory tier {root}: {e}; treated as holding nothing", RuntimeWarning, stacklevel=2)
         return out
     complete = sorted((s for s, v in steps.items() if v.get("complete")), reverse=True)[:STEPS_LISTED]
@@ -72,20 +72,18 @@ def list_root(root: str, job: str) -> dict[tuple[int, int], TierFile]:
 
 
 def _open(path: str, job: str, step: int, rank: int) -> TierFile | None:
-    """The file's header, checked against where it lies; None (warned) when it is not this job's step and
-    rank's, or does not parse."""
+    """The file's validated header (:func:`.format.read_rank_header`), checked against where it lies; None
+    (warned) when it is not this job's step and rank's, or does not parse."""
     try:
         h = tierformat.read_rank_header(path, job=job, step=step, rank=rank)
-        with SafetensorsFile(path) as sf:
-            tensors = {fqn: (t["dtype"], tuple(t["shape"]), tuple(t["offsets"]), tuple(sf.entry(fqn)[1]),
-                             t["checksum"]) for fqn, t in h.tensors.items()}
-            spans = {fqn: tuple(sf.entry(fqn)[2:]) for fqn in [*h.tensors, *h.objects]}
-            objects = {fqn: (spans[fqn][1] - spans[fqn][0], c) for fqn, c in h.objects.items()}
-            return TierFile(step, rank, int(h.world), path, int(sf.size), tensors, objects, spans)
     except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
         warnings.warn(f"pipeload: memory tier file {path} is not usable ({type(e).__name__}: {e}); treated as "
                       f"missing", RuntimeWarning, stacklevel=2)
         return None
+    tensors = {fqn: (t.dtype, t.shape, t.offsets, t.lengths, t.checksum) for fqn, t in h.tensors.items()}
+    objects = {fqn: (o.end - o.start, o.checksum) for fqn, o in h.objects.items()}
+    spans = {fqn: (e.start, e.end) for fqn, e in [*h.tensors.items(), *h.objects.items()]}
+    return TierFile(step, rank, int(h.world), path, int(h.size), tensors, objects, spans)
 
 
 BLOCK = 16 << 20  # bytes read per call when checking a file
