@@ -5,13 +5,14 @@ ends derive from the file's size, which every rank holds after the snapshot's ga
 of ranks carries at most one file per snapshot (a rank sends only its own file, to one writer per
 destination host), so the pair's messages match in posting order with no tag of their own.
 
-Every message of every stream of a rank is posted without waiting on another rank, at most
-:data:`DEPTH` per stream at once (bounded memory: ``DEPTH x CHUNK`` per stream), and the rank polls
-them all rather than blocking on one: a rank blocked on one stream's message while its own next
-message of another stream waits to be posted could close a cycle of waits between two ranks sending
-to each other. Gloo progresses posted messages in its own threads, so every posted message completes
-once its peer posts the matching one, and every peer does, in stream order. A peer that dies fails the
-pending messages; a peer that stops progressing fails them at the group's timeout.
+Each stream (a file sent to one peer, or received from one) runs in a thread of its own, with at
+most :data:`DEPTH` messages posted at once (bounded memory: ``DEPTH x CHUNK`` per stream), and waits
+only for its own oldest message. One thread waiting for all streams could close a cycle between two
+ranks that send to each other: each blocked on the other's next message, whose posting waits behind
+that very wait. Gloo progresses posted messages in its own threads, so message ``k`` of a stream
+completes once both ends posted it, and each end posts it once its message ``k - DEPTH`` completed:
+by induction every message completes while both ends live. A peer that dies fails its streams' pending
+messages; one that stops progressing fails them at the group's timeout.
 
 This module and :mod:`pipeload.engine.comm` are the only ones that call ``torch.distributed``'s
 point-to-point functions.
@@ -20,7 +21,7 @@ point-to-point functions.
 from __future__ import annotations
 
 import os
-import time
+import threading
 from collections import deque
 from typing import Any
 
@@ -132,31 +133,37 @@ def exchange(own: Comm, outs: list[tuple[int, list[memoryview], int]], ins: list
              what: str) -> str | None:
     """Send ``outs`` ((peer, file parts, size)) and receive ``ins`` ((peer, path, size)); the first write
     error of a received copy (naming the file), or None. Raises :class:`pipeload.PipeloadError` (naming the
-    ranks that stopped answering, when the probe finds them) when a message fails or the group's timeout
-    passes: the peers' messages cannot be abandoned otherwise."""
+    ranks that stopped answering, when the probe finds them) when a message fails (a peer died) or the
+    group's timeout passes (a peer hung): the peers' messages cannot be abandoned otherwise."""
     streams: list[Any] = [_Out(p, parts, n) for p, parts, n in outs if n] + [_In(p, path, n) for p, path, n in ins]
-    deadline = time.monotonic() + own.timeout.total_seconds()
-    nap = 1e-4
-    try:
-        while True:
-            busy = progressed = False
-            for s in streams:
-                while s.more() and len(s.pending) < DEPTH:
-                    s.post(own.pg)
-                while s.pending and s.pending[0][0].is_completed():
-                    work, buf = s.pending.popleft()
-                    work.wait()  # raises what the message failed with
-                    s.done(work, buf)
-                    progressed = True
-                busy = busy or bool(s.pending)
-            if not busy:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"copies not finished after {own.timeout.total_seconds():.0f} s")
-            nap = 1e-4 if progressed else min(nap * 2, 2e-3)
-            time.sleep(nap)
-    except Exception as e:  # noqa: BLE001 - a peer died or hung: named by the probe
-        raise own._fail(what, "point-to-point copy of rank files", e) from e
-    finally:
-        errors = [s.finish() for s in streams if isinstance(s, _In)]
+    failures: list[BaseException] = []
+    threads = [threading.Thread(target=_run, args=(s, own.pg, failures), name=f"pipeload-tier-copy-{own.rank}")
+               for s in streams[1:]]
+    for t in threads:
+        t.start()
+    if streams:
+        _run(streams[0], own.pg, failures)
+    for t in threads:
+        t.join()
+    errors = [s.finish() for s in streams if isinstance(s, _In)]
+    if failures:
+        raise own._fail(what, "point-to-point copy of rank files", failures[0]) from failures[0]
     return next((e for e in errors if e), None)
+
+
+def _run(stream, pg, failures: list[BaseException]) -> None:
+    """One stream, to its end: post up to DEPTH messages, wait for the oldest, hand it over, repeat.
+
+    A gloo message is complete only once waited for (``is_completed`` stays false until ``wait()``),
+    so each stream waits in a thread of its own: a stream blocks only on its own messages, whose peer
+    posts them in the same order, so no wait of one stream can hold back another's.
+    """
+    try:
+        while stream.more() or stream.pending:
+            while stream.more() and len(stream.pending) < DEPTH:
+                stream.post(pg)
+            work, buf = stream.pending.popleft()
+            work.wait()  # the group's timeout bounds it; a dead peer fails it
+            stream.done(work, buf)
+    except BaseException as e:  # noqa: BLE001 - raised by exchange() once every stream has stopped
+        failures.append(e)
