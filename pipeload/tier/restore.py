@@ -18,13 +18,16 @@ No whole step: ``pipeload.load(state_dict, fallback, **options)``, the ordinary 
 
 Why this cannot deadlock (the argument of docs/ARCHITECTURE.md, for point-to-point messages): every
 message has a position in one sequence all ranks derive from the gathered words (transfers sorted by
-file, tensor, chunk, receiver; parts in byte order), and the gathers, the agreements and the re-taken
+file and receiver, then tensor and chunk; small chunks packed into messages and large ones cut into
+parts by rules both ends apply to sizes both know), and the gathers, the agreements and the re-taken
 decisions are collectives every rank issues alike, since every rank holds the same words. Each rank
 posts its messages in that order and blocks only on its oldest outstanding one. Take the lowest
 message not yet complete: its sender and receiver have each posted it or are before it, and "before
 it" is reading (which needs no other rank) or waiting on lower messages (complete, by the choice of the
-lowest), so both post it and it completes. A sender whose read fails still sends (zeros) and reports the
-error at the agreement; the receiver of object bytes waits for their sizes only after every older
+lowest), so both post it; it is then the oldest outstanding message of each, which each waits on at
+the latest when its in-flight bytes run out or it drains (a gloo message may need both ends waiting to
+progress), and it completes. A sender whose read fails still sends (zeros) and reports the error at
+the agreement; the receiver of object bytes waits for their sizes only after every older
 message (a drain), which is waiting on its oldest.
 """
 

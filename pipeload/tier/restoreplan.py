@@ -250,10 +250,11 @@ def reshard_sources(c: Choice) -> dict[int, int]:
 
 
 def transfer_order(pieces: Iterable[Piece], c: Choice, sources: dict[int, int]) -> list[tuple[Piece, int]]:
-    """Every piece that crosses ranks, with its sender, in the one global order (file, tensor, chunk,
-    receiver, region): what every rank posts its sends and receives in."""
+    """Every piece that crosses ranks, with its sender, in the one global order (file, receiver, tensor,
+    chunk, region): what every rank posts its sends and receives in (a file's pieces for one receiver are
+    consecutive: they travel packed)."""
     out = [(p, sources[p.f]) for p in pieces if not c.holds(p.receiver, p.f)]
-    out.sort(key=lambda x: (x[0].f, x[0].fqn, x[0].chunk_offsets, x[0].receiver, x[0].offsets))
+    out.sort(key=lambda x: (x[0].f, x[0].receiver, x[0].fqn, x[0].chunk_offsets, x[0].offsets))
     return out
 
 

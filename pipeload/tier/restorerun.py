@@ -24,7 +24,7 @@ from ..io._fastio import SafetensorsFile
 from ..io.reader import decode_object, narrow
 from . import restoreplan
 from .restoreread import copy_region, pread_into, read_region
-from .restorexfer import Transfers, staged_into
+from .restorexfer import Transfers, batches, staged_into, unpack_into
 
 
 class _Files:
@@ -122,8 +122,16 @@ class SameJob:
 
 
 def _send_file(x: Transfers, tf, fd: int, peer: int, errors: _Errors) -> None:
-    for fqn in sorted(tf.tensors):
-        x.send(peer, _size(tf, fqn), _part(tf, fd, fqn, errors))
+    for batch in batches([(fqn, _size(tf, fqn)) for fqn in sorted(tf.tensors)]):
+        if len(batch) == 1:
+            x.send(peer, batch[0][1], _part(tf, fd, batch[0][0], errors))
+            continue
+        buf = torch.empty(sum(n for _, n in batch), dtype=torch.uint8)
+        at = 0
+        for fqn, n in batch:
+            errors.guard(lambda: pread_into(fd, tf.path, tf.spans[fqn][0], buf[at: at + n]), lambda: None)
+            at += n
+        x.send(peer, buf.numel(), _slices(buf))
     names = sorted(tf.objects)
     if names:
         sizes = torch.tensor([_size(tf, n) for n in names], dtype=torch.int64)
@@ -133,9 +141,13 @@ def _send_file(x: Transfers, tf, fd: int, peer: int, errors: _Errors) -> None:
 
 
 def _recv_file(x: Transfers, peer: int, want, errors: _Errors, what: str) -> list:
-    for fqn in sorted(want.tensors):
-        _, box, _ = want.tensors[fqn]
-        buf, then = staged_into(box.local)
+    dst = {fqn: want.tensors[fqn][1].local for fqn in want.tensors}
+    for batch in batches([(fqn, dst[fqn].numel() * dst[fqn].element_size()) for fqn in sorted(dst)]):
+        if len(batch) == 1:
+            buf, then = staged_into(dst[batch[0][0]])
+        else:
+            buf = torch.empty(sum(n for _, n in batch), dtype=torch.uint8)
+            then = unpack_into(buf, [dst[fqn] for fqn, _ in batch])
         x.recv(peer, buf, then)
     names = sorted(want.objects)
     if not names:
@@ -237,14 +249,20 @@ class ReshardJob:
     def run(self, comm, files: dict, want, stats, what: str) -> tuple[list, str | None]:
         x, errors, opened = Transfers(comm, what), _Errors(), _Files(files, self.c.step)
         try:
-            for p, s in self.transfers:
+            for batch, s in self._batches(want, opened):
+                receiver = batch[0].receiver
                 if s == self.rank:
-                    flat = read_piece(opened, p, errors).reshape(-1).view(torch.uint8)
-                    x.send(p.receiver, flat.numel(), _slices(flat))
-                elif p.receiver == self.rank:
-                    buf, then = staged_into(dest_region(want.tensors[p.fqn][1], p.offsets, p.lengths))
+                    flat = torch.cat([read_piece(opened, p, errors).reshape(-1).view(torch.uint8) for p in batch])
+                    x.send(receiver, flat.numel(), _slices(flat))
+                elif receiver == self.rank:
+                    dsts = [dest_region(want.tensors[p.fqn][1], p.offsets, p.lengths) for p in batch]
+                    if len(dsts) == 1:
+                        buf, then = staged_into(dsts[0])
+                    else:
+                        buf = torch.empty(sum(d.numel() * d.element_size() for d in dsts), dtype=torch.uint8)
+                        then = unpack_into(buf, dsts)
                     x.recv(s, buf, then)
-                    stats.shared_shards += 1
+                    stats.shared_shards += len(batch)
             decoded = self._objects(x, opened, want, errors, what)
             x.drain()
             for p in self.local:
@@ -259,6 +277,26 @@ class ReshardJob:
         stats.bytes_received, stats.broadcasts = x.received, x.messages
         stats.objects, stats.missing_keys = len(decoded), list(self.missing)
         return decoded, errors.text()
+
+    def _batches(self, want, opened: _Files):
+        """This rank's transfers (as sender or receiver), consecutive small pieces between the same two
+        ranks packed into one message (:func:`.restorexfer.batches`, alike on both ends)."""
+        runs: dict[tuple[int, int], list] = {}
+        order = []
+        for p, s in self.transfers:
+            if self.rank not in (s, p.receiver):
+                continue
+            key = (p.f, p.receiver)
+            if key not in runs:
+                runs[key] = []
+                order.append((key, s))
+            runs[key].append(p)
+        for key, s in order:
+            pieces = runs[key]
+            itemsize = [_itemsize(p, s == self.rank, want, opened) for p in pieces]
+            sizes = [(i, int(np.prod(p.lengths, dtype=np.int64)) * k) for i, (p, k) in enumerate(zip(pieces, itemsize))]
+            for batch in batches(sizes):
+                yield [pieces[i] for i, _ in batch], s
 
     def _objects(self, x: Transfers, opened: _Files, want, errors: _Errors, what: str) -> list:
         """Objects moved (in the global order, after every tensor piece), then this rank's local ones."""
@@ -289,6 +327,14 @@ def region_of(box, offsets, lengths) -> tuple[tuple, tuple]:
 
 def dest_region(box, offsets, lengths) -> torch.Tensor:
     return narrow(box.local, *region_of(box, offsets, lengths))
+
+
+def _itemsize(p, sending: bool, want, opened: _Files) -> int:
+    """Bytes per element of piece ``p``: the stored dtype's (sender), the destination's (receiver): equal,
+    the dtypes were checked on every rank before any transfer."""
+    if sending:
+        return torch_dtype(opened.files[(opened.step, p.f)].tensors[p.fqn][0]).itemsize
+    return want.tensors[p.fqn][1].local.element_size()
 
 
 def read_piece(opened: _Files, p, errors: _Errors) -> torch.Tensor:

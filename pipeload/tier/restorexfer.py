@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..errors import PipeloadError
 
 PIECE = 16 << 20  # bytes of one point-to-point message
+SMALL = 1 << 20  # chunks below this travel packed with their neighbours, up to PIECE bytes a message
 INFLIGHT = 64 << 20  # bytes a rank has posted and not yet seen complete
 
 
@@ -102,3 +103,41 @@ def staged_into(dst: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         dst.copy_(buf.view(dst.dtype).view(dst.shape))
 
     return buf, copy
+
+
+def batches(sizes: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """``sizes`` (name, bytes), in the transfer's order, cut into messages both ends derive alike: a chunk
+    of at least :data:`SMALL` bytes alone (cut into parts by :meth:`Transfers.send`), runs of smaller ones
+    packed up to :data:`PIECE` bytes (a message per chunk would make many small tensors latency-bound)."""
+    out: list[list[tuple[str, int]]] = []
+    run: list[tuple[str, int]] = []
+    total = 0
+    for name, n in sizes:
+        if n >= SMALL:
+            if run:
+                out.append(run)
+                run, total = [], 0
+            out.append([(name, n)])
+            continue
+        if run and total + n > PIECE:
+            out.append(run)
+            run, total = [], 0
+        run.append((name, n))
+        total += n
+    if run:
+        out.append(run)
+    return out
+
+
+def unpack_into(buf: torch.Tensor, dsts: list[torch.Tensor]) -> Callable[[], None]:
+    """The copy of a packed message's slices into their destinations, in order, once it arrived."""
+
+    def unpack() -> None:
+        at = 0
+        for dst in dsts:
+            n = dst.numel() * dst.element_size()
+            if n:
+                dst.copy_(buf[at: at + n].view(dst.dtype).view(dst.shape))
+            at += n
+
+    return unpack
