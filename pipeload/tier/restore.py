@@ -136,7 +136,8 @@ def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, st
     while True:
         if planned.choice is None:
             return None
-        job = SameJob(planned, comm.rank) if planned.same else reshard_job(comm, planned, files, want, strict, what)
+        job = (SameJob(planned, comm.rank) if planned.same
+               else reshard_job(comm, planned, files, want, strict, what, tier.job))
         lap("exchange")
         bad = _check(files, job.reads, checked, planned.choice.step)
         flags = comm.gather_rows(np.array([len(bad)], dtype=np.int64), what, "all-gather of tier checks")[:, 0]

@@ -148,9 +148,25 @@ def choose(g: Gathered) -> Choice | None:
     return None
 
 
-def same_layout(g: Gathered, c: Choice) -> bool:
-    """Whether rank r's destinations are exactly saved rank r's file, for every r (alike on every rank)."""
-    return len(g.rows) == c.world and bool(np.array_equal(g.rows[:, R_LAYOUT], c.digests))
+def _restrict(c: Choice, keep: np.ndarray) -> Choice:
+    """``c`` with only the holders in ``keep`` (each saved rank keeps at least one)."""
+    sel = c.entries[keep]
+    first = np.searchsorted(sel[:, 1 + E_RANK], np.arange(c.world + 1))
+    lead = sel[first[:-1]]
+    return Choice(c.step, c.world, first, sel, lead[:, 1 + E_DIGEST].copy(), lead[:, 1 + E_BYTES].copy())
+
+
+def same_layout(g: Gathered, c: Choice) -> tuple[bool, Choice]:
+    """(whether rank r's destinations are exactly saved rank r's file for every r, the choice with only
+    the copies that can serve): alike on every rank. A copy serves when its layout digest is the one its
+    file is used with — the receiving rank's own (same layout), else the lowest holder's, whose header
+    describes the chunks to every rank (resharding): a copy whose record differs is a damaged copy."""
+    f = c.entries[:, 1 + E_RANK]
+    if len(g.rows) == c.world:
+        match = c.entries[:, 1 + E_DIGEST] == g.rows[f, R_LAYOUT]
+        if np.all(np.bincount(f[match], minlength=c.world) > 0):
+            return True, _restrict(c, match)
+    return False, _restrict(c, c.entries[:, 1 + E_DIGEST] == c.digests[f])
 
 
 @dataclass
@@ -283,7 +299,7 @@ def decide(g: Gathered) -> Planned:
     c = choose(g)
     if c is None:
         return Planned(g, None, False, None)
-    same = same_layout(g, c)
+    same, c = same_layout(g, c)
     return Planned(g, c, same, same_layout_plan(c) if same else None)
 
 

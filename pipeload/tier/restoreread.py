@@ -9,6 +9,7 @@ file. Checksums are verified by the rank that will read a file, before any desti
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 
 from ..errors import PipeloadError, ReadError
 from ..formats.chunks import torch_dtype
-from ..io._fastio import SafetensorsFile
+from ..io._fastio import SafetensorsFile, read_header
 from ..io.checksum import hasher
 from ..io.reader import copy_box, narrow
 from . import format as tierformat
@@ -72,18 +73,48 @@ def list_root(root: str, job: str) -> dict[tuple[int, int], TierFile]:
 
 
 def _open(path: str, job: str, step: int, rank: int) -> TierFile | None:
-    """The file's validated header (:func:`.format.read_rank_header`), checked against where it lies; None
-    (warned) when it is not this job's step and rank's, or does not parse."""
+    """The file's header as the listing needs it, or None (warned) when it is not this job's step and
+    rank's or does not parse. The safetensors layer is validated by the compiled parser; the tier record
+    is only parsed here (each chunk's fields against the file's entries), not checked field by field as
+    :func:`.format.read_rank_header` does: a copy is used only when its layout digest equals the one it
+    is used with (:func:`.restoreplan.same_layout`) — the receiving rank's own boxes, or the lowest
+    holder's header, fully validated before its chunk table is sent — and its checksums pass."""
     try:
-        h = tierformat.read_rank_header(path, job=job, step=step, rank=rank)
+        entries = read_header(path)
+        doc = json.loads((entries.pop("__metadata__") or {})[tierformat.META_KEY])
+        if (doc["format"], doc["job"], doc["step"], doc["rank"]) != (tierformat.FORMAT, job, step, rank):
+            raise ValueError(f"records format {doc['format']!r:.20}, job {doc['job']!r:.80}, step "
+                             f"{doc['step']!r:.20}, rank {doc['rank']!r:.20}")
+        if set(doc["tensors"]) | set(doc["objects"]) != set(entries):
+            raise ValueError("the tier record and the file's tensors differ")
+        tensors, objects, spans = {}, {}, {}
+        for fqn, t in doc["tensors"].items():
+            dtype, lengths, start, end = entries[fqn]
+            if t["dtype"] != dtype or len(t["shape"]) != len(lengths) or len(t["offsets"]) != len(lengths):
+                raise ValueError(f"tensor {fqn!r}: its record disagrees with the file")
+            tensors[fqn] = (dtype, tuple(t["shape"]), tuple(t["offsets"]), tuple(lengths), str(t["checksum"]))
+            spans[fqn] = (start, end)
+        for fqn, c in doc["objects"].items():
+            spans[fqn] = entries[fqn][2:]
+            objects[fqn] = (spans[fqn][1] - spans[fqn][0], str(c))
+        size = max((e[3] for e in entries.values()), default=0)
+        return TierFile(step, rank, int(doc["world"]), path, int(size), tensors, objects, spans)
     except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
         warnings.warn(f"pipeload: memory tier file {path} is not usable ({type(e).__name__}: {e}); treated as "
                       f"missing", RuntimeWarning, stacklevel=2)
         return None
-    tensors = {fqn: (t.dtype, t.shape, t.offsets, t.lengths, t.checksum) for fqn, t in h.tensors.items()}
-    objects = {fqn: (o.end - o.start, o.checksum) for fqn, o in h.objects.items()}
-    spans = {fqn: (e.start, e.end) for fqn, e in [*h.tensors.items(), *h.objects.items()]}
-    return TierFile(step, rank, int(h.world), path, int(h.size), tensors, objects, spans)
+
+
+def validated_table(tf: TierFile, job: str) -> dict:
+    """The chunk table of ``tf`` after :func:`.format.read_rank_header`'s full validation (what a file's
+    lowest holder sends for a resharding restore); raises naming the file when it does not pass."""
+    h = tierformat.read_rank_header(tf.path, job=job, step=tf.step, rank=tf.rank)
+    full = TierFile(tf.step, tf.rank, h.world, tf.path, tf.nbytes,
+                    {f: (t.dtype, t.shape, t.offsets, t.lengths, t.checksum) for f, t in h.tensors.items()},
+                    {f: (o.end - o.start, o.checksum) for f, o in h.objects.items()}, tf.spans)
+    if full.digest != tf.digest:
+        raise PipeloadError(f"{tf.path}: changed since it was listed")
+    return full.table()
 
 
 BLOCK = 16 << 20  # bytes read per call when checking a file

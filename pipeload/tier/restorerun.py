@@ -23,7 +23,7 @@ from ..formats.chunks import torch_dtype
 from ..io._fastio import SafetensorsFile
 from ..io.reader import decode_object, narrow
 from . import restoreplan
-from .restoreread import copy_region, pread_into, read_region
+from .restoreread import copy_region, pread_into, read_region, validated_table
 from .restorexfer import Transfers, batches, staged_into, unpack_into
 
 
@@ -186,12 +186,22 @@ def _copy_file(tf, fd: int, want, errors: _Errors, stats) -> list:
 
 # -- resharding ------------------------------------------------------------------------------------
 
-def reshard_job(comm, planned, files: dict, want, strict: bool, what: str) -> "ReshardJob":
+def reshard_job(comm, planned, files: dict, want, strict: bool, what: str, job: str) -> "ReshardJob":
     """Gather the step's chunk tables and every rank's requests, then this rank's part of the plan."""
     c, rank = planned.choice, comm.rank
-    mine = {f: files[(c.step, f)].table() for f in range(c.world) if int(c.holders(f)[0]) == rank}
+    mine, failed = {}, []
+    for f in range(c.world):
+        if int(c.holders(f)[0]) == rank:
+            try:
+                mine[f] = validated_table(files[(c.step, f)], job)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                failed.append(f"{type(e).__name__}: {e}")
     tables: dict[int, dict] = {}
-    for part in comm.all_gather_object(mine, what):
+    gathered = comm.all_gather_object((mine, failed), what)
+    problems = {r: "\n".join(p) for r, (_, p) in enumerate(gathered) if p}
+    if problems:
+        raise DistributedError(f"{what}: chunk tables", problems)
+    for part, _ in gathered:
         tables.update(part)
     chunks = restoreplan.chunk_tables({f: t["tensors"] for f, t in tables.items()})
     local = {f for f in range(c.world) if c.holds(rank, f)}
