@@ -120,3 +120,13 @@ def test_reshard_pieces_cover_boxes_and_prefer_local_copies():
     assert sorted((p.f, p.offsets, p.lengths) for p in pieces) == [(0, (0, 0), (2, 3)), (3, (2, 0), (2, 3))]
     _, missing = rp.pieces_for([("v", (0,), (3,))], chunks, rank=1)
     assert missing == ["v"]
+
+
+def test_a_copy_whose_record_differs_is_not_used():
+    listings, digests, hosts = _world(lost=(1,))
+    # rank 4's copy of file 2 describes another layout (a damaged record): rank 5's copy serves
+    e = listings[4].copy()
+    e[(e[:, rp.E_RANK] == 2), rp.E_DIGEST] = 77
+    listings[4] = e
+    p = _plan(listings, digests, hosts)
+    assert p.same and p.same_plan.source[2] == 5 and not p.choice.holds(4, 2)

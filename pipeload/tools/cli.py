@@ -210,7 +210,8 @@ def _bench_tier(args: argparse.Namespace, dp: int) -> int:
           + (f"throttled to {args.read_mbps:g} MiB/s ({throttle['mechanism']})" if throttle.get("ok")
              else f"NOT throttled ({throttle.get('reason')})") + f"; {args.repeats} repeats (medians)\n")
     print(bench_tier.format_table(result))
-    print(f"\ntotal {result['total_seconds']:.0f} s" + (f"; results in {args.out}" if args.out else ""))
+    print(f"\ntotal {result['total_seconds']:.0f} s, load average {result['loadavg']} (before, after)"
+          + (f"; results in {args.out}" if args.out else ""))
     return 0
 
 

@@ -71,7 +71,7 @@ def _snapshots(sd, tier, here, rank: int, cfg: TierBenchConfig, step0: int) -> d
     from ...save import saver
 
     runs: dict[str, list] = {"background save": [], "tier snapshot": []}
-    for i in range(cfg.repeats):
+    for i in range(cfg.repeats + 1):  # (round 0 warms up both: own groups, staging, plans; not recorded)
         for name in ("background save", "tier snapshot"):
             saver.wait_cleanup()
 
@@ -84,7 +84,8 @@ def _snapshots(sd, tier, here, rank: int, cfg: TierBenchConfig, step0: int) -> d
                 return blocked
 
             took, blocked = _barrier_timed(step)
-            runs[name].append({"seconds": took, "blocked": blocked})
+            if i:
+                runs[name].append({"seconds": took, "blocked": blocked})
     return runs
 
 
@@ -119,7 +120,8 @@ def _restores(r, cfg: TierBenchConfig, step: int) -> dict[str, list]:
             if bad:
                 raise AssertionError(f"rank {r['rank']}: {name} loaded wrong values: {bad[:3]}")
             runs[name].append({"seconds": took, "storage_bytes": storage, "bytes_read": stats.bytes_read,
-                               "bytes_received": stats.bytes_received, "source": stats.source})
+                               "bytes_received": stats.bytes_received, "source": stats.source,
+                               "timings": dict(stats.timings)})
     return runs
 
 
@@ -193,6 +195,9 @@ def summarize(values: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row[k] = statistics.median(sum(runs[i][k] for runs in per_rank) for i in range(len(per_rank[0])))
         if "source" in per_rank[0][0]:
             row["source"] = sorted({x["source"] for runs in per_rank for x in runs})
+            phases = per_rank[0][0]["timings"]
+            row["timings"] = {k: round(max(statistics.median(x["timings"].get(k, 0.0) for x in runs)
+                                           for runs in per_rank), 3) for k in phases}
         rows.append(row)
     return rows
 
@@ -222,6 +227,8 @@ def format_table(result: dict[str, Any]) -> str:
         tier_read = mib("bytes_read") if r["method"] == "tier restore" else "-"
         lines.append(f"{r['method']:<18} {r['seconds']:8.3f} {blocked:>8}  {mib('storage_bytes'):>11} "
                      f"{tier_read:>9} {mib('bytes_received'):>9}  {','.join(r.get('source', []))}")
+        if "timings" in r:
+            lines.append(f"{'':<18} phases (s, max over ranks): " + ", ".join(f"{k} {v:.3f}" for k, v in r["timings"].items()))
     lines.append("")
     for t in result["targets"]:
         lines.append(f"{'ok  ' if t['ok'] else 'MISS'} {t['target']}: {t['value']} (want {t['want']})")
@@ -243,6 +250,7 @@ def run(cfg: TierBenchConfig) -> dict[str, Any]:
     cfg.tier_root = tempfile.mkdtemp(prefix="pipeload-bench-tier-", dir=shm)
     cfg.throttle = setup_throttle(cfg.dir, cfg.read_mbps)
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     try:
         values = run_world(_rank_main, cfg.world, cfg, timeout=cfg.timeout)
     finally:
@@ -255,4 +263,5 @@ def run(cfg: TierBenchConfig) -> dict[str, Any]:
     return {"config": config, "throttle": {k: v for k, v in cfg.throttle.items() if k in ("ok", "mechanism", "reason")},
             "tier_root": shm, "local_mib": [round(v["local"] / MiB, 1) for v in values],
             "unique_mib": round(values[0]["unique"] / MiB, 1), "rows": rows, "targets": check_targets(rows),
-            "total_seconds": time.perf_counter() - t0}
+            "total_seconds": time.perf_counter() - t0,
+            "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
