@@ -8,10 +8,13 @@ One restore, on every rank of the load's group, in this order:
    its saved rank's file (the same layout), and who reads what (:mod:`.restoreplan`). Resharding adds
    two all-gathers: the chunk tables of the step (each file's lowest holder sends its table) and every
    rank's requests;
-3. every rank verifies the checksums of the files it will read (its own, and those it sends); one word
-   per rank says whether some copy failed, and only then the failed copies travel: they are left out and
-   step 2's decision is re-taken from the same words (another copy, an older step, or the fallback).
-   Nothing has been written to a destination yet, so two steps never mix;
+3. checksums: every chunk and object a rank reads from its tier is hashed (xxh3) and compared with its
+   header. Resharding checks the files first (before any destination is written); the same layout
+   hashes the bytes as they are read, sent and copied (one pass over the tier instead of two). Either
+   way one word per rank then says whether some copy failed, and only then the failed copies travel:
+   they are left out and step 2's decision is re-taken from the same words (another copy, an older
+   whole step, or the fallback). A decision re-taken after the transfers rewrites every destination
+   from one step, so two steps never mix in what a restore reports loaded;
 4. the transfers (:mod:`.restorexfer`), then the local copies, then the final agreement; Python objects
    are put in their containers and ``Stateful`` values loaded only after it succeeded.
 No whole step: ``pipeload.load(state_dict, fallback, **options)``, the ordinary load.
@@ -140,23 +143,37 @@ def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, st
                else reshard_job(comm, planned, files, want, strict, what, tier.job))
         lap("exchange")
         bad = _check(files, job.reads, checked, planned.choice.step)
-        flags = comm.gather_rows(np.array([len(bad)], dtype=np.int64), what, "all-gather of tier checks")[:, 0]
-        lap("check")
-        if not flags.any():
+        if _any_bad(comm, bad, what, lap, "check"):
+            planned = _retake(comm, planned, bad, files, what)
+            continue
+        stats.step = planned.choice.step
+        decoded, error, bad = job.run(comm, files, want, stats, what)
+        lap("transfer")
+        if not _any_bad(comm, bad, what, lap, "agree"):
             break
-        gathered = comm.all_gather_object(bad, what)
-        for step, f, why in bad:  # (warned where the copy lies; every rank leaves it out)
-            warnings.warn(f"pipeload: {what}: this rank's copy of saved rank {f}'s file of step {step} is "
-                          f"unusable ({why}); another copy, step or the fallback is used", RuntimeWarning,
-                          stacklevel=2)
-        planned = restoreplan.decide(restoreplan.exclude(
-            planned.gathered, [(r, s, f) for r, items in enumerate(gathered) for (s, f, _) in items]))
-    stats.step = planned.choice.step
-    decoded, error = job.run(comm, files, want, stats, what)
-    lap("transfer")
+        planned = _retake(comm, planned, bad, files, what)  # (this round's errors came from the bad copy)
     comm.agree(what, error) if comm.size > 1 else _alone(error, what)
     lap("agree")
     return decoded
+
+
+def _any_bad(comm: Comm, bad: list, what: str, lap, phase: str) -> bool:
+    """One word per rank: did a copy it read fail its checks (every rank learns it alike)."""
+    flags = comm.gather_rows(np.array([len(bad)], dtype=np.int64), what, "all-gather of tier checks")[:, 0]
+    lap(phase)
+    return bool(flags.any())
+
+
+def _retake(comm: Comm, planned, bad: list, files: dict, what: str):
+    """The failed copies of every rank left out, the decision taken again from the same words."""
+    gathered = comm.all_gather_object(bad, what)
+    for step, f, why in bad:  # (warned where the copy lies; every rank leaves it out)
+        files.pop((step, f), None)
+        warnings.warn(f"pipeload: {what}: this rank's copy of saved rank {f}'s file of step {step} is "
+                      f"unusable ({why}); another copy, step or the fallback is used", RuntimeWarning,
+                      stacklevel=3)
+    return restoreplan.decide(restoreplan.exclude(
+        planned.gathered, [(r, s, f) for r, items in enumerate(gathered) for (s, f, _) in items]))
 
 
 class _Laps:

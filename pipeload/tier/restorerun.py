@@ -22,6 +22,7 @@ from ..errors import DistributedError, StateDictError
 from ..formats.chunks import torch_dtype
 from ..io._fastio import SafetensorsFile
 from ..io.reader import decode_object, narrow
+from ..io.checksum import hasher
 from . import restoreplan
 from .restoreread import copy_region, pread_into, read_region, validated_table
 from .restorexfer import Transfers, batches, staged_into, unpack_into
@@ -67,14 +68,41 @@ class _Errors:
         return "\n".join(self.items) if self.items else None
 
 
-def _part(tf, fd: int, fqn: str, errors: _Errors):
-    """``part(lo, hi)``: bytes [lo, hi) of the stored chunk (or object) ``fqn``, read with ``pread``."""
+class _Hashes:
+    """The checksums of a same-layout job, computed on the bytes as they are read (each chunk's parts in
+    order): a copy that fails is reported after the transfers, and the decision is re-taken then."""
+
+    def __init__(self):
+        self.of: dict[tuple[str, str], object] = {}
+
+    def feed(self, tf, fqn: str, data: torch.Tensor) -> None:
+        h = self.of.get((tf.path, fqn))
+        if h is None:
+            h = self.of[(tf.path, fqn)] = hasher()
+        if data.numel():
+            h.update(data.numpy())
+
+    def bad(self, tf) -> str | None:
+        """Why ``tf`` (read whole) is unusable, or None."""
+        want = {f: t[4] for f, t in tf.tensors.items()} | {f: o[1] for f, o in tf.objects.items()}
+        for fqn, csum in want.items():
+            h = self.of.get((tf.path, fqn))
+            got = h.hexdigest() if h is not None else hasher().hexdigest()
+            if got != csum:
+                return f"{tf.path}: {fqn!r}: checksum {got} != {csum} recorded"
+        return None
+
+
+def _part(tf, fd: int, fqn: str, errors: _Errors, hashes: _Hashes):
+    """``part(lo, hi)``: bytes [lo, hi) of the stored chunk (or object) ``fqn``, read with ``pread``
+    (parts asked for in order: each is hashed as it is read)."""
     start = tf.spans[fqn][0]
 
     def part(lo: int, hi: int) -> torch.Tensor:
         def read():
             out = torch.empty(hi - lo, dtype=torch.uint8)
             pread_into(fd, tf.path, start + lo, out)
+            hashes.feed(tf, fqn, out)
             return out
 
         return errors.guard(read, lambda: torch.zeros(hi - lo, dtype=torch.uint8))
@@ -96,47 +124,55 @@ class SameJob:
     def __init__(self, planned, rank: int):
         self.plan, self.choice, self.rank = planned.same_plan, planned.choice, rank
         self.local = bool(self.plan.local[rank])
-        self.reads = set(self.plan.sends(rank)) | ({rank} if self.local else set())
+        self.reads: set[int] = set()  # (checked while read: see run)
+        self.files = sorted(set(self.plan.sends(rank)) | ({rank} if self.local else set()))
 
-    def run(self, comm, files: dict, want, stats, what: str) -> tuple[list, str | None]:
-        x, errors, opened = Transfers(comm, what), _Errors(), _Files(files, self.choice.step)
+    def run(self, comm, files: dict, want, stats, what: str) -> tuple[list, str | None, list]:
+        """(decoded objects, this rank's error, the copies it read that failed their checksums). The
+        checksums are computed on the bytes as they are read and sent or copied: one pass over the tier.
+        A failed copy has already reached a destination; the decision re-taken then rewrites every
+        destination from one step (another copy, an older step, or the fallback)."""
+        x, errors, opened, hashes = Transfers(comm, what), _Errors(), _Files(files, self.choice.step), _Hashes()
         decoded: list = []
+        step = self.choice.step
         try:
             ops = [(f, True) for f in self.plan.sends(self.rank)] + ([] if self.local else [(self.rank, False)])
             for f, sending in sorted(ops):
                 if sending:
-                    _send_file(x, opened.files[(self.choice.step, f)], opened.fd(f), f, errors)
+                    _send_file(x, opened.files[(step, f)], opened.fd(f), f, errors, hashes)
                 else:
                     decoded = _recv_file(x, self.plan.source[self.rank], want, errors, what)
             x.drain()
             if self.local:
-                decoded = _copy_file(opened.files[(self.choice.step, self.rank)], opened.fd(self.rank), want,
-                                     errors, stats)
+                decoded = _copy_file(opened.files[(step, self.rank)], opened.fd(self.rank), want, errors, stats,
+                                     hashes)
         finally:
             opened.close()
         stats.bytes_read += x.sent
         stats.bytes_received, stats.broadcasts = x.received, x.messages
         stats.shared_shards = 0 if self.local else len(want.tensors)
         stats.objects = len(want.objects)
-        return decoded, errors.text()
+        bad = [(step, f, why) for f in self.files if (why := hashes.bad(files[(step, f)])) is not None]
+        return decoded, errors.text(), bad
 
 
-def _send_file(x: Transfers, tf, fd: int, peer: int, errors: _Errors) -> None:
+def _send_file(x: Transfers, tf, fd: int, peer: int, errors: _Errors, hashes: _Hashes) -> None:
     for batch in batches([(fqn, _size(tf, fqn)) for fqn in sorted(tf.tensors)]):
         if len(batch) == 1:
-            x.send(peer, batch[0][1], _part(tf, fd, batch[0][0], errors))
+            x.send(peer, batch[0][1], _part(tf, fd, batch[0][0], errors, hashes))
             continue
         buf = torch.empty(sum(n for _, n in batch), dtype=torch.uint8)
         at = 0
         for fqn, n in batch:
             errors.guard(lambda: pread_into(fd, tf.path, tf.spans[fqn][0], buf[at: at + n]), lambda: None)
+            hashes.feed(tf, fqn, buf[at: at + n])
             at += n
         x.send(peer, buf.numel(), _slices(buf))
     names = sorted(tf.objects)
     if names:
         sizes = torch.tensor([_size(tf, n) for n in names], dtype=torch.int64)
         x.send(peer, sizes.numel() * 8, _slices(sizes.view(torch.uint8)))
-        data = torch.cat([_part(tf, fd, n, errors)(0, _size(tf, n)) for n in names])
+        data = torch.cat([_part(tf, fd, n, errors, hashes)(0, _size(tf, n)) for n in names])
         x.send(peer, data.numel(), _slices(data))
 
 
@@ -167,21 +203,35 @@ def _recv_file(x: Transfers, peer: int, want, errors: _Errors, what: str) -> lis
     return out
 
 
-def _copy_file(tf, fd: int, want, errors: _Errors, stats) -> list:
-    """This rank's own file into its destinations: ``pread`` straight into each contiguous host tensor."""
+def _copy_file(tf, fd: int, want, errors: _Errors, stats, hashes: _Hashes) -> list:
+    """This rank's own file into its destinations: ``pread`` straight into each contiguous host tensor
+    (in pieces, each hashed while it is in the cache)."""
     for fqn, (_, box, _) in want.tensors.items():
         buf, then = staged_into(box.local)
-        errors.guard(lambda: (pread_into(fd, tf.path, tf.spans[fqn][0], buf), then()), lambda: None)
+        errors.guard(lambda: (_pread_hashed(fd, tf, fqn, buf, hashes), then()), lambda: None)
         stats.bytes_read += buf.numel()
     stats.private_shards = len(want.tensors)
     out = []
     for fqn, leaf in want.objects.items():
         blob = torch.empty(_size(tf, fqn), dtype=torch.uint8)
-        errors.guard(lambda: pread_into(fd, tf.path, tf.spans[fqn][0], blob), lambda: None)
+        errors.guard(lambda: _pread_hashed(fd, tf, fqn, blob, hashes), lambda: None)
         stats.bytes_read += blob.numel()
         data = blob.numpy().tobytes()
         out.append((leaf, errors.guard(lambda: decode_object(data, f"{tf.path}: object {fqn!r}"), lambda: None)))
     return out
+
+
+_HASH_PIECE = 4 << 20
+
+
+def _pread_hashed(fd: int, tf, fqn: str, out: torch.Tensor, hashes: _Hashes) -> None:
+    start = tf.spans[fqn][0]
+    for lo in range(0, out.numel(), _HASH_PIECE):
+        piece = out[lo: lo + _HASH_PIECE]
+        pread_into(fd, tf.path, start + lo, piece)
+        hashes.feed(tf, fqn, piece)
+    if not out.numel():
+        hashes.feed(tf, fqn, out)
 
 
 # -- resharding ------------------------------------------------------------------------------------
@@ -286,7 +336,7 @@ class ReshardJob:
         stats.bytes_read += x.sent
         stats.bytes_received, stats.broadcasts = x.received, x.messages
         stats.objects, stats.missing_keys = len(decoded), list(self.missing)
-        return decoded, errors.text()
+        return decoded, errors.text(), []  # (its copies were checked before: see reads)
 
     def _batches(self, want, opened: _Files):
         """This rank's transfers (as sender or receiver), consecutive small pieces between the same two
@@ -313,7 +363,7 @@ class ReshardJob:
         got = []
         for f, fqn, receiver, n in self.obj_moves:
             if self.sources[f] == self.rank:
-                x.send(receiver, n, _part(opened.files[(self.c.step, f)], opened.fd(f), fqn, errors))
+                x.send(receiver, n, _part(opened.files[(self.c.step, f)], opened.fd(f), fqn, errors, _Hashes()))
             elif receiver == self.rank:
                 buf = torch.empty(n, dtype=torch.uint8)
                 x.recv(self.sources[f], buf)
