@@ -68,6 +68,19 @@ class _Errors:
         return "\n".join(self.items) if self.items else None
 
 
+_copier: tuple | None = None  # (pid, executor): a forked child makes its own
+
+
+def _pool():
+    """One thread per process for a rank's local copies while its transfers run."""
+    global _copier
+    if _copier is None or _copier[0] != os.getpid():
+        from concurrent.futures import ThreadPoolExecutor
+
+        _copier = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-tier-copy"))
+    return _copier[1]
+
+
 class _Hashes:
     """The checksums of a same-layout job, computed on the bytes as they are read (each chunk's parts in
     order): a copy that fails is reported after the transfers, and the decision is re-taken then."""
@@ -135,7 +148,11 @@ class SameJob:
         x, errors, opened, hashes = Transfers(comm, what), _Errors(), _Files(files, self.choice.step), _Hashes()
         decoded: list = []
         step = self.choice.step
+        mine, own_errors, own_hashes = None, _Errors(), _Hashes()
         try:
+            if self.local:  # its own file meanwhile, in a thread: a copy needs no other rank
+                tf, fd = opened.files[(step, self.rank)], opened.fd(self.rank)
+                mine = _pool().submit(_copy_file, tf, fd, want, own_errors, stats, own_hashes)
             ops = [(f, True) for f in self.plan.sends(self.rank)] + ([] if self.local else [(self.rank, False)])
             for f, sending in sorted(ops):
                 if sending:
@@ -143,11 +160,12 @@ class SameJob:
                 else:
                     decoded = _recv_file(x, self.plan.source[self.rank], want, errors, what)
             x.drain()
-            if self.local:
-                decoded = _copy_file(opened.files[(step, self.rank)], opened.fd(self.rank), want, errors, stats,
-                                     hashes)
         finally:
+            if mine is not None:
+                decoded = mine.result()
             opened.close()
+        errors.items += own_errors.items
+        hashes.of.update(own_hashes.of)
         stats.bytes_read += x.sent
         stats.bytes_received, stats.broadcasts = x.received, x.messages
         stats.shared_shards = 0 if self.local else len(want.tensors)
