@@ -31,6 +31,7 @@ from pipeload.errors import CheckpointFormatError, DistributedError, PipeloadErr
 from pipeload.tier import MemoryTier
 from pipeload.tier import format as tf
 from pipeload.tier import placement, transport
+from pipeload.tier.measure import snapshot_against_save
 from pipeload.tools._world import WorldError, run_world
 
 BIG = 3 << 20  # bytes of each rank's largest tensor: several messages of the test's 1 MiB
@@ -187,7 +188,7 @@ def _write_error_case(rank: int, world: int, base: str, tier: MemoryTier, sd: di
 
 
 def _damage_case(rank: int, world: int, base: str, tier: MemoryTier, sd: dict, out: dict) -> None:
-    path = tf.rank_file(tier.root, 21, rank)
+    path = tf.rank_file(tier.root, tier.steps()[-1], rank)
     tf.read_rank_header(path, job="t")
     with open(path, "r+b") as f:
         f.seek(12)
@@ -199,13 +200,21 @@ def _damage_case(rank: int, world: int, base: str, tier: MemoryTier, sd: dict, o
         tf.read_rank_header(path, job="t")
 
 
+def _measure_case(rank: int, world: int, base: str, tier: MemoryTier, sd: dict, out: dict) -> None:
+    """The bench's side-by-side measurement runs and leaves the tier at its last step."""
+    got = snapshot_against_save(sd, tier, os.path.join(base, "ckpt"), step=50, repeats=2)
+    assert all(got[k] > 0 for k in ("snapshot_blocked_s", "snapshot_done_s", "save_blocked_s", "save_done_s")), got
+    assert got["snapshot_blocked_s"] <= got["snapshot_done_s"] and got["bytes_sent"] == got["file_bytes"] > BIG, got
+    assert tier.steps() == [51]
+
+
 def world4_tier(rank: int, world: int, base: str) -> dict:
     transport.CHUNK = 1 << 20  # several messages per copy
     tier = MemoryTier(_root(base, rank), job="t")
     sd = _state(world)
     out: dict = {"took": {}}
     for name, case in (("placement", _placement_cases), ("cleanup", _cleanup_cases), ("refusals", _refusal_cases),
-                       ("write error", _write_error_case), ("damage", _damage_case)):
+                       ("write error", _write_error_case), ("measure", _measure_case), ("damage", _damage_case)):
         t0 = time.monotonic()
         case(rank, world, base, tier, sd, out)
         out["took"][name] = round(time.monotonic() - t0, 2)
@@ -260,3 +269,63 @@ def test_rank_killed_during_background_snapshot(tmp_path):
         assert value["error"] is not None, f"rank {r}: the snapshot completed without rank 1"
         assert value["failures"] == [1] and "stopped answering" in value["error"], value
         assert value["took"] < 30 and value["steps"] == [1], value
+
+
+# -- one process -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_every_kind_a_save_accepts_in_one_process(tmp_path, background):
+    """What ``pipeload.save`` stores goes into the tier with its values (views resolved); what it refuses is
+    refused before anything is written."""
+    base = torch.complex(torch.arange(12.0), torch.arange(12.0) + 1).reshape(3, 4)
+    sd = {"param": torch.nn.Parameter(torch.ones(2, 3)), "conj": base.conj(), "neg": base.conj().imag,
+          "strided": torch.arange(20.0).reshape(4, 5)[:, ::2], "bf16": torch.ones(3, dtype=torch.bfloat16),
+          "flag": torch.tensor(True), "empty": torch.empty(0, 2), "counter": Counter(),
+          "objects": {"name": "run", "sizes": [1, 2], "t": (1.5, None)}}
+    want = {k: (v.detach().resolve_conj().resolve_neg().clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in sd.items()}
+    tier = MemoryTier(tmp_path / "h", job="one")
+    got = pipeload.save(sd, tier, step=4, background=background)
+    if background:
+        sd["param"].data.fill_(7)  # after the call: the snapshot keeps the values at the call
+        base.fill_(0)
+        got.wait(30)
+        got = got.stats
+    assert got.step == 4 and got.copies_sent == got.copies_written == 0
+    path = tf.rank_file(tier.root, 4, 0)
+    assert got.file_bytes == os.path.getsize(path)
+    plain = load_file(path)
+    for k in ("param", "conj", "neg", "strided", "bf16", "flag", "empty"):
+        assert torch.equal(plain[k], want[k]), k
+    assert torch.equal(plain["counter.count"], torch.zeros(3, dtype=torch.int64))
+    h = tf.read_rank_header(path, job="one")
+    assert sorted(h.objects) == ["objects.name", "objects.sizes", "objects.t"]
+    assert tier.steps() == [4]
+    for bad, why in ((torch.empty(2, device="meta"), "meta"), (torch.ones(2).to_sparse(), "sparse")):
+        with pytest.raises(StateDictError, match=f"'bad'.*{why}"):
+            pipeload.save({"bad": bad, "x": torch.ones(2)}, tier, step=5, background=background)
+    with pytest.raises(StateDictError, match="'obj'.*weights_only"):
+        pipeload.save({"obj": object()}, tier, step=5)
+    with pytest.raises(TypeError, match="step= is for a MemoryTier"):
+        pipeload.save(sd, tmp_path / "dir", step=5)
+    with pytest.raises(TypeError, match="staging_bytes"):
+        pipeload.save(sd, tier, step=5, staging_bytes=1)
+    with pytest.raises(ValueError, match="step must be an integer"):
+        pipeload.save(sd, tier, step=-1)
+    assert sorted(os.listdir(tier.root)) == ["TIER.json", "step-000000000004"]
+
+
+@pytest.mark.asyncio
+async def test_save_async_into_a_tier(tmp_path):
+    """``save_async`` snapshots too: the event loop runs while the worker writes."""
+    import asyncio
+
+    sd = {"w": torch.arange(1 << 16, dtype=torch.float32), "step": 9}
+    tier = MemoryTier(tmp_path / "h", job="a")
+    task = asyncio.ensure_future(pipeload.save_async(sd, tier, step=9))
+    await asyncio.sleep(0)
+    sd["w"].zero_()
+    handle = await task
+    assert handle.done() and handle.stats.step == 9 and tier.steps() == [9]
+    assert torch.equal(load_file(tf.rank_file(tier.root, 9, 0))["w"], torch.arange(1 << 16, dtype=torch.float32))

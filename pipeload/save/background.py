@@ -69,11 +69,14 @@ class SaveHandle:
     ``blocked_seconds`` how long the call kept the caller (``plan_seconds`` of it planning, the rest
     the snapshot); ``staging_allocations`` how many staging
     buffers this save had to allocate (0 when a previous save's were reused); ``staging_held`` the
-    bytes of staging the group keeps after this save.
+    bytes of staging the group keeps after this save. ``stats``: what the save reports about itself,
+    filled in by the time it finishes (a memory tier snapshot's
+    :class:`pipeload.tier.snapshot.SnapshotStats`; None for a checkpoint directory).
     """
 
     def __init__(self, what: str):
         self.what = what
+        self.stats: Any = None
         self.staged_bytes = self.owned_bytes = self.staging_allocations = self.staging_held = 0
         self.blocked_seconds = self.plan_seconds = 0.0
         self._finished = threading.Event()

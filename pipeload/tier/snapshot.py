@@ -33,6 +33,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,7 +183,7 @@ def _start_background(local: _Local, tier: MemoryTier, step: int, comm: Comm, ow
     except Exception as e:  # noqa: BLE001 - carried to the agreement: every rank's wait() raises
         problem = f"staging rank {comm.rank}'s state: {type(e).__name__}: {e}"
     problem = problem or guard.late(comm)
-    handle.stats = stats  # type: ignore[attr-defined]  (this rank's SnapshotStats, complete after wait())
+    handle.stats = stats  # complete once the handle finished
     handle.blocked_seconds = stats.blocked_seconds = time.perf_counter() - t0
 
     def work() -> None:
@@ -197,7 +198,7 @@ def _stage(local: _Local, comm: Comm, handle: bg.SaveHandle) -> None:
     """Replace ``local``'s tensors by copies in the tier's staging (the caller may then change them)."""
     items = [(fqn, str(t.dtype), tuple(t.shape), t) for fqn, (t, _, _) in sorted(local.tensors.items())]
     sizes = bg.sizes_of(items)
-    key = tuple((k, d, s, v.device.type) for k, d, s, v in items)
+    key = tuple((k, d, s, str(v.device)) for k, d, s, v in items)
     layout = _layouts.get(key)
     if layout is None:
         if len(_layouts) > 8:
@@ -251,7 +252,10 @@ def _work(own: Comm, tier: MemoryTier, step: int, placement: Placement, local: _
             _unlink(os.path.join(tf.step_dir(tier.root, step), tf.COMPLETE_FILE))
         raise
     if lowest:
-        _drop_old(tier, step)
+        try:
+            _drop_old(tier, step)
+        except Exception as e:  # noqa: BLE001 - the step is complete everywhere; the next snapshot retries
+            warnings.warn(f"{what}: removing older steps from {tier.root} failed: {e}", RuntimeWarning, stacklevel=2)
 
 
 def _write_and_copy(own: Comm, tier: MemoryTier, step: int, placement: Placement, parts: list[memoryview],
@@ -263,11 +267,11 @@ def _write_and_copy(own: Comm, tier: MemoryTier, step: int, placement: Placement
 
     def write_own() -> None:
         try:
+            os.makedirs(tf.step_dir(tier.root, step), exist_ok=True)  # (the host's lowest rank made it)
             stats.file_bytes = tf.write_parts(path, parts)
         except Exception as e:  # noqa: BLE001 - reported by the agreement
             result[0] = f"writing {path}: {type(e).__name__}: {e}"
 
-    os.makedirs(tf.step_dir(tier.root, step), exist_ok=True)  # (the host's lowest rank made it; a no-op)
     writer = threading.Thread(target=write_own, name=f"pipeload-tier-write-{me}")
     writer.start()
     outs = [(c.writer, parts, sizes[me]) for c in placement.copies if c.rank == me]

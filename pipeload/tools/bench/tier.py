@@ -6,8 +6,9 @@ tmpfs; ``--dir`` otherwise) and its own copy of the persistent checkpoint (separ
 ``pipeload bench``'s ``throttled`` mode). Measured, ``repeats`` times each (medians):
 
 - **snapshot**: ``pipeload.save(sd, tier, step=N, background=True)`` — the time the caller is blocked
-  and the time until every rank's ``wait()`` returned — against ``pipeload.save(sd, dir,
-  background=True)`` of the same state (blocked, and until committed), in turns;
+  and the time until its ``wait()`` returned — against ``pipeload.save(sd, dir, background=True)`` of
+  the same state (blocked, and until committed), in turns, after one warm-up round
+  (:func:`pipeload.tier.measure.snapshot_against_save`);
 - **restore**: one host's root wiped (a replaced node), then ``pipeload.load(dest, tier, fallback=ckpt)``
   against ``pipeload.load(dest, ckpt)`` from each rank's copy of the persistent checkpoint, dropped from
   the page cache, all ranks' reads limited together to ``--read-mbps`` (200 MiB/s) by the cgroup of
@@ -62,31 +63,6 @@ def _barrier_timed(step) -> tuple[float, Any]:
 def _log(cfg: TierBenchConfig, rank: int, msg: str) -> None:
     if not cfg.quiet and rank == 0:
         print(f"[bench --tier] {msg}", flush=True)
-
-
-def _snapshots(sd, tier, here, rank: int, cfg: TierBenchConfig, step0: int) -> dict[str, list]:
-    """Background directory saves and tier snapshots in turns: (seconds to complete, blocked) each."""
-    import pipeload
-
-    from ...save import saver
-
-    runs: dict[str, list] = {"background save": [], "tier snapshot": []}
-    for i in range(cfg.repeats + 1):  # (round 0 warms up both: own groups, staging, plans; not recorded)
-        for name in ("background save", "tier snapshot"):
-            saver.wait_cleanup()
-
-            def step():
-                t0 = time.perf_counter()
-                h = (pipeload.save(sd, here("background"), background=True) if name == "background save"
-                     else pipeload.save(sd, tier, step=step0 + i, background=True))
-                blocked = time.perf_counter() - t0
-                h.wait()
-                return blocked
-
-            took, blocked = _barrier_timed(step)
-            if i:
-                runs[name].append({"seconds": took, "blocked": blocked})
-    return runs
 
 
 def _restores(r, cfg: TierBenchConfig, step: int) -> dict[str, list]:
@@ -151,6 +127,7 @@ def _rank_main(rank: int, world: int, cfg: TierBenchConfig) -> dict[str, Any]:
 
     import pipeload
     from pipeload.tier import MemoryTier
+    from pipeload.tier.measure import snapshot_against_save
 
     from .. import synth
     from .system import data_files, drop_cache
@@ -171,20 +148,31 @@ def _rank_main(rank: int, world: int, cfg: TierBenchConfig) -> dict[str, Any]:
     dist.barrier()
     _log(cfg, rank, f"state built and saved: {synth.unique_bytes(sd) / MiB:.0f} MiB unique, "
                     f"{synth.local_bytes(sd) / MiB:.0f} MiB per rank")
-    runs = _snapshots(sd, tier, here, rank, cfg, 1)
+    snapshot_against_save(sd, tier, here("background"), step=1, repeats=1)  # warm-up: groups, staging, plans
+    snap = snapshot_against_save(sd, tier, here("background"), step=10, repeats=cfg.repeats)
     _log(cfg, rank, "snapshots done")
+    runs: dict[str, list] = {}
     r = {"rank": rank, "sd": sd, "dest": dest, "tier": tier, "node": node}
     runs.update(_restores(r, cfg, 100))
     dist.barrier()
     shutil.rmtree(tier.root, ignore_errors=True)
     shutil.rmtree(node, ignore_errors=True)
-    return {"rank": rank, "local": synth.local_bytes(sd), "unique": synth.unique_bytes(sd), "runs": runs}
+    return {"rank": rank, "local": synth.local_bytes(sd), "unique": synth.unique_bytes(sd), "runs": runs,
+            "snapshot": snap}
 
 
 def summarize(values: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per method: the median seconds (rank 0's: a barrier to a barrier), the largest rank's median
-    blocked time, and the bytes of the ranks summed (median over repeats)."""
+    """One row per method: the median seconds (loads: rank 0's, a barrier to a barrier; snapshot and save:
+    the largest rank's median until its ``wait()`` returned), the largest rank's median blocked time, and
+    the bytes of the ranks summed (median over repeats)."""
     rows = []
+    for name, kind in (("background save", "save"), ("tier snapshot", "snapshot")):
+        snaps = [v["snapshot"] for v in values]
+        row = {"method": name, "seconds": max(x[f"{kind}_done_s"] for x in snaps),
+               "blocked": max(x[f"{kind}_blocked_s"] for x in snaps)}
+        if kind == "snapshot":
+            row["bytes_sent"] = sum(x["bytes_sent"] for x in snaps)
+        rows.append(row)
     for name in values[0]["runs"]:
         per_rank = [v["runs"][name] for v in values]
         row: dict[str, Any] = {"method": name, "seconds": statistics.median(x["seconds"] for x in per_rank[0])}
