@@ -130,3 +130,11 @@ def test_a_copy_whose_record_differs_is_not_used():
     listings[4] = e
     p = _plan(listings, digests, hosts)
     assert p.same and p.same_plan.source[2] == 5 and not p.choice.holds(4, 2)
+
+
+def test_simulate_restore_runs_the_restore_planning():
+    from pipeload.tools.simrestore import simulate_restore
+
+    res = simulate_restore(64, "fsdp", memory=False)
+    assert res["plans_identical"] and res["same_layout"] and res["step"] == 1000
+    assert res["files_sent_by_source"] == 1  # the lost host's 8 files spread over the next host's 8 ranks
