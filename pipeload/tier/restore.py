@@ -41,7 +41,6 @@ import asyncio
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch

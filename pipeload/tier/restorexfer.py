@@ -5,7 +5,8 @@ transfer into the same parts from sizes both know (the receiver from its own des
 file's chunk by the layout check, or from the gathered chunk tables). Each rank walks its transfers in
 the global order and posts every part at once (``isend``/``irecv`` on the load's group), waiting for
 its oldest outstanding part while more than :data:`INFLIGHT` bytes are in flight. A sender reads the
-next part (a guarded copy out of its tier file) while the backend sends the previous ones.
+next part (``pread`` out of its tier file: a file cut meanwhile is a short read, never a SIGBUS) while
+the backend sends the previous ones.
 """
 
 from __future__ import annotations
