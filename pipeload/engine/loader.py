@@ -83,6 +83,10 @@ class LoadStats:
     retries: int = 0
     throttled: int = 0  # answers 503 SlowDown
     max_inflight_requests: int = 0  # most requests in flight at once
+    # a load from a memory tier (pipeload.load(sd, tier, fallback=...)): "tier" or "fallback" ("" otherwise),
+    # and the step restored from the tier (-1: from the fallback, or a plain load)
+    source: str = ""
+    step: int = -1
 
 
 class _Clock:
@@ -133,11 +137,22 @@ def _progress_bar(enabled: bool, rank: int, total: int):
 
 async def load_async(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
     """Fill ``state_dict`` in place from ``checkpoint_dir``; see :func:`load` for the options."""
+    if not isinstance(checkpoint_dir, (str, os.PathLike)) and _is_tier(checkpoint_dir):
+        from ..tier.restore import restore  # the tier's only door into the engine, and back (fallback)
+
+        fallback = options.pop("fallback", None)
+        return await restore(state_dict, checkpoint_dir, fallback, LoadStats, load_async, options)
     state_dict, stateful_values = stateful.expand(state_dict)  # Stateful values: pipeload/stateful.py
     with paused_gc(), Guard() as guard:
         stats = await _load(state_dict, checkpoint_dir, guard, **options)
     stateful.finish(stateful_values)  # only after a successful load
     return stats
+
+
+def _is_tier(location: Any) -> bool:
+    from ..tier import MemoryTier
+
+    return isinstance(location, MemoryTier)
 
 
 @dataclass
@@ -656,7 +671,11 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
     """Load a checkpoint into ``state_dict`` in place; every rank of the group must call it.
 
     The checkpoint may be pipeload's own, torch.distributed.checkpoint's, or Hugging Face safetensors
-    (``format``); all load through the same plan, broadcasts and errors.
+    (``format``); all load through the same plan, broadcasts and errors. ``checkpoint_dir`` may also be a
+    :class:`pipeload.MemoryTier`: the newest step complete over the live hosts is restored, each rank's
+    state from its own host's memory or from a peer holding a copy (:mod:`pipeload.tier.restore`); with
+    no whole step, ``fallback=`` (a checkpoint directory or URL) is loaded instead, with the same options.
+    ``LoadStats.source`` says which ("tier" / "fallback") and ``LoadStats.step`` the tier's step.
 
     Tensors and DTensor local shards are copied into; Python objects are replaced in their containers. A
     ``Stateful`` value (``state_dict()``/``load_state_dict()``: a model, an optimizer, a wrapper of both)

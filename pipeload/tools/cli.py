@@ -89,6 +89,10 @@ def _bench_parser(sub) -> None:
                    "against torch.load on every rank and one rank reading it alone, on emulated separate nodes "
                    "sharing a throttled file system (--world, --size, --repeats, --read-mbps, --dir, --out, "
                    "--timeout apply)")
+    b.add_argument("--tier", action="store_true",
+                   help="benchmark the memory tier instead: snapshot against a background save, and restore with "
+                   "one host lost against a load from the persistent checkpoint on throttled storage "
+                   "(--world, --tp, --dp, --size, --seed, --repeats, --read-mbps, --dir, --out, --timeout apply)")
     b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
                    help="what pipeload loads: its own checkpoint (default), the one DCP wrote, or an HF-layout "
                    "copy; dcp/hf compare with dcp.load and a plain per-rank safetensors reader")
@@ -141,9 +145,11 @@ def _simulate_parser(sub) -> None:
         "sampled ranks with a simulated exchange. Reports CPU and peak memory per rank, exchange bytes, "
         "reader balance, groups created, and whether every sampled rank took the same decisions. "
         "With --op save, the saver's own planning (pipeload.save.saver.plan_phase) runs instead, and rank 0's "
-        "commit (what it receives, the chunk index and .metadata it writes). Exit 1 when they did not.",
+        "commit (what it receives, the chunk index and .metadata it writes). With --op restore, the restore's "
+        "planning from a memory tier (pipeload.tier.restoreplan) with one host's tier lost. Exit 1 when they did not.",
     )
-    s.add_argument("--op", choices=["load", "save"], default="load", help="the planning to simulate (default load)")
+    s.add_argument("--op", choices=["load", "save", "restore"], default="load",
+                   help="the planning to simulate (default load); restore: from a memory tier, one host lost")
     s.add_argument("--world", type=int, required=True, help="simulated ranks (a multiple of 8; 64 for dense-pp8)")
     s.add_argument("--layout", required=True, choices=["dense", "dense-pp8", "moe", "fsdp"])
     s.add_argument("--optim", action="store_true", help="add AdamW state (exp_avg, exp_avg_sq, step) per parameter")
@@ -160,8 +166,11 @@ def _simulate(args: argparse.Namespace) -> int:
     from .simulate import format_result, simulate
 
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
-    run, fmt = (simulate_save, format_save_result) if args.op == "save" else (simulate, format_result)
-    kw = {} if args.op == "save" else {"format": args.format}
+    from .simrestore import format_restore_result, simulate_restore
+
+    run, fmt = {"save": (simulate_save, format_save_result), "restore": (simulate_restore, format_restore_result),
+                "load": (simulate, format_result)}[args.op]
+    kw = {"format": args.format} if args.op == "load" else {}
     res = run(args.world, args.layout, optim=args.optim, samples=args.samples, memory=not args.no_memory, log=log, **kw)
     print(json.dumps(res, indent=2) if args.json else fmt(res))
     return 0 if res["plans_identical"] else 1
@@ -212,6 +221,29 @@ def _bench_file(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_tier(args: argparse.Namespace, dp: int) -> int:
+    from ._world import run_world_bench
+    from .bench import tier as bench_tier
+    size = args.size
+    cfg = bench_tier.TierBenchConfig(world=args.world, tp=args.tp, dp=dp, size_mb=size, seed=args.seed,
+                                     repeats=args.repeats, read_mbps=args.read_mbps, dir=args.dir,
+                                     timeout=args.timeout, quiet=args.quiet)
+    result, failed = run_world_bench("pipeload bench --tier", lambda: bench_tier.run(cfg))
+    if failed is not None:
+        return failed
+    _write_json(args.out, result)
+    throttle = result["throttle"]
+    print(f"{args.world} ranks (TP{args.tp} x DP{dp}), each an emulated host; {size:g} MiB model "
+          f"({result['unique_mib']} MiB unique, per rank {result['local_mib']} MiB); tier roots under "
+          f"{result['tier_root']}; persistent loads "
+          + (f"throttled to {args.read_mbps:g} MiB/s ({throttle['mechanism']})" if throttle.get("ok")
+             else f"NOT throttled ({throttle.get('reason')})") + f"; {args.repeats} repeats (medians)\n")
+    print(bench_tier.format_table(result))
+    print(f"\ntotal {result['total_seconds']:.0f} s, load average {result['loadavg']} (before, after)"
+          + (f"; results in {args.out}" if args.out else ""))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.whole_file:
         return _bench_file(args)
@@ -224,6 +256,8 @@ def _bench(args: argparse.Namespace) -> int:
     dp = args.dp if args.dp is not None else max(1, args.world // args.tp)
     if args.save:
         return _bench_save(args, dp)
+    if args.tier:
+        return _bench_tier(args, dp)
     modes = args.modes or (MODES if args.full else QUICK_MODES)
     loaders = args.loaders or (LOADERS if args.full else None)
     cfg = BenchConfig(

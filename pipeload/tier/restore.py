@@ -1,0 +1,218 @@
+"""``pipeload.load(state_dict, tier, fallback=...)``: restore from a memory tier, the nearest copy first.
+
+One restore, on every rank of the load's group, in this order:
+
+1. each rank lists its own root (:mod:`.restoreread`) and computes the layout digest of its state dict;
+2. two gathers (:func:`.restoreplan.exchange`): the rows, then every rank's listing; from them alone,
+   alike on every rank, the newest step complete over the live ranks, whether every rank loads exactly
+   its saved rank's file (the same layout), and who reads what (:mod:`.restoreplan`). Resharding adds
+   two all-gathers: the chunk tables of the step (each file's lowest holder sends its table) and every
+   rank's requests;
+3. checksums: every chunk and object a rank reads from its tier is hashed (xxh3) and compared with its
+   header. Resharding checks the files first (before any destination is written); the same layout
+   hashes the bytes as they are read, sent and copied (one pass over the tier instead of two). Either
+   way one word per rank then says whether some copy failed, and only then the failed copies travel:
+   they are left out and step 2's decision is re-taken from the same words (another copy, an older
+   whole step, or the fallback). A decision re-taken after the transfers rewrites every destination
+   from one step, so two steps never mix in what a restore reports loaded;
+4. the transfers (:mod:`.restorexfer`) and the local copies (beside them in a thread, for the same
+   layout: a copy needs no other rank), then the final agreement; Python objects
+   are put in their containers and ``Stateful`` values loaded only after it succeeded.
+No whole step: ``pipeload.load(state_dict, fallback, **options)``, the ordinary load.
+
+Why this cannot deadlock (the argument of docs/ARCHITECTURE.md, for point-to-point messages): every
+message has a position in one sequence all ranks derive from the gathered words (transfers sorted by
+file and receiver, then tensor and chunk; small chunks packed into messages and large ones cut into
+parts by rules both ends apply to sizes both know), and the gathers, the agreements and the re-taken
+decisions are collectives every rank issues alike, since every rank holds the same words. Each rank
+posts its messages in that order and blocks only on its oldest outstanding one. Take the lowest
+message not yet complete: its sender and receiver have each posted it or are before it, and "before
+it" is reading (which needs no other rank) or waiting on lower messages (complete, by the choice of the
+lowest), so both post it; it is then the oldest outstanding message of each, which each waits on at
+the latest when its in-flight bytes run out or it drains (a gloo message may need both ends waiting to
+progress), and it completes. A sender whose read fails still sends (zeros) and reports the error at
+the agreement; the receiver of object bytes waits for their sizes only after every older
+message (a drain), which is waiting on its oldest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..engine import stateful
+from ..engine.comm import Comm
+from ..errors import DistributedError, PipeloadError, StateDictError
+from ..formats.chunks import dtype_name
+from ..plan.exchange import host_id
+from ..plan.statedict import flatten, tensor_box
+from ..plan.tensorkinds import refusal
+from . import restoreplan
+from .restoreread import list_root, verify
+from .restorerun import SameJob, reshard_job
+
+_TIER_OPTIONS = ("process_group", "timeout", "strict")
+
+
+@dataclass
+class Wanted:
+    """This rank's destinations: tensors by fqn as (leaf, box, dtype name), objects by fqn (leaf)."""
+
+    tensors: dict = field(default_factory=dict)
+    objects: dict = field(default_factory=dict)
+    problems: list = field(default_factory=list)
+
+    def digest(self) -> int:
+        return restoreplan.layout_digest(
+            ((f, d, b.global_shape, b.offsets, b.lengths) for f, (_, b, d) in self.tensors.items()), self.objects)
+
+
+def wanted(leaves: dict) -> Wanted:
+    """Resolve each leaf: a tensor's box (a DTensor's local shard) or a Python object; problems collected."""
+    w = Wanted()
+    cache: dict = {}
+    for fqn, leaf in leaves.items():
+        v = leaf.value
+        if not isinstance(v, torch.Tensor):
+            w.objects[fqn] = leaf
+            continue
+        try:
+            box = tensor_box(fqn, v, cache)
+            name = dtype_name(v.dtype)
+            why = refusal(box.local, load=True) if box.local is not None else None
+            if why is None and box.local is not None and box.local.device.type == "meta":
+                why = "a tensor on the meta device: materialise it (to_empty) before restoring from a tier"
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the gather
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            w.problems.append(f"{fqn}: {why}")
+            continue
+        if box.local is not None and box.numel > 0:
+            w.tensors[fqn] = (leaf, box, name)
+    return w
+
+
+async def restore(state_dict: dict, tier, fallback, stats_cls, plain_load, options: dict):
+    """The tier restore of :func:`pipeload.load`; ``plain_load`` (``load_async``) serves the fallback."""
+    t0 = time.perf_counter()
+    if options.get("use_collectives") is False:
+        raise PipeloadError("pipeload.load from a memory tier needs collectives (use_collectives=False given)")
+    expanded, stateful_values = stateful.expand(state_dict)
+    stats = stats_cls()
+    kw = {k: options[k] for k in _TIER_OPTIONS if k in options}
+    result = await asyncio.to_thread(_restore, expanded, tier, stats, **kw)
+    if result is None:
+        if fallback is None:
+            raise PipeloadError(f"pipeload.load from memory tier {tier.root}: no step of the tier is complete "
+                                f"over the live ranks and no fallback was given")
+        stats = await plain_load(state_dict, fallback, **options)
+        stats.source, stats.step = "fallback", -1
+        return stats
+    for leaf, value in result:
+        leaf.container[leaf.key] = value
+    stateful.finish(stateful_values)
+    stats.source = "tier"
+    stats.wall = time.perf_counter() - t0
+    return stats
+
+
+def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, strict: bool = True):
+    """Steps 1-4 on this rank (in a worker thread); None: no whole step, the caller falls back.
+    ``stats.timings``: list (root and state dict), exchange, check, transfer (and local copies), agree."""
+    comm = Comm(process_group, timeout)
+    what = f"pipeload.load from memory tier {tier.root}"
+    lap = _Laps(stats.timings)
+    want = wanted(flatten(state_dict))
+    files = list_root(tier.root, tier.job)
+    listing = restoreplan.encode_listing(tf.entry() for tf in files.values())
+    lap("list")
+    g = restoreplan.exchange(comm, host_id(), want.digest(), listing, what, flags=int(bool(want.problems)))
+    if np.any(g.rows[:, restoreplan.R_FLAGS]):
+        _raise_problems(comm, want.problems, what)
+    planned, checked = restoreplan.decide(g), set()
+    lap("exchange")
+    while True:
+        if planned.choice is None:
+            return None
+        job = (SameJob(planned, comm.rank) if planned.same
+               else reshard_job(comm, planned, files, want, strict, what, tier.job))
+        lap("exchange")
+        bad = _check(files, job.reads, checked, planned.choice.step)
+        if _any_bad(comm, bad, what, lap, "check"):
+            planned = _retake(comm, planned, bad, files, what)
+            continue
+        stats.step = planned.choice.step
+        decoded, error, bad = job.run(comm, files, want, stats, what)
+        lap("transfer")
+        if not _any_bad(comm, bad, what, lap, "agree"):
+            break
+        planned = _retake(comm, planned, bad, files, what)  # (this round's errors came from the bad copy)
+    comm.agree(what, error) if comm.size > 1 else _alone(error, what)
+    lap("agree")
+    return decoded
+
+
+def _any_bad(comm: Comm, bad: list, what: str, lap, phase: str) -> bool:
+    """One word per rank: did a copy it read fail its checks (every rank learns it alike)."""
+    flags = comm.gather_rows(np.array([len(bad)], dtype=np.int64), what, "all-gather of tier checks")[:, 0]
+    lap(phase)
+    return bool(flags.any())
+
+
+def _retake(comm: Comm, planned, bad: list, files: dict, what: str):
+    """The failed copies of every rank left out, the decision taken again from the same words."""
+    gathered = comm.all_gather_object(bad, what)
+    for step, f, why in bad:  # (warned where the copy lies; every rank leaves it out)
+        files.pop((step, f), None)
+        warnings.warn(f"pipeload: {what}: this rank's copy of saved rank {f}'s file of step {step} is "
+                      f"unusable ({why}); another copy, step or the fallback is used", RuntimeWarning,
+                      stacklevel=3)
+    return restoreplan.decide(restoreplan.exclude(
+        planned.gathered, [(r, s, f) for r, items in enumerate(gathered) for (s, f, _) in items]))
+
+
+class _Laps:
+    def __init__(self, timings: dict):
+        self.timings, self.last = timings, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+def _alone(error: str | None, what: str) -> None:
+    if error:
+        raise DistributedError(what, {0: error})
+
+
+def _raise_problems(comm: Comm, problems: list, what: str) -> None:
+    gathered = comm.all_gather_object(problems, what)
+    if len(gathered) == 1:
+        raise StateDictError(f"{what}: cannot load", gathered[0])
+    raise DistributedError(f"{what}: validation", {r: "\n".join(p) for r, p in enumerate(gathered) if p})
+
+
+def _check(files: dict, reads: set, checked: set, step: int) -> list:
+    """Verify the files this rank will read (each once per restore): [(step, saved rank, why)] of those
+    that failed, which are also dropped from ``files``."""
+    bad = []
+    for f in sorted(reads):
+        key = (step, f)
+        if key in checked:
+            continue
+        tf = files.get(key)
+        why = verify(tf) if tf is not None else "not listed"
+        checked.add(key)
+        if why is not None:
+            bad.append((step, f, why))
+            files.pop(key, None)
+    return bad
+
+
+__all__ = ["restore", "wanted", "Wanted"]

@@ -1,0 +1,205 @@
+"""What a restore reads from this rank's own tier root: the listing, the checks, the chunks.
+
+A rank can read only its own host's root. It lists the newest complete steps there (``format.list_steps``),
+reads each rank file's header (validated: a file whose header names another job, step or rank, or
+that does not parse, is left out, with a warning naming it: a missing copy), and reports one entry per
+file. Checksums are verified by the rank that will read a file, before any destination is written
+(:func:`verify`): a file that fails is a missing copy and the restore's decision is re-taken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PipeloadError, ReadError
+from ..formats.chunks import torch_dtype
+from ..io._fastio import SafetensorsFile, read_header
+from ..io.checksum import hasher
+from ..io.reader import copy_box, narrow
+from . import format as tierformat
+from .restoreplan import STEPS_LISTED, layout_digest
+
+
+@dataclass
+class TierFile:
+    """One rank file of this rank's root, as its header describes it."""
+
+    step: int
+    rank: int  # saved rank
+    world: int  # saved world
+    path: str
+    nbytes: int
+    tensors: dict  # fqn -> (dtype name, global shape, offsets, lengths, checksum)
+    objects: dict  # fqn -> (bytes, checksum)
+    spans: dict  # fqn (tensor or object) -> (start, end): absolute byte offsets in the file
+
+    @property
+    def digest(self) -> int:
+        """The layout digest of what this file holds (empty chunks aside, as a state dict's boxes are)."""
+        return layout_digest(((f, d, s, o, n) for f, (d, s, o, n, _) in self.tensors.items() if all(n)),
+                             self.objects)
+
+    def entry(self) -> tuple[int, int, int, int, int]:
+        return (self.step, self.rank, self.world, self.digest, self.nbytes)
+
+    def table(self) -> dict:
+        """The chunk table other ranks plan a resharding restore with (JSON-able)."""
+        return {"tensors": {f: {"dtype": d, "shape": list(s), "offsets": list(o), "lengths": list(n)}
+                            for f, (d, s, o, n, _) in self.tensors.items()},
+                "objects": {f: int(b) for f, (b, _) in self.objects.items()}}
+
+
+def list_root(root: str, job: str) -> dict[tuple[int, int], TierFile]:
+    """Every readable rank file of the newest :data:`STEPS_LISTED` complete steps under ``root``."""
+    out: dict[tuple[int, int], TierFile] = {}
+    try:
+        steps = tierformat.list_steps(root, job)  # (another job's or a damaged root: empty, warned there)
+    except (PipeloadError, OSError) as e:
+        warnings.warn(f"pipeload: memory tier {root}: {e}; treated as holding nothing", RuntimeWarning, stacklevel=2)
+        return out
+    complete = sorted((s for s, v in steps.items() if v.get("complete")), reverse=True)[:STEPS_LISTED]
+    for step in complete:
+        for r in steps[step]["ranks"]:
+            path = os.fspath(tierformat.rank_file(root, step, r))
+            tf = _open(path, job, step, r)
+            if tf is not None:
+                out[(step, r)] = tf
+    return out
+
+
+def _open(path: str, job: str, step: int, rank: int) -> TierFile | None:
+    """The file's header as the listing needs it, or None (warned) when it is not this job's step and
+    rank's or does not parse. The safetensors layer is validated by the compiled parser; the tier record
+    is only parsed here (each chunk's fields against the file's entries), not checked field by field as
+    :func:`.format.read_rank_header` does: a copy is used only when its layout digest equals the one it
+    is used with (:func:`.restoreplan.same_layout`) — the receiving rank's own boxes, or the lowest
+    holder's header, fully validated before its chunk table is sent — and its checksums pass."""
+    try:
+        entries = read_header(path)
+        doc = json.loads((entries.pop("__metadata__") or {})[tierformat.META_KEY])
+        if (doc["format"], doc["job"], doc["step"], doc["rank"]) != (tierformat.FORMAT, job, step, rank):
+            raise ValueError(f"records format {doc['format']!r:.20}, job {doc['job']!r:.80}, step "
+                             f"{doc['step']!r:.20}, rank {doc['rank']!r:.20}")
+        if set(doc["tensors"]) | set(doc["objects"]) != set(entries):
+            raise ValueError("the tier record and the file's tensors differ")
+        tensors, objects, spans = {}, {}, {}
+        for fqn, t in doc["tensors"].items():
+            dtype, lengths, start, end = entries[fqn]
+            if t["dtype"] != dtype or len(t["shape"]) != len(lengths) or len(t["offsets"]) != len(lengths):
+                raise ValueError(f"tensor {fqn!r}: its record disagrees with the file")
+            tensors[fqn] = (dtype, tuple(t["shape"]), tuple(t["offsets"]), tuple(lengths), str(t["checksum"]))
+            spans[fqn] = (start, end)
+        for fqn, c in doc["objects"].items():
+            spans[fqn] = entries[fqn][2:]
+            objects[fqn] = (spans[fqn][1] - spans[fqn][0], str(c))
+        size = max((e[3] for e in entries.values()), default=0)
+        return TierFile(step, rank, int(doc["world"]), path, int(size), tensors, objects, spans)
+    except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
+        warnings.warn(f"pipeload: memory tier file {path} is not usable ({type(e).__name__}: {e}); treated as "
+                      f"missing", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def validated_table(tf: TierFile, job: str) -> dict:
+    """The chunk table of ``tf`` after :func:`.format.read_rank_header`'s full validation (what a file's
+    lowest holder sends for a resharding restore); raises naming the file when it does not pass."""
+    h = tierformat.read_rank_header(tf.path, job=job, step=tf.step, rank=tf.rank)
+    full = TierFile(tf.step, tf.rank, h.world, tf.path, tf.nbytes,
+                    {f: (t.dtype, t.shape, t.offsets, t.lengths, t.checksum) for f, t in h.tensors.items()},
+                    {f: (o.end - o.start, o.checksum) for f, o in h.objects.items()}, tf.spans)
+    if full.digest != tf.digest:
+        raise PipeloadError(f"{tf.path}: changed since it was listed")
+    return full.table()
+
+
+BLOCK = 16 << 20  # bytes read per call when checking a file
+
+
+def verify(tf: TierFile) -> str | None:
+    """Check every chunk's and object's xxh3 against the header: None, or why this copy is unusable.
+
+    The file is read front to back with ``pread`` into one reused buffer (a file cut meanwhile is a
+    short read, never a SIGBUS), each block feeding the hashes of the chunks it covers."""
+    want = {f: t[4] for f, t in tf.tensors.items()} | {f: o[1] for f, o in tf.objects.items()}
+    items = sorted((tf.spans[f][0], tf.spans[f][1], f) for f in want)
+    if not items:
+        return None
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    try:
+        fd = os.open(tf.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        return f"{tf.path}: {e.strerror or e}"
+    try:
+        if os.fstat(fd).st_size != tf.nbytes:
+            return f"{tf.path}: changed size since it was listed"
+        j, hashers = 0, {}
+        lo, end = items[0][0], max(e for _, e, _ in items)
+        while lo < end:
+            n = os.preadv(fd, [view[: min(BLOCK, end - lo)]], lo)
+            if n <= 0:
+                return f"{tf.path}: file ended at byte {lo}"
+            while j < len(items) and items[j][0] < lo + n:
+                start, stop, fqn = items[j]
+                h = hashers.setdefault(fqn, hasher())
+                h.update(view[max(start, lo) - lo: min(stop, lo + n) - lo])
+                if stop > lo + n:
+                    break  # (continues in the next block)
+                if h.hexdigest() != want[fqn]:
+                    return f"{tf.path}: {fqn!r}: checksum {h.hexdigest()} != {want[fqn]} recorded"
+                j += 1
+            lo += n
+        for start, stop, fqn in items[j:]:  # empty chunks at the end
+            if start == stop and hasher().hexdigest() != want[fqn]:
+                return f"{tf.path}: {fqn!r}: checksum of an empty chunk != {want[fqn]} recorded"
+    except OSError as e:
+        return f"{tf.path}: {e.strerror or e}"
+    finally:
+        os.close(fd)
+    return None
+
+
+def pread_into(fd: int, path: str, start: int, out: torch.Tensor) -> None:
+    """Bytes [start, start + out.numel()) of the file into the flat uint8 tensor ``out`` (short: ReadError)."""
+    view = memoryview(out.numpy())
+    done, n = 0, out.numel()
+    while done < n:
+        got = os.preadv(fd, [view[done:]], start + done)
+        if got <= 0:
+            raise ReadError(f"{path}: file ended at byte {start + done} while a chunk was read")
+        done += got
+
+
+def chunk_view(sf: SafetensorsFile, tf: TierFile, fqn: str) -> torch.Tensor:
+    """The stored chunk of ``fqn`` as a tensor over the file's mapping (no copy; copy it guarded)."""
+    dtype, _, _, lengths, _ = tf.tensors[fqn]
+    buf = sf.buffer(fqn)
+    if buf.nbytes == 0:
+        return torch.empty(lengths, dtype=torch_dtype(dtype))
+    return torch.frombuffer(buf, dtype=torch_dtype(dtype)).view(lengths)
+
+
+def copy_region(sf: SafetensorsFile, tf: TierFile, fqn: str, offsets, lengths, dst: torch.Tensor) -> None:
+    """The box (global ``offsets``/``lengths``) of the stored chunk into ``dst`` (of the box's shape):
+    one compiled call (``pread`` for a contiguous box) for a host destination, else through torch."""
+    dtype, _, coff, clen, _ = tf.tensors[fqn]
+    src_off = tuple(o - c for o, c in zip(offsets, coff))
+    if dst.device.type == "cpu" and not dst.is_conj() and not dst.is_neg() and dst.numel():
+        zero = (0,) * dst.dim()
+        sf.copy_box(fqn, dtype, clen, src_off, tuple(lengths), dst.data_ptr(), zero, dst.stride(), tuple(dst.shape))
+        return
+    copy_box(dst, narrow(chunk_view(sf, tf, fqn), src_off, tuple(lengths)), tf.path)
+
+
+def read_region(sf: SafetensorsFile, tf: TierFile, fqn: str, offsets, lengths) -> torch.Tensor:
+    """A private contiguous copy of the box (global ``offsets``/``lengths``) of the stored chunk."""
+    out = torch.empty(tuple(lengths), dtype=torch_dtype(tf.tensors[fqn][0]))
+    copy_region(sf, tf, fqn, offsets, lengths, out)
+    return out
+
+

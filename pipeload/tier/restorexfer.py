@@ -1,0 +1,144 @@
+"""The restore's data movement: point-to-point transfers in one global order, and local copies.
+
+Every transfer is a list of parts of at most :data:`PIECE` bytes; the sender and the receiver cut a
+transfer into the same parts from sizes both know (the receiver from its own destination, equal to the
+file's chunk by the layout check, or from the gathered chunk tables). Each rank walks its transfers in
+the global order and posts every part at once (``isend``/``irecv`` on the load's group), waiting for
+its oldest outstanding part while more than :data:`INFLIGHT` bytes are in flight. A sender reads the
+next part (``pread`` out of its tier file: a file cut meanwhile is a short read, never a SIGBUS) while
+the backend sends the previous ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PipeloadError
+
+PIECE = 16 << 20  # bytes of one point-to-point message
+SMALL = 1 << 20  # chunks below this travel packed with their neighbours, up to PIECE bytes a message
+INFLIGHT = 64 << 20  # bytes a rank has posted and not yet seen complete
+
+
+class Transfers:
+    """One rank's sends and receives, posted in the global order, at most :data:`INFLIGHT` bytes in flight."""
+
+    def __init__(self, comm, what: str, limit: int = INFLIGHT):
+        self.comm, self.what, self.limit = comm, what, limit
+        self.pending: deque = deque()  # (work, bytes, buffer kept alive, then-callback)
+        self.inflight = 0
+        self.sent = self.received = self.messages = 0
+
+    def send(self, peer: int, nbytes: int, part: Callable[[int, int], torch.Tensor]) -> None:
+        """Send ``nbytes`` to ``peer``: ``part(lo, hi)`` gives bytes [lo, hi) as a uint8 tensor."""
+        for lo in range(0, nbytes, PIECE):
+            hi = min(nbytes, lo + PIECE)
+            buf = part(lo, hi)
+            self._post(self._p2p(dist.isend, buf, peer), hi - lo, buf, None)
+            self.sent += hi - lo
+
+    def recv(self, peer: int, target: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+        """Receive ``target.numel()`` bytes (a flat uint8 tensor) from ``peer``; ``then()`` once all arrived."""
+        n = target.numel()
+        if n == 0:
+            if then is not None:
+                then()
+            return
+        for lo in range(0, n, PIECE):
+            hi = min(n, lo + PIECE)
+            last = hi == n
+            self._post(self._p2p(dist.irecv, target[lo:hi], peer), hi - lo, target, then if last else None)
+            self.received += hi - lo
+
+    def _p2p(self, call, buf: torch.Tensor, peer: int):
+        self.messages += 1
+        try:
+            key = "dst" if call is dist.isend else "src"
+            return call(buf, group=self.comm.pg, **{key: self.comm.global_ranks[peer]})
+        except Exception as e:  # noqa: BLE001 - a peer gone: the same failure every survivor sees
+            raise self.comm._fail(self.what, "point-to-point transfer", e) from e
+
+    def _post(self, work, n: int, buf, then) -> None:
+        self.pending.append((work, n, buf, then))
+        self.inflight += n
+        while self.inflight > self.limit and self.pending:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        work, n, _, then = self.pending.popleft()
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self.comm._fail(self.what, "point-to-point transfer", e) from e
+        self.inflight -= n
+        if then is not None:
+            then()
+
+    def drain(self) -> None:
+        """Wait for everything posted (the oldest first)."""
+        while self.pending:
+            self._wait_oldest()
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s memory as a flat uint8 view when a receive may write straight into it, else None."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg() or not t.numel():
+        return None
+    if not t.data_ptr():
+        raise PipeloadError("a destination tensor has no memory of its own")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def staged_into(dst: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """(a uint8 buffer to receive ``dst``'s bytes into, the copy into ``dst`` once they arrived)."""
+    direct = flat_bytes(dst)
+    if direct is not None:
+        return direct, lambda: None
+    buf = torch.empty(dst.numel() * dst.element_size(), dtype=torch.uint8)
+
+    def copy() -> None:
+        dst.copy_(buf.view(dst.dtype).view(dst.shape))
+
+    return buf, copy
+
+
+def batches(sizes: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """``sizes`` (name, bytes), in the transfer's order, cut into messages both ends derive alike: a chunk
+    of at least :data:`SMALL` bytes alone (cut into parts by :meth:`Transfers.send`), runs of smaller ones
+    packed up to :data:`PIECE` bytes (a message per chunk would make many small tensors latency-bound)."""
+    out: list[list[tuple[str, int]]] = []
+    run: list[tuple[str, int]] = []
+    total = 0
+    for name, n in sizes:
+        if n >= SMALL:
+            if run:
+                out.append(run)
+                run, total = [], 0
+            out.append([(name, n)])
+            continue
+        if run and total + n > PIECE:
+            out.append(run)
+            run, total = [], 0
+        run.append((name, n))
+        total += n
+    if run:
+        out.append(run)
+    return out
+
+
+def unpack_into(buf: torch.Tensor, dsts: list[torch.Tensor]) -> Callable[[], None]:
+    """The copy of a packed message's slices into their destinations, in order, once it arrived."""
+
+    def unpack() -> None:
+        at = 0
+        for dst in dsts:
+            n = dst.numel() * dst.element_size()
+            if n:
+                dst.copy_(buf[at: at + n].view(dst.dtype).view(dst.shape))
+            at += n
+
+    return unpack

@@ -1,0 +1,273 @@
+"""Restoring from a memory tier with real processes: 4 ranks, each an emulated host with a tier root of its
+own (PIPELOAD_HOST_ID), one world for every sub-case.
+
+Shows: after one host's root is wiped, ``load(sd, tier, fallback=...)`` is exact and never opens the
+persistent checkpoint (it is renamed away during the load: any access would fail); with three roots
+wiped it falls back and loads the persistent step exactly; a corrupted copy on the host that would be
+used is treated as missing (another copy, else the fallback); loading into another layout (resharding)
+is exact; the same for an FSDP-like layout (every shard on one rank only).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from pipeload.tools._world import run_world
+
+JOB = "restore-test"
+
+
+def _tier(root, job=JOB):
+    from pipeload.tier import MemoryTier
+
+    return MemoryTier(root, replicas=2, job=job)
+
+
+def _snapshot(rank: int, world: int, roots: list[str], step: int, sd: dict, job: str = JOB) -> None:
+    """Snapshot ``sd`` at ``step`` into the tier (each rank's root is its host's; a copy on the next host)."""
+    import pipeload
+
+    pipeload.save(sd, _tier(roots[rank], job), step=step)
+
+
+def _wipe(rank: int, roots: list[str], who) -> None:
+    """A replaced node: the roots of ranks ``who`` emptied (by their own rank), every rank waits."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank in who:
+        shutil.rmtree(roots[rank], ignore_errors=True)
+        os.makedirs(roots[rank])
+    dist.barrier()
+
+
+def _flip(path: str) -> None:
+    """Corrupt one byte of a rank file's data (its last byte: a tensor's, not the header's)."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _tp_dp_state(mesh, scale: float) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    w = torch.arange(48, dtype=torch.float32).reshape(8, 6) * scale
+    b = torch.arange(6, dtype=torch.bfloat16) * scale
+    return {"model": {"w": distribute_tensor(w, mesh, [Replicate(), Shard(0)]),
+                      "b": distribute_tensor(b, mesh, [Replicate(), Replicate()]),
+                      "plain": torch.full((3,), scale)},
+            "meta": {"step": int(scale), "lr": 0.1 * scale}}
+
+
+def _fsdp_state(mesh1, scale: float) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    f = torch.arange(40, dtype=torch.float32).reshape(8, 5) * scale
+    g = torch.arange(7, dtype=torch.float32) * scale  # uneven: 2, 2, 2, 1
+    return {"f": distribute_tensor(f, mesh1, [Shard(0)]), "g": distribute_tensor(g, mesh1, [Shard(0)]),
+            "step": int(scale)}
+
+
+def _zeroed(sd):
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out[k] = _zeroed(v)
+        elif isinstance(v, DTensor):
+            v = v.detach().clone()
+            v.to_local().zero_()
+            out[k] = v
+        elif isinstance(v, torch.Tensor):
+            out[k] = torch.zeros_like(v)
+        else:
+            out[k] = None
+    return out
+
+
+def _same(a, b, where="") -> None:
+    from torch.distributed.tensor import DTensor
+
+    assert a.keys() == b.keys(), where
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            _same(x, y, f"{where}{k}.")
+        elif isinstance(x, torch.Tensor):
+            lx = x.to_local() if isinstance(x, DTensor) else x
+            ly = y.to_local() if isinstance(y, DTensor) else y
+            assert torch.equal(lx, ly), f"{where}{k}: {lx} != {ly}"
+        else:
+            assert x == y, f"{where}{k}: {x!r} != {y!r}"
+
+
+def _load_hidden(rank, sd, tier, ckpt):
+    """load(sd, tier, fallback=ckpt) with the persistent checkpoint renamed away meanwhile: a load that
+    touched it would fail."""
+    import torch.distributed as dist
+
+    import pipeload
+
+    dist.barrier()
+    if rank == 0:
+        os.rename(ckpt, ckpt + "-away")
+    dist.barrier()
+    try:
+        return pipeload.load(sd, tier, fallback=ckpt)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            os.rename(ckpt + "-away", ckpt)
+        dist.barrier()
+
+
+def _case_one_host_lost(rank, world, roots, ckpt, mesh):
+    tier_sd = _tp_dp_state(mesh, 7.0)
+    _snapshot(rank, world, roots, 7, tier_sd)
+    _wipe(rank, roots, {2})
+    dest = _zeroed(tier_sd)
+    stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
+    _same(dest, tier_sd)
+    assert (stats.source, stats.step) == ("tier", 7)
+    return {"received": stats.bytes_received, "read": stats.bytes_read}
+
+
+def _case_corrupt_own_copy(rank, world, roots, ckpt, mesh):
+    """Rank 0's own copy fails its checksum: it gets its file from the host holding the other copy."""
+    import torch.distributed as dist
+
+    from pipeload.tier import format as tf
+
+    tier_sd = _tp_dp_state(mesh, 8.0)
+    _snapshot(rank, world, roots, 8, tier_sd)
+    dist.barrier()
+    if rank == 0:
+        _flip(os.fspath(tf.rank_file(roots[0], 8, 0)))
+    dest = _zeroed(tier_sd)
+    with pytest.warns(RuntimeWarning, match="unusable") if rank == 0 else _nothing():
+        stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
+    _same(dest, tier_sd)
+    assert (stats.source, stats.step) == ("tier", 8)
+    return {"received": stats.bytes_received}
+
+
+def _case_fallbacks(rank, world, roots, ckpt, mesh, persistent):
+    """The only other copy corrupted, then three roots of four wiped: the persistent step, exactly."""
+    import pipeload
+    import torch.distributed as dist
+
+    from pipeload.tier import format as tf
+
+    tier_sd = _tp_dp_state(mesh, 9.0)
+    _snapshot(rank, world, roots, 9, tier_sd)
+    _wipe(rank, roots, {2})
+    if rank == 3:  # host 3 holds the copy of host 2's file: corrupt it
+        _flip(os.fspath(tf.rank_file(roots[3], 9, 2)))
+    dist.barrier()
+    dest = _zeroed(tier_sd)
+    stats = pipeload.load(dest, _tier(roots[rank]), fallback=ckpt)
+    _same(dest, persistent)
+    assert stats.source == "fallback"
+    _snapshot(rank, world, roots, 10, _tp_dp_state(mesh, 10.0))
+    _wipe(rank, roots, {1, 2, 3})
+    dest = _zeroed(tier_sd)
+    stats = pipeload.load(dest, _tier(roots[rank]), fallback=ckpt)
+    _same(dest, persistent)
+    assert stats.source == "fallback" and stats.bytes_read > 0
+    with pytest.raises(pipeload.PipeloadError, match="no step of the tier is complete"):
+        pipeload.load(dest, _tier(roots[rank]))  # no whole step, no fallback: refused on every rank
+
+
+def _case_reshard(rank, world, roots, ckpt, mesh1):
+    """Saved TP2 x DP2, loaded with every tensor sharded over the 4 ranks by columns, one host lost."""
+    import pipeload
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _wipe(rank, roots, {1})
+    w = torch.arange(48, dtype=torch.float32).reshape(8, 6) * 10.0
+    b = torch.arange(6, dtype=torch.bfloat16) * 10.0
+    want = {"model": {"w": distribute_tensor(w, mesh1, [Shard(1)]), "b": distribute_tensor(b, mesh1, [Shard(0)]),
+                      "plain": torch.full((3,), 10.0)}, "meta": {"step": 10, "lr": 0.1 * 10.0}}
+    dest = _zeroed(want)
+    stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
+    _same(dest, want)
+    assert (stats.source, stats.step) == ("tier", 10)
+    # a key the step does not hold (strict): refused on every rank before anything is written
+    extra = {**dest, "extra": torch.ones(2)}
+    with pytest.raises(pipeload.PipeloadError, match="extra"):
+        pipeload.load(extra, _tier(roots[rank]), fallback=ckpt)
+    assert torch.equal(extra["extra"], torch.ones(2))
+
+
+def _case_fsdp(rank, world, roots, ckpt, mesh1):
+    import pipeload
+
+    froots = [os.path.join(os.path.dirname(r), "fsdp-" + os.path.basename(r)) for r in roots]
+    os.makedirs(froots[rank], exist_ok=True)
+    persistent = _fsdp_state(mesh1, 3.0)
+    fckpt = ckpt + "-fsdp"
+    pipeload.save(persistent, fckpt)
+    tier_sd = _fsdp_state(mesh1, 5.0)
+    _snapshot(rank, world, froots, 5, tier_sd, job="fsdp")
+    _wipe(rank, froots, {3})
+    dest = _zeroed(tier_sd)
+    stats = _load_hidden(rank, dest, _tier(froots[rank], "fsdp"), fckpt)
+    _same(dest, tier_sd)
+    assert (stats.source, stats.step) == ("tier", 5)
+    received = stats.bytes_received
+    _wipe(rank, froots, {0, 1, 3})
+    dest = _zeroed(tier_sd)
+    stats = pipeload.load(dest, _tier(froots[rank], "fsdp"), fallback=fckpt)
+    _same(dest, persistent)
+    assert stats.source == "fallback"
+    return received
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _world_main(rank: int, world: int, tmp: str) -> dict:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pipeload
+
+    warnings.simplefilter("ignore", ResourceWarning)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh1 = init_device_mesh("cpu", (4,))
+    roots = [os.path.join(tmp, f"host{r}") for r in range(world)]
+    os.makedirs(roots[rank], exist_ok=True)
+    ckpt = os.path.join(tmp, "ckpt")
+    persistent = _tp_dp_state(mesh, 3.0)
+    pipeload.save(persistent, ckpt)
+    out = {"lost": _case_one_host_lost(rank, world, roots, ckpt, mesh)}
+    out["corrupt"] = _case_corrupt_own_copy(rank, world, roots, ckpt, mesh)
+    _case_fallbacks(rank, world, roots, ckpt, mesh, persistent)
+    _snapshot(rank, world, roots, 10, _tp_dp_state(mesh, 10.0))
+    _case_reshard(rank, world, roots, ckpt, mesh1)
+    out["fsdp"] = _case_fsdp(rank, world, roots, ckpt, mesh1)
+    return out
+
+
+def test_restore_world4(tmp_path):
+    res = run_world(_world_main, 4, str(tmp_path), timeout=120, separate_hosts=True)
+    # one host lost: only its rank received its state; the rank holding the copy read it to send it
+    assert res[2]["lost"]["received"] > 0
+    assert all(res[r]["lost"]["received"] == 0 for r in (0, 1, 3))
+    assert res[3]["lost"]["read"] > res[0]["lost"]["read"]
+    # a corrupted own copy: rank 0 received its file from the other copy's host
+    assert res[0]["corrupt"]["received"] > 0 and res[1]["corrupt"]["received"] == 0
+    assert res[3]["fsdp"] > 0
