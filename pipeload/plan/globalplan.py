@@ -70,7 +70,8 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from ._greedy import assign_readers, batch_ops, cut_stream
-from .exchange import F_GROUPS, F_HOST, F_NGROUPS, Classes, Record, group_digest
+from .chunkunits import ChunkTable, Touch, encode, find_units
+from .exchange import F_FLAGS, F_GROUPS, F_HOST, F_NGROUPS, FLAG_RESHARDED, Classes, Record, group_digest
 
 ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
 STAGING_ALIGN = 64  # byte alignment of each shard inside a staging buffer (any dtype can view it)
@@ -296,11 +297,14 @@ def group_keys(sh: Shards, sizes: np.ndarray) -> KeyGroups:
     return KeyGroups(order, starts, ends, holders, all_bc, ends - starts)
 
 
-def alone_loads(sh: Shards, kg: KeyGroups, cls: Classes, world: int) -> list[int]:
-    """Bytes each rank reads alone anyway: the keys only it holds (a one-rank class). These are the
+def alone_loads(sh: Shards, kg: KeyGroups, cls: Classes, world: int, skip: np.ndarray | None = None) -> list[int]:
+    """Bytes each rank reads alone anyway: the keys only it holds (a one-rank class), but the groups
+    ``skip`` marks (covered by chunk units, whose bytes the units' readers count). These are the
     starting loads of the greedy, the same on every rank."""
     loads = [0] * world
     single = kg.holders == 1
+    if skip is not None:
+        single &= ~skip
     if np.any(single):
         first = kg.order[kg.starts[single]]
         per_class = np.bincount(sh.cl[first], weights=sh.weight[first], minlength=len(cls.members))
@@ -461,6 +465,42 @@ def shared_rows(sh: Shards, kg: KeyGroups, groups: np.ndarray, sid: np.ndarray) 
                   sh.affinity[fr] if sh.affinity is not None else None)
 
 
+def unit_sets(table: SetTable, touch: Touch | None, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Step 1c: (holder set id of each unit, -1 where its set is not usable; which key groups a usable
+    unit covers). Units' sets are made first, in unit order (ascending chunk row): a pure function of
+    the units."""
+    covered = np.zeros(n_groups, dtype=bool)
+    if touch is None:
+        return np.zeros(0, dtype=np.int64), covered
+    sid = np.array([table.add(k) for k in touch.classes], dtype=np.int64)
+    ok = table.ok()[sid]
+    sid[~ok] = -1
+    covered[touch.pair_group[ok[touch.pair_unit]]] = True
+    return sid, covered
+
+
+def with_units(s: Shared, touch: Touch, mine: np.ndarray, sid: np.ndarray, ndim: np.ndarray,
+               itemsize: np.ndarray) -> Shared:
+    """The shared rows ``s`` and, after them, the units ``mine`` selects as rows keyed
+    (``-1 - index``, chunk offsets, chunk lengths) (see :mod:`pipeload.plan.chunkunits`)."""
+    pick = np.flatnonzero(mine)
+    if not len(pick):
+        return s
+    idx = touch.index[pick]
+    width = s.offsets.shape[1]
+    off, ln = touch.offsets[pick], touch.lengths[pick]
+    if off.shape[1] != width:
+        off, ln = (np.pad(a[:, :width], ((0, 0), (0, max(0, width - a.shape[1])))) for a in (off, ln))
+    nd = ndim[idx]
+    weight = itemsize[idx].astype(np.int64)
+    for d in range(width):
+        weight *= np.where(nd > d, ln[:, d], 1)
+    prefer = None if s.prefer is None else np.concatenate([s.prefer, np.full(len(pick), -1, np.int64)])
+    return Shared(np.concatenate([s.index, encode(idx)]), np.concatenate([s.offsets, off]),
+                  np.concatenate([s.lengths, ln]), np.concatenate([s.nd, nd]), np.concatenate([s.weight, weight]),
+                  np.concatenate([s.sid, sid[pick]]), prefer)
+
+
 def _preferences(s: Shared, used: list[int], total: np.ndarray, sets: dict, loads: list[int],
                  component_of: Callable[[int], int]) -> tuple[np.ndarray, np.ndarray]:
     """(prefer, cap) for :func:`pipeload.plan._greedy.assign_readers`: each row's named writer and each
@@ -618,6 +658,7 @@ def global_plan(
     same_host_private: bool = False,
     everything: bool = False,
     on_phase: Callable[[str], None] | None = None,
+    chunks: ChunkTable | None = None,
 ) -> GlobalPlan:
     """This rank's view of the one global plan (see the module docstring for the rules): the steps
     above, in order.
@@ -626,7 +667,8 @@ def global_plan(
     index; ``global_ranks`` maps load-group ranks to world ranks (for group digests; default identity).
     ``same_host_private``: a shard whose holders all run on one host (the rows' host word) is read by
     each of them, from the one page cache they share, instead of broadcast. ``everything``: plan every
-    component (for reporting), not only this rank's.
+    component (for reporting), not only this rank's. ``chunks``: the checkpoint's chunk table
+    (:func:`pipeload.plan.chunkunits.chunk_table`); without it no chunk unit is planned.
     """
     lap = on_phase or (lambda name: None)
     sizes = np.array([len(m) for m in cls.members], dtype=np.int64)
@@ -634,16 +676,26 @@ def global_plan(
     lap("records")
     kg = group_keys(sh, sizes)
     lap("group keys")
-    loads = alone_loads(sh, kg, cls, len(rows))
-    multi = kg.holders >= 2
+    table = SetTable(rows, cls, can_create=can_create, global_ranks=global_ranks, same_host_private=same_host_private)
+    touch = (find_units(kg.order, kg.starts, kg.ends, sh.cl, sh.index, sh.offsets, sh.lengths, sh.nd, kg.all_bc,
+                        (rows[cls.owners, F_FLAGS] & FLAG_RESHARDED) != 0, sizes, itemsize, chunks)
+             if broadcast and chunks is not None and np.any(rows[:, F_FLAGS] & FLAG_RESHARDED) else None)
+    unit_sid, covered = unit_sets(table, touch, len(kg.starts))
+    lap("chunk units")
+    loads = alone_loads(sh, kg, cls, len(rows), covered)
+    multi = (kg.holders >= 2) & ~covered
     candidates = np.flatnonzero(multi & kg.all_bc) if broadcast else np.zeros(0, dtype=np.int64)
     shut = np.flatnonzero(multi & ~kg.all_bc) if broadcast else np.flatnonzero(multi)
-    table = SetTable(rows, cls, can_create=can_create, global_ranks=global_ranks, same_host_private=same_host_private)
     sid_of = holder_sets(table, kg, sh.cl[kg.order], candidates)
     good = table.ok()[sid_of] if len(candidates) else np.zeros(0, dtype=bool)
     find = components(table)
     in_mine = good if everything else in_component(table, find, int(cls.of_rank[me]), sid_of, good)
     shared = shared_rows(sh, kg, candidates[in_mine], sid_of[in_mine])
+    if touch is not None:
+        unit_ok = unit_sid >= 0
+        mine_u = unit_ok if everything else in_component(table, find, int(cls.of_rank[me]),
+                                                         np.maximum(unit_sid, 0), unit_ok)
+        shared = with_units(shared, touch, mine_u, unit_sid, ndim, itemsize)
     extra = private_bytes(sh, kg, np.concatenate([candidates[~good], shut]), len(records))
     lap("holder sets")
     # every set some broadcast of the load uses, in any component: creating one is world-wide
