@@ -21,7 +21,10 @@ shards per record and ``P`` shared pieces after striping:
 The plan is a pipeline of pure steps, each a function below (:func:`global_plan` runs them in order):
 
 1. :func:`shard_columns` and :func:`group_keys`: the records' shards as columns, identical keys grouped
-   across classes; :func:`alone_loads` and :func:`private_bytes`: bytes no broadcast can save;
+   across classes; :func:`pipeload.plan.chunkunits.find_units` and :func:`unit_sets`: stored chunks
+   several classes need different parts of, each read once as a *chunk unit* (only when some row says a
+   box of its rank is not one stored chunk); :func:`alone_loads` and :func:`private_bytes`: bytes no
+   broadcast can save;
 2. :func:`holder_sets` (into a :class:`SetTable`), :func:`components`, :func:`in_component`: the holder
    set of each shared key and the part of the plan this rank must compute (:func:`shared_rows`);
 3. :func:`choose_readers` (affinity, then the greedy) and :func:`cut_streams`;
@@ -54,6 +57,11 @@ Rules (DESIGN.md, "Global plan"):
   member, sized to even out the members' loads (water filling). Each segment's part of a shard is a
   *piece* (a row range), read by that member and broadcast to all; so one 245 MiB embedding no longer
   sets the load's time, and each reader's reads stay contiguous;
+- **chunk units** (:mod:`pipeload.plan.chunkunits`): a unit is one more shared row, keyed (``-1 - fqn
+  index``, chunk offsets, chunk lengths), held by every class needing part of its chunk; the greedy,
+  cutting (at most one member per ``UNIT_STRIPE`` bytes of a set holding units) and batching treat it
+  as a shard, so it cannot deadlock for the reason shards cannot: its holder set is derived from data
+  every rank holds, its broadcasts sit at positions of the one order every member computes alike;
 - order: pieces sorted by (fqn index, offsets, lengths); pieces under ``batch_bytes`` join the pending
   batch of their (holder set, reader), which is sent at the position of the piece that fills it; the
   batches left at the end follow in the order of their first piece.
@@ -76,6 +84,7 @@ from .exchange import F_FLAGS, F_GROUPS, F_HOST, F_NGROUPS, FLAG_RESHARDED, Clas
 ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
 STAGING_ALIGN = 64  # byte alignment of each shard inside a staging buffer (any dtype can view it)
 MIN_STRIPE = 1 << 20  # a holder set whose mean share is smaller is never cut
+UNIT_STRIPE = 32 << 20  # a set holding chunk units is cut among at most (its bytes / this) members
 FULL = 0  # set id of the whole load group
 
 
@@ -556,7 +565,14 @@ def cut_streams(s: Shared, cut: list[int], sets: dict[int, HolderSet], load_arr:
     for sid in cut:
         cs = _CutSet(sid, s, np.flatnonzero(s.sid == sid))
         members = np.asarray(sets[sid].members, dtype=np.int64)
-        cs.cut(members, _water_fill(load_arr[members].tolist(), int(cs.weight.sum())))
+        total = int(cs.weight.sum())
+        if len(members) > 1 and np.any(cs.index < 0) and len(members) * UNIT_STRIPE > total:
+            # a set holding chunk units (every rank needing part of a chunk: often the whole load) is cut
+            # into pieces of about UNIT_STRIPE read by its least loaded members (ties to the lower rank):
+            # each piece is a broadcast to the whole set, and thousands of tiny ones cost more than they balance
+            k = max(1, total // UNIT_STRIPE)
+            members = np.sort(members[np.lexsort((members, load_arr[members]))[:k]])
+        cs.cut(members, _water_fill(load_arr[members].tolist(), total))
         np.add.at(load_arr, cs.reader, cs.piece_weight)
         out.append(cs)
     return out
