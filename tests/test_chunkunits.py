@@ -153,3 +153,13 @@ def test_contiguous_parts_stay_shards_and_as_saved_loads_plan_no_unit():
     per_rank = _tp_dp(2, 2, {0: (64, 48, "col")})
     gp = _plan(per_rank, saved, 0)
     assert not any(is_unit(k) for k in gp.pieces) and gp.ops
+
+
+def test_a_units_group_is_created_by_every_rank_also_one_in_no_unit():
+    # ranks 0-2 need parts of tensor 0's one chunk (0 and 2 the same part); rank 3 loads tensor 1 alone
+    chunks = {0: [((0, 0), (16, 32))], 1: [((0, 0), (4, 4))]}
+    per_rank = [[(0, (0, 0), (16, 16))], [(0, (0, 16), (16, 16))], [(0, (0, 0), (16, 16))], [(1, (0, 0), (4, 4))]]
+    plans = [_plan(per_rank, chunks, me) for me in range(4)]
+    assert all(gp.creates == [(0, 1, 2)] for gp in plans)  # new_group is world-wide: rank 3 calls it too
+    assert not plans[3].ops
+    assert [[(op.reader, op.shards) for op in gp.ops] for gp in plans[:3]] == [[(0, ((-1, (0, 0), (16, 32)),))]] * 3

@@ -715,7 +715,7 @@ def global_plan(
     extra = private_bytes(sh, kg, np.concatenate([candidates[~good], shut]), len(records))
     lap("holder sets")
     # every set some broadcast of the load uses, in any component: creating one is world-wide
-    in_use = set(sid_of[good].tolist())
+    in_use = set(sid_of[good].tolist()) | set(unit_sid[unit_sid >= 0].tolist())
     return plan_component(shared, table.sets, loads, extra[cls.of_rank] if len(rows) else extra, me,
                           component_of=lambda sid: find(table.classes[sid][0]), requested=sh.requested,
                           in_use=in_use, stripe=stripe, min_stripe=min_stripe, batch_bytes=batch_bytes, lap=lap)
