@@ -36,15 +36,17 @@ from ._busy import Guard, refuse_contended_or_disagreeing
 from ._gcpause import paused_gc
 from .comm import Comm
 from ..errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
-from ..plan.exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, classes, decode_record, encode_record, hash64,
+from ..plan.exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, FLAG_RESHARDED, classes, decode_record, encode_record, hash64,
                              host_id, make_row, record_transfer)
 from ..plan import keyowners
 from ..plan.globalplan import GlobalPlan, global_plan
 from .. import formats
 from ..io import storage
 from ..formats.metadata import Metadata
-from ..plan.planner import Binding, fqn_index, local_plan, piece_shard, plan_record, unbind
-from ..io.reader import ChunkReader
+from ..plan.chunkunits import chunk_table
+from ..plan.planner import (Binding, fqn_index, local_plan, piece_shard, plan_record, resharded, stored_dtype, unbind,
+                            unit_pieces)
+from ..io.reader import ChunkReader, box_span
 from ..save.saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
 from ..plan.statedict import Leaf, check_top, flatten, mesh_groups, meshes_of
@@ -67,6 +69,11 @@ class LoadStats:
     bytes_received: int = 0  # received by broadcast
     broadcasts: int = 0  # data collectives this rank took part in
     shared_shards: int = 0  # this rank's shards loaded through a broadcast (read or received)
+    # stored chunks this rank needs parts of that were read once, by one rank, and broadcast whole (or
+    # in row ranges) to every rank needing part of them; and the bytes of storage that saved this rank
+    # (the spans its boxes of those chunks cover, less what it read of them; negative on a reader)
+    chunk_units: int = 0
+    chunk_bytes_saved: int = 0
     private_shards: int = 0  # this rank's shards it read alone
     objects: int = 0  # Python objects loaded
     files_opened: int = 0  # cold opens of data files
@@ -118,11 +125,19 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
                 whole.append(s.exact_key())
                 total += s.nbytes
             continue
-        for it in s.reads:
-            if it.file == own_file:
+        for it in s.reads:  # (a strided box's span is not what it needs: left to its reader, or a unit)
+            if it.file == own_file and _contiguous(it):
                 items.append(it)
                 total += it.nbytes
     reader.prefetch(items, whole={own_file: whole} if whole else None)
+
+
+def _contiguous(it) -> bool:
+    """Whether a ReadItem's box is one contiguous range of its stored chunk."""
+    if not it.nbytes:
+        return False
+    lo, hi = box_span(it.chunk_lengths, it.src_offsets, it.lengths, it.nbytes // max(1, int(np.prod(it.lengths))))
+    return hi - lo == it.nbytes
 
 
 def _progress_bar(enabled: bool, rank: int, total: int):
@@ -174,6 +189,8 @@ class _Prepared:
     leaf_pos: list = field(default_factory=list)  # each shard's, then each object's leaf position (kept plans)
     binding: Binding | None = None  # where a kept plan's shards find the tensors of the load it serves
     cut: list = field(default_factory=list)  # (piece, its shard) of every shared shard cut into pieces
+    skip: set = field(default_factory=set)  # stored chunks (file, key) chunk units deliver: no private read
+    units: tuple = (0, 0)  # (chunk units this rank is in, storage bytes they saved it)
 
 
 @dataclass(frozen=True)
@@ -337,6 +354,7 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
 
 def _count_plan(stats: LoadStats, prep: _Prepared, reader: ChunkReader) -> None:
     stats.format = reader.format
+    stats.chunk_units, stats.chunk_bytes_saved = prep.units
     stats.missing_keys, stats.unexpected_keys = list(prep.missing), list(prep.unexpected)
     stats.shared_shards = len(prep.plan.shards) - len(prep.private)
     stats.private_shards, stats.objects = len(prep.private), len(prep.plan.objects)
@@ -350,7 +368,7 @@ async def _execute_and_agree(run: _Run, opts: _Options, prep: _Prepared, reader:
     comm, keep = run.comm, False
     try:
         decoded = await _execute(comm, reader, pool, prep.shared, prep.private, prep.plan.objects, prep.groups,
-                                 prep.gp, counters, opts.max_inflight, opts.progress, run.clock)
+                                 prep.gp, counters, opts.max_inflight, opts.progress, run.clock, prep.skip)
         error = counters.error_report() or run.guard.late(comm)
         if run.collective:
             comm.agree(run.what, error)
@@ -460,7 +478,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     reusable = (comm.reusable_groups([*(broadcast_groups or ()),
                                       *mesh_groups(plan.meshes if plan is not None else meshes_of(leaves))])
                 if collective and not private_only else {})
-    if not problems and md.world_size == comm.size:
+    moved = plan is not None and resharded(plan.shards)  # (its own file was written for another layout)
+    if not problems and md.world_size == comm.size and not moved:
         # in the worker: under a throttled device, queueing the requests blocks for a while
         pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
     clock.lap("plan")
@@ -478,7 +497,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                            batch_bytes=batch_bytes, can_create=comm.is_world, global_ranks=comm.global_ranks,
                            clock=clock, rows_out=rows_seen, private_only=private_only,
                            same_host_private=broadcast_replicated_tensors == "auto" and comm.broadcast_device.type == "cpu",
-                           host=host)
+                           host=host, resharded=moved)
     unexpected = []
     if collective:
         unasked = np.ones(len(names), dtype=bool)
@@ -490,6 +509,10 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
         )
     shared, private, cut = {}, [], []
     pieces_of = gp.pieces
+    units, skip, spanned = unit_pieces(plan.shards, pieces_of, names, lambda i: stored_dtype(md, names[i]))
+    shared.update(units)
+    read_units = sum(u.nbytes for op in gp.ops if op.reader == comm.rank for k in op.shards
+                     if (u := units.get(k)) is not None)
     for s in plan.shards:
         pieces = pieces_of.get(s.key)
         if pieces is None:
@@ -507,7 +530,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     groups, created = comm.make_groups(gp.sets, reusable) if collective else ({}, [])
     clock.lap("groups")
     prep = _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
-                     rows_seen[0] if rows_seen else None, stat, ckpt, cut=cut)
+                     rows_seen[0] if rows_seen else None, stat, ckpt, cut=cut, skip=skip,
+                     units=(len({k for k in pieces_of if k[0] < 0}), spanned - read_units))
     if keepable:  # taken now, as planned: an object a later load replaces is a leaf in it either way
         prep.signature = plancache.signature(state_dict)[0]
         prep.leaf_pos = plancache.leaf_positions(leaves, [*(s.fqn for s in plan.shards),
@@ -573,7 +597,8 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
                       problems: list[str], groups: list[int], *, directory: str, broadcast: bool,
                       batch_bytes: int, can_create: bool, global_ranks=None, clock=None,
                       on_phase=None, rows_out: list | None = None, same_host_private: bool = False,
-                      everything: bool = False, private_only: bool = False, host: int | None = None) -> GlobalPlan:
+                      everything: bool = False, private_only: bool = False, host: int | None = None,
+                      resharded: bool = False) -> GlobalPlan:
     """Steps 2-3 of a load on one rank: the exchange through ``ex`` and this rank's global plan.
 
     ``ex`` is the load's :class:`~pipeload.engine.comm.Comm` (or the simulated exchange of
@@ -585,6 +610,8 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     (:mod:`pipeload.plan.keyowners`, which also needs ``all_to_all``; it falls back here when some rank's
     component is more than its one holder set).
     ``host``: this rank's :func:`~pipeload.plan.exchange.host_id` (the load's, read once; None: read here).
+    ``resharded``: some box of this rank is not exactly one stored chunk (its row says so; when any row
+    does, the global plan looks for chunk units: :mod:`pipeload.plan.chunkunits`).
 
     ``private_only``: every rank knows no shard will be broadcast (all on one host under gloo and the
     default policy, or broadcasting off), so nobody needs another rank's record: after the rows, one
@@ -593,7 +620,7 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     """
     what = f"pipeload.load from {directory}"
     row = make_row(record=record, save_id=md.save_id if md else None, problems=bool(problems),
-                   host=host_id() if host is None else host, groups=groups)
+                   host=host_id() if host is None else host, groups=groups, resharded=resharded)
     rows = ex.gather_rows(row, what) if ex is not None else row.reshape(1, -1)
     if np.any(rows[:, F_FLAGS] & FLAG_PROBLEMS):
         gathered = ex.all_gather_object(problems, what) if ex is not None else [problems]
@@ -635,11 +662,14 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     if clock is not None:
         clock.lap("exchange")
     ndim, itemsize = _key_arrays(md, names)
+    chunks = (chunk_table(md, names) if md is not None and broadcast and np.any(rows[:, F_FLAGS] & FLAG_RESHARDED)
+              else None)
     if on_phase is not None:
         on_phase("key shapes")
     return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
                        batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
-                       on_phase=on_phase, same_host_private=same_host_private, everything=everything)
+                       on_phase=on_phase, same_host_private=same_host_private, everything=everything,
+                       chunks=chunks)
 
 
 def _key_arrays(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -648,7 +678,7 @@ def _key_arrays(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.n
 
 
 async def _execute(comm, reader, pool, shared, private, objects, groups, gp, counters, max_inflight,
-                   progress, clock) -> list:
+                   progress, clock, skip=frozenset()) -> list:
     """The shared phase, then the private phase, reading in ``pool``; returns decoded objects."""
     bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in [*shared.values(), *private]))
     on_bytes = bar.update if bar is not None else None
@@ -659,7 +689,7 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
             await phase.run(gp.ops)
         clock.lap("shared")
         loop = asyncio.get_running_loop()
-        decoded = await loop.run_in_executor(pool, read_private, reader, private, objects, counters, on_bytes)
+        decoded = await loop.run_in_executor(pool, read_private, reader, private, objects, counters, on_bytes, skip)
         clock.lap("private")
         return decoded
     finally:

@@ -29,7 +29,7 @@ import torch
 from .comm import Comm, finish
 from ..errors import PipeloadError
 from ..plan.globalplan import Op, ShardKey, aligned
-from ..plan.planner import DestShard, ObjectRead
+from ..plan.planner import DestShard, ObjectRead, UnitPiece
 from ..io.reader import ChunkReader
 
 
@@ -61,6 +61,14 @@ def _direct(shard: DestShard, device: torch.device) -> torch.Tensor | None:
             and not d.is_neg()):
         return d.reshape(-1).view(torch.uint8)
     return None
+
+
+def _unpacks(shard: DestShard | UnitPiece, view: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The copies after ``view`` (the shard's part of the buffer) landed: into the shard's destination
+    unless it is the buffer itself; a unit piece's boxes into each destination they belong to."""
+    if type(shard) is UnitPiece:
+        return shard.copies(view)
+    return [] if view is shard.dest else [(shard.dest, view)]
 
 
 @dataclass
@@ -99,7 +107,7 @@ class SharedPhase:
     def _layout(self, op: Op) -> tuple[torch.Tensor, list[tuple[DestShard, torch.Tensor]]]:
         """The buffer to broadcast and, per shard, the view of it shaped like the shard."""
         shards = [self.shards[k] for k in op.shards]
-        if len(shards) == 1:
+        if len(shards) == 1 and type(shards[0]) is not UnitPiece:
             direct = _direct(shards[0], self.device)
             if direct is not None:
                 return direct, [(shards[0], shards[0].dest)]
@@ -107,7 +115,8 @@ class SharedPhase:
         staging = torch.empty(total, dtype=torch.uint8, device=self.device)
         views, pos = [], 0
         for s in shards:
-            views.append((s, staging[pos : pos + s.nbytes].view(s.dtype).view(s.dest.shape)))
+            shape = s.shape if type(s) is UnitPiece else s.dest.shape
+            views.append((s, staging[pos : pos + s.nbytes].view(s.dtype).view(shape)))
             pos += aligned(s.nbytes)
         return staging, views
 
@@ -140,13 +149,12 @@ class SharedPhase:
                 except Exception as e:  # noqa: BLE001 - recorded, the broadcast still goes out
                     self.counters.fail(shard.fqn, item.file, e)
                     break
-            if view is not shard.dest:
-                unpack.append((shard.dest, view))
+            unpack += _unpacks(shard, view)
         return _Prepared(op, buffer, unpack)
 
     def _recv_op(self, op: Op) -> _Prepared:
         buffer, views = self._layout(op)
-        return _Prepared(op, buffer, [(s.dest, v) for s, v in views if v is not s.dest])
+        return _Prepared(op, buffer, [pair for s, v in views for pair in _unpacks(s, v)])
 
     async def run(self, ops: list[Op]) -> None:
         loop = asyncio.get_running_loop()
@@ -239,17 +247,21 @@ def read_private(
     objects: list[ObjectRead],
     counters: Counters,
     on_bytes: Callable[[int], None] | None = None,
+    skip: set[tuple[str, str]] | frozenset = frozenset(),
 ) -> list[tuple[ObjectRead, Any]]:
     """Read every private shard and object, grouped by file and in file order; return decoded objects.
 
-    Runs in the worker thread. Objects are decoded here but put into their containers by the caller,
-    on the event loop's thread, after every read succeeded.
+    ``skip``: stored chunks, as (file, key), that chunk units of the shared phase delivered: a shard's
+    reads from them are already done (a shard read partly from units is complete once its other reads
+    here are). Runs in the worker thread. Objects are decoded here but put into their containers by
+    the caller, on the event loop's thread, after every read succeeded.
     """
     on_bytes = on_bytes or (lambda n: None)
     work: list[tuple[str, str, int, Any, Any]] = []
     for shard in shards:
         for i, item in enumerate(shard.reads):
-            work.append((item.file, item.key, i, shard, item))
+            if not skip or (item.file, item.key) not in skip:
+                work.append((item.file, item.key, i, shard, item))
     for obj in objects:
         work.append((obj.meta.file, obj.meta.key, 0, obj, None))
     # File-major, then by the stored key: the saver lays chunks out in key order, so this is file order.

@@ -5,7 +5,7 @@ Pure data formats and decisions; the collectives that move them are in :mod:`pip
 A load's exchange has two steps, both over the load's group and taken by every rank:
 
 1. **Rows.** An all-gather of one :data:`ROW_WORDS`-word int64 row per rank: a flag word (this rank has
-   problems to report), a hash of the save id it read, the 128-bit digest and the byte length of its
+   problems to report; some box of its is not exactly one stored chunk), a hash of the save id it read, the 128-bit digest and the byte length of its
    plan record, its host, its key-owner threshold (:mod:`pipeload.plan.keyowners`) and the digests of up
    to :data:`MAX_GROUPS` process groups it could reuse. ``W`` rows cost every rank ``W x 128`` bytes: 2 MiB at 16,384 ranks.
 2. **Distinct records.** Ranks whose records have the same digest are replicas of one another (data
@@ -44,6 +44,7 @@ MAX_GROUPS = 8  # reusable groups a rank can offer; more are ignored (the load t
 # row layout
 F_FLAGS, F_SAVE, F_DIGEST, F_NBYTES, F_HOST, F_KEYOWNER, F_NGROUPS, F_GROUPS = 0, 1, 2, 4, 5, 6, 7, 8
 FLAG_PROBLEMS = 1
+FLAG_RESHARDED = 2  # some box of this rank is not exactly one stored chunk (pipeload.plan.chunkunits)
 
 _RECORD_VERSION = 2
 _HEADER = 6
@@ -149,11 +150,12 @@ def record_digest(record: bytes) -> tuple[int, int]:
 
 def make_row(*, record: bytes, save_id: str | None, problems: bool, host: int,
              groups: list[int] = (), digest: tuple[int, int] | None = None,
-             key_owner_bytes: int | None = None) -> np.ndarray:
+             key_owner_bytes: int | None = None, resharded: bool = False) -> np.ndarray:
     """One rank's row; ``digest`` is :func:`record_digest` of ``record`` when the caller has it;
-    ``key_owner_bytes``: the threshold this rank offers (None: :func:`key_owner_threshold`)."""
+    ``key_owner_bytes``: the threshold this rank offers (None: :func:`key_owner_threshold`);
+    ``resharded``: some box of this rank is not exactly one stored chunk."""
     row = np.zeros(ROW_WORDS, dtype=np.int64)
-    row[F_FLAGS] = FLAG_PROBLEMS if problems else 0
+    row[F_FLAGS] = (FLAG_PROBLEMS if problems else 0) | (FLAG_RESHARDED if resharded else 0)
     row[F_SAVE] = hash64(save_id.encode()) if save_id else 0
     row[F_DIGEST : F_DIGEST + 2] = digest if digest is not None else record_digest(record)
     row[F_NBYTES] = len(record)

@@ -21,7 +21,10 @@ shards per record and ``P`` shared pieces after striping:
 The plan is a pipeline of pure steps, each a function below (:func:`global_plan` runs them in order):
 
 1. :func:`shard_columns` and :func:`group_keys`: the records' shards as columns, identical keys grouped
-   across classes; :func:`alone_loads` and :func:`private_bytes`: bytes no broadcast can save;
+   across classes; :func:`pipeload.plan.chunkunits.find_units` and :func:`unit_sets`: stored chunks
+   several classes need different parts of, each read once as a *chunk unit* (only when some row says a
+   box of its rank is not one stored chunk); :func:`alone_loads` and :func:`private_bytes`: bytes no
+   broadcast can save;
 2. :func:`holder_sets` (into a :class:`SetTable`), :func:`components`, :func:`in_component`: the holder
    set of each shared key and the part of the plan this rank must compute (:func:`shared_rows`);
 3. :func:`choose_readers` (affinity, then the greedy) and :func:`cut_streams`;
@@ -54,6 +57,11 @@ Rules (DESIGN.md, "Global plan"):
   member, sized to even out the members' loads (water filling). Each segment's part of a shard is a
   *piece* (a row range), read by that member and broadcast to all; so one 245 MiB embedding no longer
   sets the load's time, and each reader's reads stay contiguous;
+- **chunk units** (:mod:`pipeload.plan.chunkunits`): a unit is one more shared row, keyed (``-1 - fqn
+  index``, chunk offsets, chunk lengths), held by every class needing part of its chunk; the greedy,
+  cutting (at most one member per ``UNIT_STRIPE`` bytes of a set holding units) and batching treat it
+  as a shard, so it cannot deadlock for the reason shards cannot: its holder set is derived from data
+  every rank holds, its broadcasts sit at positions of the one order every member computes alike;
 - order: pieces sorted by (fqn index, offsets, lengths); pieces under ``batch_bytes`` join the pending
   batch of their (holder set, reader), which is sent at the position of the piece that fills it; the
   batches left at the end follow in the order of their first piece.
@@ -70,11 +78,13 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from ._greedy import assign_readers, batch_ops, cut_stream
-from .exchange import F_GROUPS, F_HOST, F_NGROUPS, Classes, Record, group_digest
+from .chunkunits import ChunkTable, Touch, encode, find_units
+from .exchange import F_FLAGS, F_GROUPS, F_HOST, F_NGROUPS, FLAG_RESHARDED, Classes, Record, group_digest
 
 ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
 STAGING_ALIGN = 64  # byte alignment of each shard inside a staging buffer (any dtype can view it)
 MIN_STRIPE = 1 << 20  # a holder set whose mean share is smaller is never cut
+UNIT_STRIPE = 32 << 20  # a set holding chunk units is cut among at most (its bytes / this) members
 FULL = 0  # set id of the whole load group
 
 
@@ -296,11 +306,14 @@ def group_keys(sh: Shards, sizes: np.ndarray) -> KeyGroups:
     return KeyGroups(order, starts, ends, holders, all_bc, ends - starts)
 
 
-def alone_loads(sh: Shards, kg: KeyGroups, cls: Classes, world: int) -> list[int]:
-    """Bytes each rank reads alone anyway: the keys only it holds (a one-rank class). These are the
+def alone_loads(sh: Shards, kg: KeyGroups, cls: Classes, world: int, skip: np.ndarray | None = None) -> list[int]:
+    """Bytes each rank reads alone anyway: the keys only it holds (a one-rank class), but the groups
+    ``skip`` marks (covered by chunk units, whose bytes the units' readers count). These are the
     starting loads of the greedy, the same on every rank."""
     loads = [0] * world
     single = kg.holders == 1
+    if skip is not None:
+        single &= ~skip
     if np.any(single):
         first = kg.order[kg.starts[single]]
         per_class = np.bincount(sh.cl[first], weights=sh.weight[first], minlength=len(cls.members))
@@ -461,6 +474,42 @@ def shared_rows(sh: Shards, kg: KeyGroups, groups: np.ndarray, sid: np.ndarray) 
                   sh.affinity[fr] if sh.affinity is not None else None)
 
 
+def unit_sets(table: SetTable, touch: Touch | None, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Step 1c: (holder set id of each unit, -1 where its set is not usable; which key groups a usable
+    unit covers). Units' sets are made first, in unit order (ascending chunk row): a pure function of
+    the units."""
+    covered = np.zeros(n_groups, dtype=bool)
+    if touch is None:
+        return np.zeros(0, dtype=np.int64), covered
+    sid = np.array([table.add(k) for k in touch.classes], dtype=np.int64)
+    ok = table.ok()[sid]
+    sid[~ok] = -1
+    covered[touch.pair_group[ok[touch.pair_unit]]] = True
+    return sid, covered
+
+
+def with_units(s: Shared, touch: Touch, mine: np.ndarray, sid: np.ndarray, ndim: np.ndarray,
+               itemsize: np.ndarray) -> Shared:
+    """The shared rows ``s`` and, after them, the units ``mine`` selects as rows keyed
+    (``-1 - index``, chunk offsets, chunk lengths) (see :mod:`pipeload.plan.chunkunits`)."""
+    pick = np.flatnonzero(mine)
+    if not len(pick):
+        return s
+    idx = touch.index[pick]
+    width = s.offsets.shape[1]
+    off, ln = touch.offsets[pick], touch.lengths[pick]
+    if off.shape[1] != width:
+        off, ln = (np.pad(a[:, :width], ((0, 0), (0, max(0, width - a.shape[1])))) for a in (off, ln))
+    nd = ndim[idx]
+    weight = itemsize[idx].astype(np.int64)
+    for d in range(width):
+        weight *= np.where(nd > d, ln[:, d], 1)
+    prefer = None if s.prefer is None else np.concatenate([s.prefer, np.full(len(pick), -1, np.int64)])
+    return Shared(np.concatenate([s.index, encode(idx)]), np.concatenate([s.offsets, off]),
+                  np.concatenate([s.lengths, ln]), np.concatenate([s.nd, nd]), np.concatenate([s.weight, weight]),
+                  np.concatenate([s.sid, sid[pick]]), prefer)
+
+
 def _preferences(s: Shared, used: list[int], total: np.ndarray, sets: dict, loads: list[int],
                  component_of: Callable[[int], int]) -> tuple[np.ndarray, np.ndarray]:
     """(prefer, cap) for :func:`pipeload.plan._greedy.assign_readers`: each row's named writer and each
@@ -516,7 +565,14 @@ def cut_streams(s: Shared, cut: list[int], sets: dict[int, HolderSet], load_arr:
     for sid in cut:
         cs = _CutSet(sid, s, np.flatnonzero(s.sid == sid))
         members = np.asarray(sets[sid].members, dtype=np.int64)
-        cs.cut(members, _water_fill(load_arr[members].tolist(), int(cs.weight.sum())))
+        total = int(cs.weight.sum())
+        if len(members) > 1 and np.any(cs.index < 0) and len(members) * UNIT_STRIPE > total:
+            # a set holding chunk units (every rank needing part of a chunk: often the whole load) is cut
+            # into pieces of about UNIT_STRIPE read by its least loaded members (ties to the lower rank):
+            # each piece is a broadcast to the whole set, and thousands of tiny ones cost more than they balance
+            k = max(1, total // UNIT_STRIPE)
+            members = np.sort(members[np.lexsort((members, load_arr[members]))[:k]])
+        cs.cut(members, _water_fill(load_arr[members].tolist(), total))
         np.add.at(load_arr, cs.reader, cs.piece_weight)
         out.append(cs)
     return out
@@ -618,6 +674,7 @@ def global_plan(
     same_host_private: bool = False,
     everything: bool = False,
     on_phase: Callable[[str], None] | None = None,
+    chunks: ChunkTable | None = None,
 ) -> GlobalPlan:
     """This rank's view of the one global plan (see the module docstring for the rules): the steps
     above, in order.
@@ -626,7 +683,8 @@ def global_plan(
     index; ``global_ranks`` maps load-group ranks to world ranks (for group digests; default identity).
     ``same_host_private``: a shard whose holders all run on one host (the rows' host word) is read by
     each of them, from the one page cache they share, instead of broadcast. ``everything``: plan every
-    component (for reporting), not only this rank's.
+    component (for reporting), not only this rank's. ``chunks``: the checkpoint's chunk table
+    (:func:`pipeload.plan.chunkunits.chunk_table`); without it no chunk unit is planned.
     """
     lap = on_phase or (lambda name: None)
     sizes = np.array([len(m) for m in cls.members], dtype=np.int64)
@@ -634,20 +692,30 @@ def global_plan(
     lap("records")
     kg = group_keys(sh, sizes)
     lap("group keys")
-    loads = alone_loads(sh, kg, cls, len(rows))
-    multi = kg.holders >= 2
+    table = SetTable(rows, cls, can_create=can_create, global_ranks=global_ranks, same_host_private=same_host_private)
+    touch = (find_units(kg.order, kg.starts, kg.ends, sh.cl, sh.index, sh.offsets, sh.lengths, sh.nd, kg.all_bc,
+                        (rows[cls.owners, F_FLAGS] & FLAG_RESHARDED) != 0, sizes, itemsize, chunks)
+             if broadcast and chunks is not None and np.any(rows[:, F_FLAGS] & FLAG_RESHARDED) else None)
+    unit_sid, covered = unit_sets(table, touch, len(kg.starts))
+    lap("chunk units")
+    loads = alone_loads(sh, kg, cls, len(rows), covered)
+    multi = (kg.holders >= 2) & ~covered
     candidates = np.flatnonzero(multi & kg.all_bc) if broadcast else np.zeros(0, dtype=np.int64)
     shut = np.flatnonzero(multi & ~kg.all_bc) if broadcast else np.flatnonzero(multi)
-    table = SetTable(rows, cls, can_create=can_create, global_ranks=global_ranks, same_host_private=same_host_private)
     sid_of = holder_sets(table, kg, sh.cl[kg.order], candidates)
     good = table.ok()[sid_of] if len(candidates) else np.zeros(0, dtype=bool)
     find = components(table)
     in_mine = good if everything else in_component(table, find, int(cls.of_rank[me]), sid_of, good)
     shared = shared_rows(sh, kg, candidates[in_mine], sid_of[in_mine])
+    if touch is not None:
+        unit_ok = unit_sid >= 0
+        mine_u = unit_ok if everything else in_component(table, find, int(cls.of_rank[me]),
+                                                         np.maximum(unit_sid, 0), unit_ok)
+        shared = with_units(shared, touch, mine_u, unit_sid, ndim, itemsize)
     extra = private_bytes(sh, kg, np.concatenate([candidates[~good], shut]), len(records))
     lap("holder sets")
     # every set some broadcast of the load uses, in any component: creating one is world-wide
-    in_use = set(sid_of[good].tolist())
+    in_use = set(sid_of[good].tolist()) | set(unit_sid[unit_sid >= 0].tolist())
     return plan_component(shared, table.sets, loads, extra[cls.of_rank] if len(rows) else extra, me,
                           component_of=lambda sid: find(table.classes[sid][0]), requested=sh.requested,
                           in_use=in_use, stripe=stripe, min_stripe=min_stripe, batch_bytes=batch_bytes, lap=lap)

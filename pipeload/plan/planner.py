@@ -22,7 +22,7 @@ import torch
 from .exchange import encode_record, padded
 from .globalplan import ShardKey
 from ._leafplan import local_of, resolve, unbind  # noqa: F401 - unbind is the planner's, compiled
-from ..formats.metadata import NAMES_OF_DTYPES, ChunkMeta, Metadata, ObjectMeta, chunk_key
+from ..formats.metadata import NAMES_OF_DTYPES, ChunkMeta, Metadata, ObjectMeta, chunk_key, torch_dtype
 from .statedict import Box, Leaf, cached_meshes, mesh_of
 
 
@@ -264,3 +264,112 @@ def piece_shard(shard: DestShard, piece: ShardKey) -> DestShard:
     dest = shard.dest.narrow(0, lo, rows)
     return DestShard(shard.fqn, piece, shard.dtype, dest.numel() * shard.dtype.itemsize, reads, dest,
                      shard.broadcastable)
+
+
+class UnitPiece:
+    """A row range of a chunk unit (:mod:`pipeload.plan.chunkunits`): one contiguous range of a stored
+    chunk its reader reads (``reads``: one ReadItem, the whole rows) and broadcasts to every rank that
+    needs part of the chunk; each member copies its boxes out of the received buffer (``outs``: its
+    destination shard, where the box starts in the piece, where in the shard, its lengths).
+
+    Holds the plan's own :class:`DestShard` objects, never a tensor: a kept plan finds the destinations
+    through them (:attr:`DestShard.dest`) when a piece is unpacked."""
+
+    __slots__ = ("fqn", "key", "dtype", "nbytes", "shape", "reads", "outs")
+
+    def __init__(self, fqn: str, key: ShardKey, dtype: torch.dtype, reads: list[ReadItem], outs: list):
+        self.fqn, self.key, self.dtype, self.reads, self.outs = fqn, key, dtype, reads, outs
+        self.shape = key[2]
+        self.nbytes = math.prod(key[2]) * dtype.itemsize
+
+    def copies(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination box, view of ``buf`` holding it) of each box this rank needs from the piece."""
+        return [(_narrow(shard.dest, dst, ln), _narrow(buf, src, ln)) for shard, src, dst, ln in self.outs]
+
+    def __repr__(self) -> str:
+        return f"UnitPiece({self.fqn!r}, {self.key}, {self.dtype}, {self.nbytes})"
+
+
+def _chunk_of(shard: DestShard, item: ReadItem) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, lengths) in the global tensor of the stored chunk ``item`` reads from."""
+    return (tuple(o + d - s for o, d, s in zip(shard.key[1], item.dest_offsets, item.src_offsets)),
+            item.chunk_lengths)
+
+
+def unit_pieces(shards: list[DestShard], pieces: dict, names: list[str],
+                dtype_of: Callable[[int], torch.dtype]) -> tuple[dict[ShardKey, UnitPiece], set, int]:
+    """This rank's chunk-unit pieces (the unit keys of a plan's ``pieces``, index ``-1 - i``) as
+    (piece key -> :class:`UnitPiece`; the stored chunks they deliver as (file, key), which the private
+    reads skip; the storage bytes this rank's boxes of those chunks would have spanned less the bytes it
+    reads for them, an estimate of what the units saved). ``dtype_of``: the stored dtype of a key index."""
+    units = {k: v for k, v in pieces.items() if k[0] < 0}
+    if not units:
+        return {}, set(), 0
+    wanted = {-1 - k[0] for k in units}
+    items: dict[tuple, list] = {}
+    for s in shards:
+        if s.key[0] in wanted:
+            for it in s.reads:
+                items.setdefault((s.key[0], *_chunk_of(s, it)), []).append((s, it))
+    out, skip, spanned = {}, set(), 0
+    for uk, pks in units.items():
+        idx = -1 - uk[0]
+        mine = items.get((idx, uk[1], uk[2]), [])
+        dtype = dtype_of(idx)
+        for s, it in mine:
+            skip.add((it.file, it.key))
+            lo, hi = _span(it.chunk_lengths, it.src_offsets, it.lengths, dtype.itemsize)
+            spanned += hi - lo
+        for pk in pks:
+            r0 = pk[1][0] - uk[1][0] if uk[1] else 0
+            rows = pk[2][0] if uk[1] else 1
+            outs = []
+            for s, it in mine:
+                a, b = max(it.src_offsets[0], r0), min(it.src_offsets[0] + it.lengths[0], r0 + rows)
+                if b > a:
+                    outs.append((s, (a - r0, *it.src_offsets[1:]),
+                                 (it.dest_offsets[0] + a - it.src_offsets[0], *it.dest_offsets[1:]),
+                                 (b - a, *it.lengths[1:])))
+            reads = []
+            if mine:
+                first = mine[0][1]
+                zero = (0,) * len(pk[2])
+                reads = [ReadItem(first.file, first.key, first.checksum, uk[2], (r0, *zero[1:]), zero, pk[2],
+                                  math.prod(pk[2]) * dtype.itemsize)]
+            out[pk] = UnitPiece(names[idx], pk, dtype, reads, outs)
+    return out, skip, spanned
+
+
+def _narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        if o != 0 or n != t.shape[dim]:
+            t = t.narrow(dim, o, n)
+    return t
+
+
+def _span(shape, offsets, lengths, itemsize) -> tuple[int, int]:
+    first = last = 0
+    stride = 1
+    for n, o, k in zip(reversed(shape), reversed(offsets), reversed(lengths)):
+        first += o * stride
+        last += (o + k - 1) * stride
+        stride *= n
+    return first * itemsize, (last + 1) * itemsize
+
+
+def resharded(shards: list[DestShard]) -> bool:
+    """Whether some shard's box is not exactly one stored chunk (the exchange row's ``FLAG_RESHARDED``).
+    A box loaded as saved keeps its chunk unbuilt (:attr:`DestShard.exact_file`): nothing is built here."""
+    for s in shards:
+        if s.exact_file is None:
+            r = s.reads
+            if len(r) != 1 or r[0].lengths != r[0].chunk_lengths:
+                return True
+    return False
+
+
+def stored_dtype(md: Metadata, fqn: str) -> torch.dtype:
+    """The dtype of tensor ``fqn`` as the plan sizes it (the stored one, or the destination's under ``cast``)."""
+    t = md.tensors
+    name = t.dtypes[t.pos[fqn]] if md.indexed else t[fqn].dtype
+    return torch_dtype(name)

@@ -151,7 +151,7 @@ def _simulate_parser(sub) -> None:
     s.add_argument("--op", choices=["load", "save", "restore"], default="load",
                    help="the planning to simulate (default load); restore: from a memory tier, one host lost")
     s.add_argument("--world", type=int, required=True, help="simulated ranks (a multiple of 8; 64 for dense-pp8)")
-    s.add_argument("--layout", required=True, choices=["dense", "dense-pp8", "moe", "fsdp"])
+    s.add_argument("--layout", required=True, choices=["dense", "dense-pp8", "moe", "fsdp", "tp-from-whole"])
     s.add_argument("--optim", action="store_true", help="add AdamW state (exp_avg, exp_avg_sq, step) per parameter")
     s.add_argument("--samples", type=int, default=3, help="ranks whose planning runs (default 3: first, middle, last)")
     s.add_argument("--no-memory", action="store_true", help="skip the second, memory-traced pass")

@@ -26,7 +26,12 @@ like it, and a host-side fp32 ``step`` scalar per parameter held by every rank):
   rank), DP = W / 8;
 - ``fsdp``: the dense model, FSDP over W / 8 ranks x TP 8: every weight ``Shard(0)`` over the FSDP
   dimension and TP-sharded as in ``dense``; norms ``Shard(0)`` over FSDP, replicated over TP
-  (``R = 1`` for weights, 8 for norms).
+  (``R = 1`` for weights, 8 for norms);
+- ``tp-from-whole``: ``dense``'s boxes loaded from a checkpoint of whole tensors (each tensor one chunk,
+  as a Hugging Face checkpoint or one saved at TP 1 stores it): the column-parallel boxes are row
+  blocks of a chunk, the row-parallel ones (``o_proj``, ``down_proj``: ``Shard(1)``) strided across a
+  whole chunk, which the plan reads once as a chunk unit (:mod:`pipeload.plan.chunkunits`). ``--format
+  hf`` stores every layout's tensors whole too.
 
 The checkpoint metadata (format 2: ``.metadata`` and the chunk index, written to a temporary directory
 by the saver's own writers) is the one the same layout would save (each distinct box one chunk). Ranks offer their
@@ -55,10 +60,10 @@ from ..formats.chunkindex import ARRAYS, build_arrays, index_file_name
 from ..formats.metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, TensorMeta, chunk_key,
                                 metadata_path, read_metadata, read_metadata_bytes)
 from ..save.saver import _write_file
-from ..plan.planner import fqn_index, local_plan, plan_record
+from ..plan.planner import fqn_index, local_plan, plan_record, resharded
 from ..plan.statedict import Box, flatten
 
-LAYOUTS = ("dense", "dense-pp8", "moe", "fsdp")
+LAYOUTS = ("dense", "dense-pp8", "moe", "fsdp", "tp-from-whole")
 SAVE_ID = "0123456789abcdef"
 GPUS_PER_HOST = 8
 
@@ -146,6 +151,7 @@ class Layout:
         if name not in LAYOUTS:
             raise ValueError(f"unknown layout {name!r} (one of {', '.join(LAYOUTS)})")
         self.name, self.world, self.tp = name, world, 8
+        self.whole = name == "tp-from-whole"  # the checkpoint stores each tensor as one chunk
         self.pp = 8 if name == "dense-pp8" else 1
         if world % (self.tp * self.pp):
             raise ValueError(f"layout {name} needs a world size divisible by {self.tp * self.pp}")
@@ -224,8 +230,8 @@ class Layout:
                 b = self.box(t, r)
                 if b is not None and math.prod(b[1]) > 0 and b not in seen:
                     seen[b] = r
-            if not seen:  # zero-size everywhere: one empty chunk
-                seen[((0,) * len(t.shape), t.shape)] = 0
+            if not seen or self.whole:  # zero-size everywhere (or stored whole): one chunk
+                seen = {((0,) * len(t.shape), t.shape): min(seen.values(), default=0)}
             chunks = []
             for (o, n), r in sorted(seen.items()):
                 f = f"data-{SAVE_ID}-{r:05d}.safetensors"
@@ -243,6 +249,10 @@ class Layout:
         with open(os.path.join(directory, METADATA_FILE), "w") as f:
             f.write(md.to_json_v2(index))
         return sum(os.path.getsize(os.path.join(directory, n)) for n in (index, METADATA_FILE))
+
+    def resharded(self, rank: int) -> bool:
+        """Whether some box of ``rank`` is not one stored chunk (its row's ``FLAG_RESHARDED``)."""
+        return self.whole and any(ln != t.shape for t, _, ln in self.boxes(rank))
 
     def record(self, rank: int, width: int, affinity: bool = False) -> bytes:
         """The record ``rank`` would send, encoded from its boxes by the loader's own encoder; ``affinity``:
@@ -482,7 +492,8 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
         groups = layout.group_digests(rank, {})
         gp = exchange_and_plan(ex, rank, layout.world, md, names, record, [], groups, directory="<simulated>",
                                broadcast=True, batch_bytes=6 << 20, can_create=True, clock=phases,
-                               on_phase=lambda name: phases.lap(f"global plan: {name}"))
+                               on_phase=lambda name: phases.lap(f"global plan: {name}"),
+                               resharded=resharded(plan.shards))
         phases.lap("global plan")
     return gp, ex, len(plan.shards)
 
@@ -500,10 +511,12 @@ def _world_rows(lay: Layout, width: int, dcp_writers: bool = False,
     digest_of = {k: record_digest(rec) for k, rec in rec_of.items()}
     group_cache: dict = {}
     host = [hash64(f"host-{r // GPUS_PER_HOST}".encode()) for r in range(0, world, GPUS_PER_HOST)]
+    moved = {k: lay.resharded(r) for k, r in rep.items()}
     rows = np.zeros((world, 16), dtype=np.int64)
     for r in range(world):
         rows[r] = make_row(record=rec_of[keys[r]], save_id=save_id, problems=False, host=host[r // GPUS_PER_HOST],
-                           groups=lay.group_digests(r, group_cache), digest=digest_of[keys[r]])
+                           groups=lay.group_digests(r, group_cache), digest=digest_of[keys[r]],
+                           resharded=moved[keys[r]])
     cls = classes(rows)
     return rows, cls, [rec_of[keys[int(o)]] for o in cls.owners]
 
@@ -539,6 +552,7 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     log = log or (lambda m: None)
     t0 = time.perf_counter()
     lay = Layout(layout, world, optim)
+    lay.whole = lay.whole or format == "hf"
     tmp = tempfile.TemporaryDirectory(prefix="pipeload-simulate-")
     directory = tmp.name
     foreign = None
@@ -569,7 +583,8 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     os.environ["PIPELOAD_HOST_ID"] = f"host-{sampled[0] // GPUS_PER_HOST}"
     gp = exchange_and_plan(ex, sampled[0], world, md, list(fqn_index(md)), records[int(cls.of_rank[sampled[0]])], [],
                            lay.group_digests(sampled[0], {}), directory="<simulated>", broadcast=True,
-                           batch_bytes=6 << 20, can_create=True, everything=True)
+                           batch_bytes=6 << 20, can_create=True, everything=True,
+                           resharded=lay.resharded(sampled[0]))
     loads = np.asarray(gp.loads, dtype=np.float64)
     mean = loads.mean() if len(loads) else 0.0
     views = [r.pop("gp") for r in results]
@@ -591,6 +606,7 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
         "reader_balance": float(loads.max() / mean) if mean else 1.0,
         "reader_balance_bound": float(max(gp.bound, mean) / mean) if mean else 1.0,
         "groups_created": len(gp.creates),
+        "unit_tensors": len({k[0] for k in gp.readers if k[0] < 0}),
         "broadcasts_per_rank": max(len(r["ops"]) for r in results),
         "plans_identical": bool(identical),
         "exchange_path": results[0]["path"],
@@ -640,6 +656,8 @@ def format_result(res: dict[str, Any]) -> str:
         f"received {res['exchange_bytes_received'] / 1e6:.3f} MB per rank",
         f"  reader balance      {res['reader_balance']:.3f} (max/mean; bound {res['reader_balance_bound']:.3f})",
         f"  groups created      {res['groups_created']}",
+        *([f"  chunk units         {res['unit_tensors']} tensors read once as whole chunks"]
+          if res.get("unit_tensors") else []),
         f"  broadcasts per rank {res['broadcasts_per_rank']}",
         f"  plans identical     {res['plans_identical']}",
         f"  exchange path       {res['exchange_path']}",

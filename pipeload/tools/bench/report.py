@@ -88,8 +88,12 @@ def check_targets(rows: list[dict[str, Any]], dp: int, format: str = "pipeload",
         if t_pl and t_st:
             speed = t_st["wall"] / t_pl["wall"]
             add("throttled, HF layout: plain safetensors / pipeload (speed-up)", speed, speed >= 1.8, ">= 1.8")
-        if t_pl:
-            add("throttled, HF layout: pipeload read amplification", t_pl["read_amp"], None, "report")
+        if t_pl:  # whole tensors into TP: Shard(1) boxes come from chunk units, each stored byte read once
+            add("throttled, HF layout: pipeload read amplification", t_pl["read_amp"], t_pl["read_amp"] <= 1.05,
+                "<= 1.05")
+            if t_pl["vs_floor"] is not None:
+                add("throttled, HF layout: pipeload / floor (reading the files once)", t_pl["vs_floor"],
+                    t_pl["vs_floor"] <= 1.10, "<= 1.10")
         return out
 
     t_pl, t_dcp = get.get(("throttled", "pipeload")), get.get(("throttled", "dcp"))
