@@ -46,7 +46,8 @@ from ..formats.metadata import Metadata
 from ..plan.chunkunits import chunk_table
 from ..plan.planner import (Binding, fqn_index, local_plan, piece_shard, plan_record, resharded, stored_dtype, unbind,
                             unit_pieces)
-from ..io.reader import ChunkReader, box_span
+from ..formats.chunks import box_span
+from ..io.reader import ChunkReader
 from ..save.saver import data_file_name
 from .scheduler import Counters, SharedPhase, read_private
 from ..plan.statedict import Leaf, check_top, flatten, mesh_groups, meshes_of

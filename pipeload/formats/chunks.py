@@ -131,3 +131,14 @@ def _any_overlap(boxes: Boxes) -> bool:
 def chunk_key(fqn: str, offsets: tuple[int, ...], whole: bool) -> str:
     """The safetensors tensor name of a chunk: the fqn for a whole tensor, ``fqn@o0,o1,...`` otherwise."""
     return fqn if whole else f"{fqn}@{','.join(map(str, offsets))}"
+
+
+def box_span(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], itemsize: int):
+    """Byte range [lo, hi) of a C-contiguous tensor of ``shape`` that holds the box (offsets, lengths)."""
+    first = last = 0
+    stride = 1
+    for n, o, k in zip(reversed(shape), reversed(offsets), reversed(lengths)):
+        first += o * stride
+        last += (o + k - 1) * stride
+        stride *= n
+    return first * itemsize, (last + 1) * itemsize

@@ -20,6 +20,7 @@ from ._fastio import FileCache, SafetensorsFile, guarded_copy
 from .checksum import hasher
 from ..errors import ChecksumError, CheckpointFormatError, ReadError
 from ..formats.metadata import _DTYPE_NAMES as _STORED  # safetensors dtype name -> torch dtype
+from ..formats.chunks import box_span
 from ..formats.metadata import ObjectMeta, dtype_name, resolve_inside
 from ..plan.planner import ReadItem
 from . import storage
@@ -31,17 +32,6 @@ def narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) 
         if o != 0 or n != t.shape[dim]:
             t = t.narrow(dim, o, n)
     return t
-
-
-def box_span(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], itemsize: int):
-    """Byte range [lo, hi) of a C-contiguous tensor of ``shape`` that holds the box (offsets, lengths)."""
-    first = last = 0
-    stride = 1
-    for n, o, k in zip(reversed(shape), reversed(offsets), reversed(lengths)):
-        first += o * stride
-        last += (o + k - 1) * stride
-        stride *= n
-    return first * itemsize, (last + 1) * itemsize
 
 
 _MERGE_GAP = 1 << 20  # prefetch ranges closer than this are requested as one

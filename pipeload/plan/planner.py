@@ -22,6 +22,7 @@ import torch
 from .exchange import encode_record, padded
 from .globalplan import ShardKey
 from ._leafplan import local_of, resolve, unbind  # noqa: F401 - unbind is the planner's, compiled
+from ..formats.chunks import box_span
 from ..formats.metadata import NAMES_OF_DTYPES, ChunkMeta, Metadata, ObjectMeta, chunk_key, torch_dtype
 from .statedict import Box, Leaf, cached_meshes, mesh_of
 
@@ -318,7 +319,7 @@ def unit_pieces(shards: list[DestShard], pieces: dict, names: list[str],
         dtype = dtype_of(idx)
         for s, it in mine:
             skip.add((it.file, it.key))
-            lo, hi = _span(it.chunk_lengths, it.src_offsets, it.lengths, dtype.itemsize)
+            lo, hi = box_span(it.chunk_lengths, it.src_offsets, it.lengths, dtype.itemsize)
             spanned += hi - lo
         for pk in pks:
             r0 = pk[1][0] - uk[1][0] if uk[1] else 0
@@ -345,16 +346,6 @@ def _narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...])
         if o != 0 or n != t.shape[dim]:
             t = t.narrow(dim, o, n)
     return t
-
-
-def _span(shape, offsets, lengths, itemsize) -> tuple[int, int]:
-    first = last = 0
-    stride = 1
-    for n, o, k in zip(reversed(shape), reversed(offsets), reversed(lengths)):
-        first += o * stride
-        last += (o + k - 1) * stride
-        stride *= n
-    return first * itemsize, (last + 1) * itemsize
 
 
 def resharded(shards: list[DestShard]) -> bool:
