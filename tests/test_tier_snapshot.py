@@ -102,6 +102,7 @@ def _placement_cases(rank: int, world: int, base: str, tier: MemoryTier, sd: dic
     _fill(sd, 99)  # after the call: the snapshot holds step 11's values
     h.wait(60)
     out["blocked"] = h.blocked_seconds
+    out["replica_bytes"] = h.stats.replica_bytes  # "norm" (replicated): staged by one rank, received by three
     dist.barrier()
     assert tier.steps() == [11], tier.steps()  # keep=1: step 10 dropped after 11 completed everywhere
     mine = tf.list_steps(tier.root, "t")[11]
@@ -208,13 +209,29 @@ def _measure_case(rank: int, world: int, base: str, tier: MemoryTier, sd: dict, 
     assert tier.steps() == [51]
 
 
+def _split_refused_case(rank: int, world: int, base: str, tier: MemoryTier, sd: dict, out: dict) -> None:
+    """Ranks that disagree on a replicated shard (rank 3 lacks "norm"): the check words differ, so no
+    rank leaves its replica to another: each stages and writes its own, exact."""
+    _fill(sd, 60)
+    mine = {k: v for k, v in sd.items() if not (rank == 3 and k == "norm")}
+    h = pipeload.save(mine, tier, step=60, background=True)
+    _fill(sd, 98)
+    h.wait(60)
+    assert h.stats.replica_bytes == 0
+    got = load_file(tf.rank_file(tier.root, 60, rank))
+    assert ("norm" in got) == (rank != 3) and torch.equal(got["big"], torch.full((BIG // 4,), 60000.0 + rank))
+    if rank != 3:
+        assert torch.equal(got["norm"], torch.full((4,), 60.0))
+
+
 def world4_tier(rank: int, world: int, base: str) -> dict:
     transport.CHUNK = 1 << 20  # several messages per copy
     tier = MemoryTier(_root(base, rank), job="t")
     sd = _state(world)
     out: dict = {"took": {}}
     for name, case in (("placement", _placement_cases), ("cleanup", _cleanup_cases), ("refusals", _refusal_cases),
-                       ("write error", _write_error_case), ("measure", _measure_case), ("damage", _damage_case)):
+                       ("write error", _write_error_case), ("measure", _measure_case), ("split refused", _split_refused_case),
+                       ("damage", _damage_case)):
         t0 = time.monotonic()
         case(rank, world, base, tier, sd, out)
         out["took"][name] = round(time.monotonic() - t0, 2)
@@ -226,6 +243,7 @@ def world4_tier(rank: int, world: int, base: str) -> dict:
 def test_tier_snapshot_world4(tmp_path):
     res = run_world(world4_tier, 4, str(tmp_path), timeout=120, pg_timeout=40, separate_hosts=True)
     assert all("rank(s) 1:" in r["write_error"] for r in res)
+    assert sorted(r["replica_bytes"] for r in res) == [0, 16, 16, 16], [r["replica_bytes"] for r in res]
 
 
 def test_placement_rule():

@@ -121,7 +121,7 @@ def offer(comm, state_dict: dict) -> Offer | None:
     payload: dict[str, Any] = {}
     try:
         for fqn in e.objects:
-            payload[fqn] = _encode_again(e, fqn, values[e.positions[fqn]])
+            payload[fqn] = encode_again(e.encoded, fqn, values[e.positions[fqn]])
     except ValueError:
         return None  # the full path reports it, naming the key
     _cache.move_to_end(_key(comm))
@@ -131,8 +131,9 @@ def offer(comm, state_dict: dict) -> Offer | None:
 OBJECT_MEMO_BYTES = 1 << 20  # an object pickling to more is re-encoded at every save, not remembered
 
 
-def _encode_again(e: Entry, fqn: str, value: Any) -> bytes:
-    """``encode_object(value)``; the previous save's bytes when ``value`` pickles as it did then.
+def encode_again(memo: dict[str, tuple[bytes, bytes]], fqn: str, value: Any) -> bytes:
+    """``encode_object(value)``; the previous save's bytes when ``value`` pickles as it did then
+    (``memo``: fqn -> (pickle, encoded bytes) of the previous save, updated here).
 
     Equal pickles are equal values with the same classes: the bytes and the safety check of the
     previous encoding hold for this one (a ``torch.save`` round trip costs ~0.5 ms an object).
@@ -143,12 +144,12 @@ def _encode_again(e: Entry, fqn: str, value: Any) -> bytes:
         now = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - encode_object says what is wrong with it
         now = None
-    kept = e.encoded.get(fqn)
+    kept = memo.get(fqn)
     if now is not None and kept is not None and kept[0] == now:
         return kept[1]
     data = encode_object(value)
     if now is not None and len(now) <= OBJECT_MEMO_BYTES:
-        e.encoded[fqn] = (now, data)
+        memo[fqn] = (now, data)
     return data
 
 

@@ -119,8 +119,9 @@ class LocalRecord:
         return record_digest(self.names + self.record)
 
 
-def local_record(leaves, box_of: Callable | None = None) -> LocalRecord:
+def local_record(leaves, box_of: Callable | None = None, encode: bool = True) -> LocalRecord:
     """This rank's :class:`LocalRecord` from its flattened state dict; problems collected, not raised.
+    ``encode=False`` leaves out what only travels (``names``, ``record``, ``objects_word``).
 
     ``box_of(fqn, value, cache)`` resolves a tensor's box (default :func:`tensor_box`; the simulation
     passes the boxes of its virtual meshes).
@@ -154,10 +155,12 @@ def local_record(leaves, box_of: Callable | None = None) -> LocalRecord:
                 continue
             payload[fqn] = data
             entries.append((fqn, KIND_OBJECT, "U8", ()))
-            sums.append((fqn, checksum(data)))
+            if encode:
+                sums.append((fqn, checksum(data)))
     shards = [(i, *held[e[0]]) for i, e in enumerate(entries) if e[1] == KIND_TENSOR]
-    rec = LocalRecord(entries, shards, payload, problems).encode()
-    rec.objects_word = objects_word(sums)
+    rec = LocalRecord(entries, shards, payload, problems)
+    if encode:
+        rec.encode().objects_word = objects_word(sums)
     return rec
 
 

@@ -10,9 +10,13 @@ Order of a snapshot (every rank of the world; the collectives in this order on e
    anything is written; otherwise every rank derives the same placement
    (:func:`pipeload.tier.placement.place`) and the tier's own gloo group is created or reused, by every
    rank alike (:func:`pipeload.save.background.own_comm`: the background save's own group).
+   A later snapshot of the same layout reuses what the first derived (:class:`_Kept`, matched by the
+   state dict's signature), so the caller's thread does no per-leaf planning.
 2. ``background=True``: the state is copied into the tier's staging (a
-   :class:`pipeload.save.background.StagingPool` of its own, kept between snapshots), the group's worker
-   thread takes over and the caller gets a :class:`pipeload.SaveHandle`. Blocking: the caller's thread goes on.
+   :class:`pipeload.save.background.StagingPool` of its own, kept between snapshots) — a replicated
+   DTensor shard by one rank of its replica group only (:mod:`.snapshare`; the others receive it in
+   the worker) — the group's worker thread takes over and the caller gets a :class:`pipeload.SaveHandle`.
+   Blocking: the caller's thread goes on.
 3. **The write** (:func:`_work`, on the own group only): each host's lowest rank prepares its root —
    claims it for the job, removes unfinished step directories and any step ``>= N`` (a job that went
    back to an older step abandons those) — then one gather of (failed, file size) per rank; then every
@@ -48,13 +52,16 @@ from ..plan.exchange import hash64, host_id
 from ..plan.statedict import flatten
 from ..save import background as bg
 from ..save import saveplan
-from . import MemoryTier, format as tf, transport
+from ..plan._leafplan import local_of, match
+from ..plan.plancache import leaf_positions, signature
+from ..plan.statedict import check_top, is_container
+from ..save.savecache import encode_again
+from . import MemoryTier, format as tf, snapshare, transport
 from .placement import Placement, place
 
 MAX_STEP = 10**12 - 1  # step directories carry 12 digits
 
 _pools: dict[tuple[int, ...], bg.StagingPool] = {}  # the tier's staging per group, apart from directory saves'
-_layouts: dict[tuple, bg.Layout] = {}  # staging layout per state dict signature (few: one per model)
 
 
 @dataclass
@@ -69,6 +76,7 @@ class SnapshotStats:
     copies_written: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    replica_bytes: int = 0  # replicated shards received from the rank that staged them
     seconds: float = 0.0
     blocked_seconds: float = 0.0
 
@@ -81,6 +89,9 @@ class _Local:
         self.objects: dict[str, bytes] = {}
         self.problems: list[str] = []  # the state dict's (StateDictError)
         self.root_problem: str | None = None
+        self.split = snapshare.NONE  # the replicated shards it stages for others / receives (background)
+        self.memo: dict = {}  # staging items and layouts, kept with the snapshot layout (_Kept)
+        self.staged: tuple | None = None  # (items, sizes, layout, views()) until the worker points at them
 
 
 def check_step(step: Any) -> int:
@@ -91,14 +102,23 @@ def check_step(step: Any) -> int:
     return step
 
 
-def _local(state_dict: dict, tier: MemoryTier, contended: str | None) -> _Local:
-    """What this rank snapshots, and what stops it (collected, never raised: every rank raises together)."""
+def _local(state_dict: dict, tier: MemoryTier, contended: str | None, comm: Comm) -> _Local:
+    """What this rank snapshots, and what stops it (collected, never raised: every rank raises together).
+
+    A job snapshots one layout over and over: the first snapshot on a group keeps what it derived from
+    the state dict (:class:`_Kept`); a later one whose state dict matches the kept signature binds the
+    kept fqns, boxes and staging split to its values, walking the state dict once (no record is built)."""
     out = _Local()
     if contended:
         out.problems.append(contended)
         return out
+    problem = tf.tier_problem(tier.root, tier.job)
+    out.root_problem = f"{problem}; remove it or give this job a root of its own" if problem else None
+    if _reuse(state_dict, comm, out):
+        return out
     try:
-        rec = saveplan.local_record(flatten(state_dict))
+        leaves = flatten(state_dict)
+        rec = saveplan.local_record(leaves, encode=False)
     except Exception as e:  # noqa: BLE001 - raised on every rank after the gather
         out.problems.append(f"{type(e).__name__}: {e}")
         return out
@@ -109,19 +129,74 @@ def _local(state_dict: dict, tier: MemoryTier, contended: str | None) -> _Local:
             out.tensors[name] = (rec.payload[name], tuple(shape), tuple(boxes[pos][0]))
         else:
             out.objects[name] = rec.payload[name]
-    problem = tf.tier_problem(tier.root, tier.job)
-    out.root_problem = f"{problem}; remove it or give this job a root of its own" if problem else None
+    if not out.problems:
+        out.split = snapshare.split({f: leaves[f].value for f in out.tensors}, out.tensors, comm.rank)
+        _keep(state_dict, leaves, comm, out)
     return out
 
 
-_ROW = 8  # flags, host, root, step, replicas, keep, job, (unused)
+@dataclass
+class _Kept:
+    """One rank's snapshot layout on one group, without the state dict: the signature it was derived
+    from, each tensor's (fqn, leaf position, global shape, offsets), each object's (fqn, position), the
+    staging split, and the objects' last encodings (re-used while an object pickles alike)."""
+
+    pg: Any
+    signature: tuple
+    tensors: list
+    objects: list
+    split: snapshare.Split
+    encoded: dict
+    memo: dict
 
 
-def _check_rows(comm: Comm, tier: MemoryTier, step: int, local: _Local, what: str) -> Placement:
-    """The input gather on the caller's group: every rank raises the same error, or gets the placement."""
+_kept: dict[tuple[int, ...], _Kept] = {}
+
+
+def _keep(state_dict: dict, leaves: dict, comm: Comm, local: _Local) -> None:
+    try:
+        sig = signature(state_dict)[0]
+    except Exception:  # noqa: BLE001 - nothing kept: the next snapshot derives it again
+        return
+    fqns = sorted(local.tensors) + sorted(local.objects)
+    at = dict(zip(fqns, leaf_positions(leaves, fqns)))
+    tensors = [(f, at[f], shape, offsets) for f, (_, shape, offsets) in sorted(local.tensors.items())]
+    if len(_kept) >= 4:
+        _kept.clear()
+    _kept[tuple(comm.global_ranks)] = _Kept(comm.pg, sig, tensors, [(f, at[f]) for f in sorted(local.objects)],
+                                            local.split, {}, local.memo)
+
+
+def _reuse(state_dict: dict, comm: Comm, out: _Local) -> bool:
+    """Fill ``out`` from the kept layout when ``state_dict`` still matches it; False otherwise (the full
+    path then reports whatever changed, naming the key)."""
+    k = _kept.get(tuple(comm.global_ranks))
+    if k is None or k.pg is not comm.pg:
+        return False
+    try:
+        check_top(state_dict)
+        found = match(state_dict, is_container, *k.signature)
+        if found is None:
+            return False
+        values = found[0]
+        out.objects = {f: encode_again(k.encoded, f, values[pos]) for f, pos in k.objects}
+    except Exception:  # noqa: BLE001 - an object that no longer pickles safely, a leaf that cannot be read
+        out.objects = {}
+        return False
+    out.tensors = {f: (local_of(values[pos]), shape, offsets) for f, pos, shape, offsets in k.tensors}
+    out.split, out.memo = k.split, k.memo
+    return True
+
+
+def _check_rows(comm: Comm, tier: MemoryTier, step: int, local: _Local, background: bool, what: str) -> Placement:
+    """The input gather on the caller's group: every rank raises the same error, or gets the placement.
+
+    Row: flags, host, root, step, replicas, keep, job, background, and the staging split's two check
+    words (:mod:`.snapshare`): the split is used only when every rank snapshots in the background and
+    the words agree; otherwise every rank stages (or writes) everything it holds itself."""
     flags = (1 if local.problems else 0) | (2 if local.root_problem else 0)
     row = np.array([flags, host_id(), hash64(tier.root.encode()), step, tier.replicas, tier.keep,
-                    hash64(tier.job.encode()), 0], dtype=np.int64)
+                    hash64(tier.job.encode()), int(background), *local.split.words], dtype=np.int64)
     rows = comm.gather_rows(row, what, "all-gather of snapshot rows")
     if rows[:, 0].any():
         texts = comm.all_gather_object((local.problems, local.root_problem), what)
@@ -140,6 +215,8 @@ def _check_rows(comm: Comm, tier: MemoryTier, step: int, local: _Local, what: st
         if first[1] != rows[r, 2]:
             raise PipeloadError(f"{what}: ranks {first[0]} and {r} share a host but pass different tier roots; "
                                 f"the ranks of a host must share its root")
+    if not (rows[:, 7].all() and snapshare.consistent(rows, 8, 9)):
+        local.split = snapshare.NONE
     return place(rows[:, 1].tolist(), tier.replicas)
 
 
@@ -157,8 +234,8 @@ def save(state_dict: dict, tier: MemoryTier, step: Any, comm: Comm, background: 
     t0 = time.perf_counter()
     with paused_gc(), Guard() as guard:
         contended = guard.enter_sync(comm, comm.size > 1, what, comm.timeout.total_seconds())
-        local = _local(state_dict, tier, contended)
-        placement = _check_rows(comm, tier, step, local, what)
+        local = _local(state_dict, tier, contended, comm)
+        placement = _check_rows(comm, tier, step, local, background, what)
         own = bg.own_comm(comm)  # every rank passed the gather: all create it here, or all reuse it
         stats = SnapshotStats(step=step)
         if background:
@@ -195,25 +272,60 @@ def _start_background(local: _Local, tier: MemoryTier, step: int, comm: Comm, ow
 
 
 def _stage(local: _Local, comm: Comm, handle: bg.SaveHandle) -> None:
-    """Replace ``local``'s tensors by copies in the tier's staging (the caller may then change them)."""
-    items = [(fqn, str(t.dtype), tuple(t.shape), t) for fqn, (t, _, _) in sorted(local.tensors.items())]
-    sizes = bg.sizes_of(items)
-    key = tuple((k, d, s, str(v.device)) for k, d, s, v in items)
-    layout = _layouts.get(key)
-    if layout is None:
-        if len(_layouts) > 8:
-            _layouts.clear()
-        layout = _layouts[key] = bg.Layout(items, sizes, 0)
+    """Copy ``local``'s tensors into the tier's staging (the caller may then change them), except the
+    replicated shards another rank stages for this one (:mod:`.snapshare`): those get buffers of their
+    own in the worker. ``local`` is pointed at the copies by the worker (:func:`_use_staging`)."""
+    items, sizes, layout = _items(local, "staged", lambda fqn: fqn not in local.split.received)
     pool = _pools.setdefault(bg.group_key(comm), bg.StagingPool())
     allocations = pool.allocations
-    views = bg.stage(items, sizes, layout, pool)()
-    for (fqn, _, shape, _), (_, _, _, copy) in zip(items, views):
-        _, gshape, offsets = local.tensors[fqn]
-        local.tensors[fqn] = (copy.view(shape), gshape, offsets)
+    local.staged = (items, sizes, layout, bg.stage(items, sizes, layout, pool))
     handle.owned_bytes = sum(sizes) + sum(len(b) for b in local.objects.values())
     handle.staged_bytes = layout.staged
     handle.staging_allocations = pool.allocations - allocations
     handle.staging_held = pool.nbytes()
+
+
+def _items(local: _Local, kind: str, keep) -> tuple[list[tuple], list[int], bg.Layout]:
+    """(staging items ``(fqn, dtype, shape, tensor)`` of the tensors ``keep`` selects, their sizes, their
+    layout); what depends only on the layout is remembered with the kept snapshot layout (``memo``)."""
+    key = (kind, bool(local.split.recvs or local.split.sends))
+    got = local.memo.get(key)
+    if got is None:
+        names = [f for f in sorted(local.tensors) if keep(f)]
+        heads = [(f, str(t.dtype), tuple(t.shape)) for f in names for t in (local.tensors[f][0],)]
+        items = [(*h, local.tensors[h[0]][0]) for h in heads]
+        sizes = bg.sizes_of(items)
+        got = local.memo[key] = (heads, sizes, bg.Layout(items, sizes, 0))
+    heads, sizes, layout = got
+    return [(*h, local.tensors[h[0]][0]) for h in heads], sizes, layout
+
+
+def _point_at(local: _Local, items: list[tuple], views: list[tuple]) -> None:
+    """``local``'s tensors of ``items`` replaced by their (1-D) staged ``views``, shaped."""
+    for (fqn, _, shape, _), (_, _, _, copy) in zip(items, views):
+        _, gshape, offsets = local.tensors[fqn]
+        local.tensors[fqn] = (copy.view(shape), gshape, offsets)
+
+
+def _use_staging(local: _Local, own: Comm) -> None:
+    """In the worker: point ``local`` at the staged copies, and give the shards this rank receives from
+    their stagers buffers of the tier's own (kept between snapshots). The caller's tensors are never
+    written, nor read after the caller got its handle."""
+    if local.staged is not None:
+        items, _, _, views = local.staged
+        _point_at(local, items, views())
+        local.staged = None
+    names = local.split.received
+    if not names:
+        return
+    items, sizes, layout = _items(local, "received", names.__contains__)
+    pool = _pools.setdefault(("received", *bg.group_key(own)), bg.StagingPool())
+    buffers = {kind: pool.take(kind, n) for kind, n in layout.ends.items() if n}
+    views = list(items)
+    for s, span in enumerate(layout.spans):
+        for i, d in zip(span[3], layout.regions(buffers, s, sizes)):
+            views[i] = (*items[i][:3], d)
+    _point_at(local, items, views)
 
 
 def _work(own: Comm, tier: MemoryTier, step: int, placement: Placement, local: _Local, error: str | None,
@@ -223,6 +335,9 @@ def _work(own: Comm, tier: MemoryTier, step: int, placement: Placement, local: _
     host = placement.host_of[me]
     lowest = placement.hosts[host][0] == me
     parts: list[memoryview] = []
+    _use_staging(local, own)
+    if local.split.sends or local.split.recvs:  # every rank of a replica group takes part, failed or not
+        stats.replica_bytes = snapshare.transfer(own, local.split, local.tensors, me, what)
     if error is None:
         try:
             head, views, _owners = tf.encode(step, me, world, tier.job, local.tensors, local.objects)

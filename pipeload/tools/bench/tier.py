@@ -75,7 +75,8 @@ def _restores(r, cfg: TierBenchConfig, step: int) -> dict[str, list]:
     runs: dict[str, list] = {"persistent load": [], "tier restore": []}
     throttle = cfg.throttle or {}
     for i in range(cfg.repeats):
-        pipeload.save(r["sd"], r["tier"], step=step + i)  # (copies of the lost host's files again)
+        # in the background (replicated shards staged by one rank each): the restores check its values
+        pipeload.save(r["sd"], r["tier"], step=step + i, background=True).wait()
         _wipe(r["tier"].root, r["rank"] == cfg.lost)
         for name in ("persistent load", "tier restore"):
             _zero(r["dest"])
