@@ -141,6 +141,7 @@ class ChunkIndex:
         self._max_rows: list[int] = []
         self._shapes: list | None = None
         self._lists: tuple | None = None
+        self._whole: list[int] | None = None
 
     def close(self) -> None:
         if self._file is not None:
@@ -233,8 +234,31 @@ class ChunkIndex:
                   & (files >= 0) & (files < self.n_files))
         return np.where(found, lo, -1)
 
+    def _whole_rows(self) -> list[int]:
+        """Per tensor, the row of its one chunk when that chunk is the whole tensor and names a listed file
+        (whole-tensor layouts: Hugging Face files, anything saved unsharded), else -1: one vectorised
+        check of the table instead of one per box (offsets, lengths and shape are zero-padded alike)."""
+        if self._whole is None:
+            a = self.a
+            start = a["chunk_start"]
+            ok = np.diff(start) == 1
+            rows = np.where(ok, start[:-1], 0)
+            if len(a["chunk_file"]):
+                f = a["chunk_file"][rows]
+                ok &= ((a["chunk_offsets"][rows] == 0).all(axis=1) & (a["chunk_lengths"][rows] == a["shape"]).all(axis=1)
+                       & (f >= 0) & (f < self.n_files))
+            self._whole = np.where(ok, rows, -1).tolist()
+            self._whole_file = a["chunk_file"][rows].tolist() if len(a["chunk_file"]) else []
+            self._whole_sum = a["chunk_checksum"][rows].tolist() if len(a["chunk_file"]) else []
+        return self._whole
+
     def overlapping(self, i: int, fqn: str, ndim: int, files: list[str], offsets, lengths) -> list:
         """The chunks of tensor ``i`` that overlap the box; they must cover it exactly."""
+        if ndim and self._whole_rows()[i] >= 0:  # one whole chunk: it covers any non-empty box inside the shape
+            shape = self.shape(i, ndim)
+            if all(n > 0 and 0 <= o and o + n <= d for o, n, d in zip(offsets, lengths, shape)):
+                return [ChunkMeta((0,) * ndim, shape, files[self._whole_file[i]], chunk_key(fqn, (0,) * ndim, True),
+                                  f"{self._whole_sum[i]:016x}" if self.checksums else "")]
         if self._starts is None:
             self._starts = self.a["chunk_start"].tolist()
             self._max_rows = self.a["max_rows"].tolist()

@@ -147,6 +147,8 @@ def _intersect(chunk: ChunkMeta, offsets, lengths) -> tuple | None:
     if chunk.offsets == offsets and chunk.lengths == lengths:  # same layout as saved: the usual case
         zero = (0,) * len(offsets)
         return zero, zero, lengths
+    if not any(chunk.offsets) and all(0 <= o and 0 < n and o + n <= c for o, n, c in zip(offsets, lengths, chunk.lengths)):
+        return tuple(offsets), (0,) * len(offsets), tuple(lengths)  # a box inside a whole stored tensor
     lo = [max(a, b) for a, b in zip(chunk.offsets, offsets)]
     hi = [min(a + n, b + m) for a, n, b, m in zip(chunk.offsets, chunk.lengths, offsets, lengths)]
     if any(h <= l for l, h in zip(lo, hi)):
