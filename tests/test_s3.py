@@ -370,6 +370,46 @@ def test_object_parts_views_and_header(s3, tmp_path):
     assert torch.equal(out, t[(2 << 20) - 5: (2 << 20) + 5])
 
 
+def test_object_opened_from_a_recorded_header(s3, tmp_path):
+    """An object opened from the header bytes another rank read (the HF table's ``file_header``): no GET
+    to open it, the same entries, the same verdict as ``_fastio.read_header`` on a bad header, and a
+    replaced object failing its first read by name."""
+    from safetensors.torch import save_file
+
+    from pipeload.errors import HeaderError, ReadError
+    from pipeload.io import storage
+    from pipeload.io._fastio import read_header
+
+    server, proxy = s3
+    path, url = str(tmp_path / "x.safetensors"), "s3://clean/shared/x.safetensors"
+    save_file({"t": torch.arange(1000, dtype=torch.int32), "u": torch.ones(3)}, path)
+    server.client().upload_file(path, "clean", "shared/x.safetensors")
+    storage.configure(url, LocalS3.options(proxy.url(1)))
+    storage.snapshot("s3://clean/shared")
+    header, (size, etag, head) = storage.read_object_header(url)
+    proxy.clear()
+    f = storage.open_safetensors(url, size=size, etag=etag, header=head)
+    assert proxy.requests("GET") == [] and {**f.header, "__metadata__": f.metadata} == header
+    assert f.data_offset == len(head) and torch.equal(torch.frombuffer(bytearray(f.buffer("u")), dtype=torch.float32),
+                                                      torch.ones(3))
+    bad = head.replace(b'"shape":[3]', b'"shape":[4]')  # same length, 16 bytes said for 12 stored
+    assert bad != head
+    with open(path, "r+b") as w:
+        w.write(bad)
+    with pytest.raises(HeaderError) as local:
+        read_header(path)
+    with pytest.raises(HeaderError) as remote:
+        storage.open_safetensors(url, size=size, etag=etag, header=bad)
+    assert str(remote.value).replace(url, "F") == str(local.value).replace(path, "F")
+    with pytest.raises(HeaderError, match="truncated"):
+        storage.open_safetensors(url, size=size, etag=etag, header=head[:-1])
+    server.client().put_object(Bucket="clean", Key="shared/x.safetensors", Body=open(path, "rb").read())
+    g = storage.open_safetensors(url, size=size, etag=etag, header=head)  # rank 0's version: no GET yet
+    with pytest.raises(ReadError, match="replaced") as e:
+        g.buffer("t")
+    assert url in str(e.value)
+
+
 @pytest.mark.asyncio
 async def test_s3_load_async(s3, tmp_path):
     """load_async from s3:// inside a running loop (asyncio and uvloop): the GETs run on pipeload's own
