@@ -40,54 +40,58 @@ def is_hf_dir(path: str) -> bool:
     return INDEX_FILE in names or any(n.endswith(SUFFIX) and not DATA_FILE_RE.match(n) for n in names)
 
 
-def read_payload(path: str):
+def read_payload(path: str, names: dict | None = None):
     """The chunk table (:mod:`pipeload.formats.table`) of the checkpoint, decoded here from its index and
-    headers: what every other rank receives."""
-    return table_of(read_raw(path), path)
+    headers: what every other rank receives. ``names``: the listing of an object prefix, already taken
+    (:func:`pipeload.io.storage.snapshot`): the prefix is not listed again."""
+    return table_of(read_raw(path, names), path)
 
 
-def read_raw(path: str) -> dict[str, Any]:
+def read_raw(path: str, names: dict | None = None) -> dict[str, Any]:
     """Root, index and every referenced file's header, as plain data (the reads of :func:`read_payload`)."""
-    weight_map = None
-    if (path.endswith(SUFFIX) and is_url(path)) or os.path.isfile(path):
-        root, files = _root(path, True), [os.path.basename(path)]
-    else:
-        root = path
-        index_path = os.path.join(path, INDEX_FILE)
-        try:
-            if is_url(path):
-                doc = json.loads(read_bytes(index_path, 1 << 30)) if INDEX_FILE in listdir(path) else None
-            else:
-                with open(index_path, "rb") as f:
-                    doc = json.loads(f.read())
-        except FileNotFoundError:
-            doc = None
-        except (OSError, ValueError) as e:
-            raise CheckpointFormatError(f"{index_path}: cannot read the index ({e})") from None
-        if doc is not None:
-            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-            if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-            ):
-                raise CheckpointFormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
-            for v in set(weight_map.values()):
-                _check_name(v, index_path)
-            files = sorted(set(weight_map.values()))
-        else:
-            try:
-                files = sorted(n for n in listdir(path) if n.endswith(SUFFIX))
-            except OSError as e:
-                raise CheckpointFormatError(f"{path}: cannot list the directory ({e.strerror or e})") from None
-            if not files:
-                raise CheckpointFormatError(f"{path}: no {INDEX_FILE} and no *{SUFFIX} files")
+    single = (path.endswith(SUFFIX) and is_url(path)) or os.path.isfile(path)
+    root = _root(path, single)
+    weight_map, files = (None, [os.path.basename(path)]) if single else _files_of(path, names)
     headers = {}
     for name in files:
+        fpath = os.path.join(root, name)
         try:
-            headers[name] = read_header(os.path.join(root, name))
+            headers[name] = read_header(fpath)
         except OSError as e:
-            raise CheckpointFormatError(f"{os.path.join(root, name)}: {e.strerror or e}") from None
-    single = (path.endswith(SUFFIX) and is_url(path)) or os.path.isfile(path)
+            raise CheckpointFormatError(f"{fpath}: {e.strerror or e}") from None
     return {"single": single, "weight_map": weight_map, "headers": headers}
+
+
+def _files_of(path: str, names: dict | None) -> tuple[dict | None, list[str]]:
+    """(the index's weight map or None, the files to read) of the checkpoint directory ``path``."""
+    index_path = os.path.join(path, INDEX_FILE)
+    listing = (lambda: names) if names is not None else (lambda: listdir(path))
+    try:
+        if is_url(path):
+            doc = json.loads(read_bytes(index_path, 1 << 30)) if INDEX_FILE in listing() else None
+        else:
+            with open(index_path, "rb") as f:
+                doc = json.loads(f.read())
+    except FileNotFoundError:
+        doc = None
+    except (OSError, ValueError) as e:
+        raise CheckpointFormatError(f"{index_path}: cannot read the index ({e})") from None
+    if doc is not None:
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointFormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        for v in set(weight_map.values()):
+            _check_name(v, index_path)
+        return weight_map, sorted(set(weight_map.values()))
+    try:
+        files = sorted(n for n in listing() if n.endswith(SUFFIX))
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot list the directory ({e.strerror or e})") from None
+    if not files:
+        raise CheckpointFormatError(f"{path}: no {INDEX_FILE} and no *{SUFFIX} files")
+    return None, files
 
 
 def _check_name(name: str, where: str) -> None:
