@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from ..io.storage import is_url, listdir, read_bytes, read_header
+from ..io.storage import is_url, join, listdir, open_safetensors, read_bytes, read_header, read_object_header
 from ..errors import CheckpointFormatError
 from .metadata import ChunkMeta, Metadata, TensorMeta, plain_file_name, tiling_problem, torch_dtype
 
@@ -48,18 +48,28 @@ def read_payload(path: str, names: dict | None = None):
 
 
 def read_raw(path: str, names: dict | None = None) -> dict[str, Any]:
-    """Root, index and every referenced file's header, as plain data (the reads of :func:`read_payload`)."""
+    """Root, index and every referenced file's header, as plain data (the reads of :func:`read_payload`).
+
+    Objects also give ``objects``: per file, (size, ETag, first ``8 + n`` bytes) of the version whose
+    header was read, which the table carries so that no other rank sends a header GET.
+    """
     single = (path.endswith(SUFFIX) and is_url(path)) or os.path.isfile(path)
     root = _root(path, single)
     weight_map, files = (None, [os.path.basename(path)]) if single else _files_of(path, names)
-    headers = {}
+    headers, objects = {}, {}
     for name in files:
         fpath = os.path.join(root, name)
         try:
-            headers[name] = read_header(fpath)
+            if is_url(fpath):
+                headers[name], objects[name] = read_object_header(fpath)
+            else:
+                headers[name] = read_header(fpath)
         except OSError as e:
             raise CheckpointFormatError(f"{fpath}: {e.strerror or e}") from None
-    return {"single": single, "weight_map": weight_map, "headers": headers}
+    out = {"single": single, "weight_map": weight_map, "headers": headers}
+    if objects:
+        out["objects"] = objects
+    return out
 
 
 def _files_of(path: str, names: dict | None) -> tuple[dict | None, list[str]]:
@@ -187,7 +197,23 @@ def table_of(raw: dict[str, Any], path: str):
     facts = {"layout": "hf", "single": bool(raw["single"]), "names": names,
              "dtypes": [md.tensors[n].dtype for n in names], "ndims": [len(md.tensors[n].shape) for n in names],
              "files": files, "file_metadata": file_metadata, "partial": partial}
+    if raw.get("objects"):
+        arrays.update(_header_columns(raw["objects"], files, facts))
     return table.encode({k: np.asarray(v) for k, v in arrays.items()}, facts)
+
+
+def _header_columns(objects: dict, files: list[str], facts: dict) -> dict:
+    """The table's record of the object versions rank 0 read: ``file_header`` (every file's first
+    ``8 + n`` bytes end to end, ``file_header_start`` their F + 1 offsets) and ``facts["objects"]`` (per
+    file [size, ETag]). Each rank opens a file from these (:class:`_SharedHeaders`): O(files) to check
+    here, one header parsed per file a rank opens, as a header GET would have it parsed."""
+    import numpy as np
+
+    heads = [objects[f][2] for f in files]
+    start = np.zeros(len(files) + 1, dtype=np.int64)
+    np.cumsum([len(h) for h in heads], out=start[1:])
+    facts["objects"] = [[int(objects[f][0]), objects[f][1]] for f in files]
+    return {"file_header": np.frombuffer(b"".join(heads), dtype=np.uint8), "file_header_start": start}
 
 
 def from_payload(path: str, blob):
@@ -209,23 +235,62 @@ def from_payload(path: str, blob):
     md = Metadata(save_id="", world_size=0)
     md.tensors = IndexedTensors(idx, names, dtypes, ndims, files)
     md.index_file, md.data_files = INDEX_FILE, files
-    opener = _Stored(partial) if partial else None
-    return _root(path, facts["single"]), md, opener, file_metadata
+    root = _root(path, facts["single"])
+    opener = None
+    if is_url(root) and "objects" in facts:
+        opener = _SharedHeaders(root, files, arrays, facts["objects"], source)
+    if partial:
+        opener = _Stored(partial, opener)
+    return root, md, opener, file_metadata
+
+
+class _SharedHeaders:
+    """Opener of an object-store checkpoint's objects from the headers rank 0 read: no header GET per rank.
+
+    Invariants: object ``files[i]`` is opened at the size and ETag rank 0 read its header at, with those
+    bytes, validated by ``_fastio.read_header`` as a fetched header is; every GET of it carries If-Match
+    that ETag, so an object replaced since rank 0 read it fails its first read with a ReadError naming
+    it (never bytes of one version under the header of another). An object without an ETag, or a path
+    outside the table, is opened as before (its header fetched). Checking the table costs O(files).
+    """
+
+    def __init__(self, root: str, files: list[str], arrays: dict, objects: Any, source: str):
+        import numpy as np
+
+        heads, start = arrays.get("file_header"), arrays.get("file_header_start")
+        n = len(files)
+        if (heads is None or start is None or heads.dtype != np.uint8 or heads.ndim != 1
+                or start.dtype != np.int64 or start.shape != (n + 1,) or start[0] != 0
+                or np.any(np.diff(start) < 0) or start[-1] != len(heads)
+                or type(objects) is not list or len(objects) != n
+                or not all(type(o) is list and len(o) == 2 and type(o[0]) is int and o[0] >= 0
+                           and (o[1] is None or type(o[1]) is str) for o in objects)):
+            raise CheckpointFormatError(f"{source}: the table's object headers are malformed")
+        self.heads, self.start, self.objects = heads, start, objects
+        self.at = {join(root, f): i for i, f in enumerate(files)}
+
+    def __call__(self, path: str):
+        i = self.at.get(path)
+        if i is None or not self.objects[i][1]:
+            return open_safetensors(path)
+        size, etag = self.objects[i]
+        head = self.heads[int(self.start[i]) : int(self.start[i + 1])].tobytes()
+        return open_safetensors(path, size=size, etag=etag, header=head)
 
 
 class _Stored:
     """Opener for files holding parts of a tensor (``saved_offsets``): a chunk's key ``name@offsets``
-    (the engine's name of a part) is the file's tensor ``name``."""
+    (the engine's name of a part) is the file's tensor ``name``. ``opener``: how a file is opened
+    (default :func:`pipeload.io.storage.open_safetensors`)."""
 
-    def __init__(self, partial: dict):
+    def __init__(self, partial: dict, opener=None):
         from .metadata import chunk_key
 
         self.stored = {chunk_key(n, tuple(o), False): n for n, offs in partial.items() for o in offs}
+        self.opener = opener or open_safetensors
 
     def __call__(self, path: str):
-        from ..io._fastio import SafetensorsFile
-
-        return _Renamed(SafetensorsFile(path), self.stored)
+        return _Renamed(self.opener(path), self.stored)
 
 
 class _Renamed:
