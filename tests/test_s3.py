@@ -95,7 +95,7 @@ def _setup(rank, root, meshes, server_url, port) -> None:
         for bucket, prefix, local in (("clean", "big", "big"), ("clean", "big-every", "big"),
                                       ("clean", "small", "small"), ("clean", "dcp", "dcp"), ("clean", "hf", "hf"),
                                       ("flaky", "big", "big"), ("flaky", "small", "small"),
-                                      ("broken", "big", "big"), ("swap", "big", "big"),
+                                      ("broken", "big", "big"), ("swap", "big", "big"), ("swap", "hf", "hf"),
                                       ("clean", "file", "file")):
             up.upload(os.path.join(root, local), bucket, prefix)
     dist.barrier()
@@ -165,6 +165,13 @@ def world_s3(rank: int, world: int, root: str, port: int, links: list[str]) -> d
                          "s3://swap/big/data-", "replaced")
     lap('"s3://swap/big/data-')
 
+    # ... and an HF object, after rank 0 read its header for the table every rank opens it from: the
+    # ETag rank 0 read it at pins every data GET, so every rank fails naming it, none reads stale values
+    sd = L.build("tp2dp2", meshes, fill=False, keys=set(L.TENSORS))
+    out["swap_hf"] = _fails(lambda: pipeload.load(sd, "s3://swap/hf", storage_options=opts),
+                            "s3://swap/hf/model-", "replaced")
+    lap('"s3://swap/hf/model-')
+
     # a save into S3 loads back exactly (pipeload layout, objects included)
     sd = L.build("tp2dp2", meshes)
     pipeload.save(sd, "s3://saves/ck", storage_options=opts)
@@ -192,13 +199,14 @@ def test_s3_world(s3, tmp_path):
     server, proxy = s3
     data = {}
 
-    def swap(req):  # first data GET of the swap bucket (past its header): replace that object
-        if req.path.startswith("/swap/big/data-") and req.range and not req.range.startswith("bytes=0-") \
-                and "swapped" not in data:
-            key = req.path[len("/swap/"):].split("?")[0]
-            body = server.client().get_object(Bucket="swap", Key=key)["Body"].read()
-            server.client().put_object(Bucket="swap", Key=key, Body=body[:-8] + b"\x00" * 8)
-            data["swapped"] = key
+    def swap(req):  # first data GET of each swap checkpoint (past its header): replace that object
+        for prefix, name in (("/swap/big/data-", "swapped"), ("/swap/hf/model-", "swapped_hf")):
+            if req.path.startswith(prefix) and req.range and not req.range.startswith("bytes=0-") \
+                    and name not in data:
+                key = req.path[len("/swap/"):].split("?")[0]
+                body = server.client().get_object(Bucket="swap", Key=key)["Body"].read()
+                server.client().put_object(Bucket="swap", Key=key, Body=body[:-8] + b"\x00" * 8)
+                data[name] = key
 
     proxy.set(hook=swap)
     links = [proxy.url(i) for i in range(4)]
@@ -240,6 +248,8 @@ def test_s3_world(s3, tmp_path):
         assert took < 15, (rank, took, msg)
         msg, _ = s["swap"]
         assert "swapped" in data and data["swapped"] in msg, (data, msg)
+        msg, took = s["swap_hf"]
+        assert "swapped_hf" in data and data["swapped_hf"] in msg and took < 15, (rank, data, took, msg)
 
     # load_file: every rank got the file; only the reader's link carried its bytes, once
     reader = res[0]["file"][0].reader
@@ -319,6 +329,7 @@ def test_s3_tools(s3, tmp_path):
     convert("s3://clean/tools", "s3://clean/tools-hf", to="hf", storage_options=opts)
     out = {"a": torch.zeros(300, 200), "b": torch.zeros(17, dtype=torch.int64)}
     assert pipeload.load(out, "s3://clean/tools-hf", storage_options=opts).format == "hf"
+    assert verify_checkpoint("s3://clean/tools-hf", storage_options=opts) == []  # objects opened from the table
     assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"])
     convert("s3://clean/tools-hf", str(tmp_path / "back"), storage_options=opts)
     out = {"a": torch.zeros(300, 200), "b": torch.zeros(17, dtype=torch.int64)}
@@ -368,6 +379,68 @@ def test_object_parts_views_and_header(s3, tmp_path):
     out = torch.zeros(10, dtype=torch.int32)  # a box inside one part and across two
     f.copy_box("t", "I32", (5 << 20,), ((2 << 20) - 5,), (10,), out.data_ptr(), (0,), (1,), (10,))
     assert torch.equal(out, t[(2 << 20) - 5: (2 << 20) + 5])
+
+
+def test_object_opened_from_a_recorded_header(s3, tmp_path):
+    """An object opened from the header bytes another rank read (the HF table's ``file_header``): no GET
+    to open it, the same entries, the same verdict as ``_fastio.read_header`` on a bad header, and a
+    replaced object failing its first read by name."""
+    from safetensors.torch import save_file
+
+    from pipeload.errors import HeaderError, ReadError
+    from pipeload.io import storage
+    from pipeload.io._fastio import read_header
+
+    server, proxy = s3
+    path, url = str(tmp_path / "x.safetensors"), "s3://clean/shared/x.safetensors"
+    save_file({"t": torch.arange(1000, dtype=torch.int32), "u": torch.ones(3)}, path)
+    server.client().upload_file(path, "clean", "shared/x.safetensors")
+    storage.configure(url, LocalS3.options(proxy.url(1)))
+    storage.snapshot("s3://clean/shared")
+    header, (size, etag, head) = storage.read_object_header(url)
+    proxy.clear()
+    f = storage.open_safetensors(url, size=size, etag=etag, header=head)
+    assert proxy.requests("GET") == [] and {**f.header, "__metadata__": f.metadata} == header
+    assert f.data_offset == len(head) and torch.equal(torch.frombuffer(bytearray(f.buffer("u")), dtype=torch.float32),
+                                                      torch.ones(3))
+    bad = head.replace(b'"shape":[3]', b'"shape":[4]')  # same length, 16 bytes said for 12 stored
+    assert bad != head
+    with open(path, "r+b") as w:
+        w.write(bad)
+    with pytest.raises(HeaderError) as local:
+        read_header(path)
+    with pytest.raises(HeaderError) as remote:
+        storage.open_safetensors(url, size=size, etag=etag, header=bad)
+    assert str(remote.value).replace(url, "F") == str(local.value).replace(path, "F")
+    with pytest.raises(HeaderError, match="truncated"):
+        storage.open_safetensors(url, size=size, etag=etag, header=head[:-1])
+    server.client().put_object(Bucket="clean", Key="shared/x.safetensors", Body=open(path, "rb").read())
+    g = storage.open_safetensors(url, size=size, etag=etag, header=head)  # rank 0's version: no GET yet
+    with pytest.raises(ReadError, match="replaced") as e:
+        g.buffer("t")
+    assert url in str(e.value)
+
+
+def test_hf_parts_from_s3_open_from_the_table(s3, tmp_path):
+    """An HF checkpoint whose files hold parts of a tensor (``DCP_SHARDING_INFO``) loads from s3://; the
+    only header GETs are the reading rank's, one per object."""
+    import json
+
+    from safetensors.torch import save_file
+
+    server, proxy = s3
+    full = torch.arange(4 * 3, dtype=torch.float32).reshape(4, 3)
+    for i, rows in enumerate(((0, 1), (1, 4))):
+        info = json.dumps({"w": {"saved_offsets": [rows[0], 0]}})
+        save_file({"w": full[rows[0] : rows[1]].contiguous()}, str(tmp_path / f"part-{i}.safetensors"),
+                  metadata={"DCP_SHARDING_INFO": info})
+    server.upload(str(tmp_path), "clean", "hf-parts")
+    proxy.clear()
+    out = {"w": torch.zeros(4, 3)}
+    stats = pipeload.load(out, "s3://clean/hf-parts", storage_options=LocalS3.options(proxy.url(3)))
+    assert stats.format == "hf" and torch.equal(out["w"], full)
+    heads = [r for r in proxy.requests("GET", contains="/hf-parts/") if (r.range or "").startswith("bytes=0-")]
+    assert len(heads) == 2, [(r.path, r.range) for r in proxy.requests("GET")]
 
 
 @pytest.mark.asyncio

@@ -138,11 +138,19 @@ def test_whole_tensor_checkpoints_load_into_tp_reading_each_byte_once(tmp_path):
         assert device <= 1.05 * UNIQUE, (case, device, UNIQUE)  # each stored page read once, on some node
     if proxy is not None:
         fetched = sum(r["s3"].bytes_fetched for r in results)
+        objects = len(os.listdir(tmp_path / "hf"))
         files = sum(os.path.getsize(os.path.join(tmp_path, "hf", n)) for n in os.listdir(tmp_path / "hf"))
         data = [g for g in gets if g.path.startswith("/units/hf/") and not (g.range or "").startswith("bytes=0-")]
+        heads = [g for g in gets if g.path.startswith("/units/hf/") and (g.range or "").startswith("bytes=0-")]
         moved = sum(int(b) - int(a) + 1 for a, b in (g.range.split("=")[1].split("-") for g in data))
+        bound = math.ceil(fetched / PART) + 2 * objects
         print(f"s3: fetched {fetched / files:.4f}x the objects, {len(gets)} GETs ({len(data)} data, "
-              f"ceil(bytes / part) = {math.ceil(moved / PART)})")
+              f"{len(heads)} header, {len(gets) - len(data) - len(heads)} LIST; ceil(bytes / part) = "
+              f"{math.ceil(moved / PART)}, bound {bound})")
         assert fetched <= 1.02 * files, (fetched, files)
-        # each rank's ranges in parts of part_size: no GET per tensor segment (headers: one per object per rank)
+        # each rank's ranges in parts of part_size: no GET per tensor segment
         assert len(data) <= math.ceil(moved / PART) + 2 * 2, [g.range for g in data]
+        # headers are read once, by rank 0 building the table: the other ranks open the objects from it
+        assert len(heads) <= objects and {g.link for g in heads} == {0}, [(g.link, g.path) for g in heads]
+        # issue #32: every GET of the load (LIST, headers, data) within ceil(bytes fetched / part) + 2 per object
+        assert len(gets) <= bound, [(g.link, g.path, g.range) for g in gets]

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from ..io.storage import is_url, listdir, read_bytes, read_header
+from ..io.storage import is_url, join, listdir, open_safetensors, read_bytes, read_header, read_object_header
 from ..errors import CheckpointFormatError
 from .metadata import ChunkMeta, Metadata, TensorMeta, plain_file_name, tiling_problem, torch_dtype
 
@@ -40,54 +40,68 @@ def is_hf_dir(path: str) -> bool:
     return INDEX_FILE in names or any(n.endswith(SUFFIX) and not DATA_FILE_RE.match(n) for n in names)
 
 
-def read_payload(path: str):
+def read_payload(path: str, names: dict | None = None):
     """The chunk table (:mod:`pipeload.formats.table`) of the checkpoint, decoded here from its index and
-    headers: what every other rank receives."""
-    return table_of(read_raw(path), path)
+    headers: what every other rank receives. ``names``: the listing of an object prefix, already taken
+    (:func:`pipeload.io.storage.snapshot`): the prefix is not listed again."""
+    return table_of(read_raw(path, names), path)
 
 
-def read_raw(path: str) -> dict[str, Any]:
-    """Root, index and every referenced file's header, as plain data (the reads of :func:`read_payload`)."""
-    weight_map = None
-    if (path.endswith(SUFFIX) and is_url(path)) or os.path.isfile(path):
-        root, files = _root(path, True), [os.path.basename(path)]
-    else:
-        root = path
-        index_path = os.path.join(path, INDEX_FILE)
-        try:
-            if is_url(path):
-                doc = json.loads(read_bytes(index_path, 1 << 30)) if INDEX_FILE in listdir(path) else None
-            else:
-                with open(index_path, "rb") as f:
-                    doc = json.loads(f.read())
-        except FileNotFoundError:
-            doc = None
-        except (OSError, ValueError) as e:
-            raise CheckpointFormatError(f"{index_path}: cannot read the index ({e})") from None
-        if doc is not None:
-            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-            if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-            ):
-                raise CheckpointFormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
-            for v in set(weight_map.values()):
-                _check_name(v, index_path)
-            files = sorted(set(weight_map.values()))
-        else:
-            try:
-                files = sorted(n for n in listdir(path) if n.endswith(SUFFIX))
-            except OSError as e:
-                raise CheckpointFormatError(f"{path}: cannot list the directory ({e.strerror or e})") from None
-            if not files:
-                raise CheckpointFormatError(f"{path}: no {INDEX_FILE} and no *{SUFFIX} files")
-    headers = {}
-    for name in files:
-        try:
-            headers[name] = read_header(os.path.join(root, name))
-        except OSError as e:
-            raise CheckpointFormatError(f"{os.path.join(root, name)}: {e.strerror or e}") from None
+def read_raw(path: str, names: dict | None = None) -> dict[str, Any]:
+    """Root, index and every referenced file's header, as plain data (the reads of :func:`read_payload`).
+
+    Objects also give ``objects``: per file, (size, ETag, first ``8 + n`` bytes) of the version whose
+    header was read, which the table carries so that no other rank sends a header GET.
+    """
     single = (path.endswith(SUFFIX) and is_url(path)) or os.path.isfile(path)
-    return {"single": single, "weight_map": weight_map, "headers": headers}
+    root = _root(path, single)
+    weight_map, files = (None, [os.path.basename(path)]) if single else _files_of(path, names)
+    headers, objects = {}, {}
+    for name in files:
+        fpath = os.path.join(root, name)
+        try:
+            if is_url(fpath):
+                headers[name], objects[name] = read_object_header(fpath)
+            else:
+                headers[name] = read_header(fpath)
+        except OSError as e:
+            raise CheckpointFormatError(f"{fpath}: {e.strerror or e}") from None
+    out = {"single": single, "weight_map": weight_map, "headers": headers}
+    if objects:
+        out["objects"] = objects
+    return out
+
+
+def _files_of(path: str, names: dict | None) -> tuple[dict | None, list[str]]:
+    """(the index's weight map or None, the files to read) of the checkpoint directory ``path``."""
+    index_path = os.path.join(path, INDEX_FILE)
+    listing = (lambda: names) if names is not None else (lambda: listdir(path))
+    try:
+        if is_url(path):
+            doc = json.loads(read_bytes(index_path, 1 << 30)) if INDEX_FILE in listing() else None
+        else:
+            with open(index_path, "rb") as f:
+                doc = json.loads(f.read())
+    except FileNotFoundError:
+        doc = None
+    except (OSError, ValueError) as e:
+        raise CheckpointFormatError(f"{index_path}: cannot read the index ({e})") from None
+    if doc is not None:
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointFormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        for v in set(weight_map.values()):
+            _check_name(v, index_path)
+        return weight_map, sorted(set(weight_map.values()))
+    try:
+        files = sorted(n for n in listing() if n.endswith(SUFFIX))
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot list the directory ({e.strerror or e})") from None
+    if not files:
+        raise CheckpointFormatError(f"{path}: no {INDEX_FILE} and no *{SUFFIX} files")
+    return None, files
 
 
 def _check_name(name: str, where: str) -> None:
@@ -183,7 +197,23 @@ def table_of(raw: dict[str, Any], path: str):
     facts = {"layout": "hf", "single": bool(raw["single"]), "names": names,
              "dtypes": [md.tensors[n].dtype for n in names], "ndims": [len(md.tensors[n].shape) for n in names],
              "files": files, "file_metadata": file_metadata, "partial": partial}
+    if raw.get("objects"):
+        arrays.update(_header_columns(raw["objects"], files, facts))
     return table.encode({k: np.asarray(v) for k, v in arrays.items()}, facts)
+
+
+def _header_columns(objects: dict, files: list[str], facts: dict) -> dict:
+    """The table's record of the object versions rank 0 read: ``file_header`` (every file's first
+    ``8 + n`` bytes end to end, ``file_header_start`` their F + 1 offsets) and ``facts["objects"]`` (per
+    file [size, ETag]). Each rank opens a file from these (:class:`_SharedHeaders`): O(files) to check
+    here, one header parsed per file a rank opens, as a header GET would have it parsed."""
+    import numpy as np
+
+    heads = [objects[f][2] for f in files]
+    start = np.zeros(len(files) + 1, dtype=np.int64)
+    np.cumsum([len(h) for h in heads], out=start[1:])
+    facts["objects"] = [[int(objects[f][0]), objects[f][1]] for f in files]
+    return {"file_header": np.frombuffer(b"".join(heads), dtype=np.uint8), "file_header_start": start}
 
 
 def from_payload(path: str, blob):
@@ -205,23 +235,62 @@ def from_payload(path: str, blob):
     md = Metadata(save_id="", world_size=0)
     md.tensors = IndexedTensors(idx, names, dtypes, ndims, files)
     md.index_file, md.data_files = INDEX_FILE, files
-    opener = _Stored(partial) if partial else None
-    return _root(path, facts["single"]), md, opener, file_metadata
+    root = _root(path, facts["single"])
+    opener = None
+    if is_url(root) and "objects" in facts:
+        opener = _SharedHeaders(root, files, arrays, facts["objects"], source)
+    if partial:
+        opener = _Stored(partial, opener)
+    return root, md, opener, file_metadata
+
+
+class _SharedHeaders:
+    """Opener of an object-store checkpoint's objects from the headers rank 0 read: no header GET per rank.
+
+    Invariants: object ``files[i]`` is opened at the size and ETag rank 0 read its header at, with those
+    bytes, validated by ``_fastio.read_header`` as a fetched header is; every GET of it carries If-Match
+    that ETag, so an object replaced since rank 0 read it fails its first read with a ReadError naming
+    it (never bytes of one version under the header of another). An object without an ETag, or a path
+    outside the table, is opened as before (its header fetched). Checking the table costs O(files).
+    """
+
+    def __init__(self, root: str, files: list[str], arrays: dict, objects: Any, source: str):
+        import numpy as np
+
+        heads, start = arrays.get("file_header"), arrays.get("file_header_start")
+        n = len(files)
+        if (heads is None or start is None or heads.dtype != np.uint8 or heads.ndim != 1
+                or start.dtype != np.int64 or start.shape != (n + 1,) or start[0] != 0
+                or np.any(np.diff(start) < 0) or start[-1] != len(heads)
+                or type(objects) is not list or len(objects) != n
+                or not all(type(o) is list and len(o) == 2 and type(o[0]) is int and o[0] >= 0
+                           and (o[1] is None or type(o[1]) is str) for o in objects)):
+            raise CheckpointFormatError(f"{source}: the table's object headers are malformed")
+        self.heads, self.start, self.objects = heads, start, objects
+        self.at = {join(root, f): i for i, f in enumerate(files)}
+
+    def __call__(self, path: str):
+        i = self.at.get(path)
+        if i is None or not self.objects[i][1]:
+            return open_safetensors(path)
+        size, etag = self.objects[i]
+        head = self.heads[int(self.start[i]) : int(self.start[i + 1])].tobytes()
+        return open_safetensors(path, size=size, etag=etag, header=head)
 
 
 class _Stored:
     """Opener for files holding parts of a tensor (``saved_offsets``): a chunk's key ``name@offsets``
-    (the engine's name of a part) is the file's tensor ``name``."""
+    (the engine's name of a part) is the file's tensor ``name``. ``opener``: how a file is opened
+    (default :func:`pipeload.io.storage.open_safetensors`)."""
 
-    def __init__(self, partial: dict):
+    def __init__(self, partial: dict, opener=None):
         from .metadata import chunk_key
 
         self.stored = {chunk_key(n, tuple(o), False): n for n, offs in partial.items() for o in offs}
+        self.opener = opener or open_safetensors
 
     def __call__(self, path: str):
-        from ..io._fastio import SafetensorsFile
-
-        return _Renamed(SafetensorsFile(path), self.stored)
+        return _Renamed(self.opener(path), self.stored)
 
 
 class _Renamed:

@@ -5,7 +5,8 @@ An object is read as the reader reads a mapped file, through two classes with th
 - :class:`ObjectBlob` is ``_fastio.RawFile`` for an object (``view``, ``willneed``, ``copy_box``);
 - :class:`ObjectSafetensors` is ``_fastio.SafetensorsFile`` for one (``entry``, ``buffer``,
   ``copy_box``, ``advise``, ``willneed_tensors``), its header fetched with one GET in the common case
-  and validated by ``_fastio.read_header`` itself (same verdict as for a local file).
+  (or given: the bytes another rank fetched at the same pinned version) and validated by
+  ``_fastio.read_header`` itself (same verdict as for a local file).
 
 ``willneed`` is where the bytes are requested: the range is cut into parts of ``part_size`` (8 MiB)
 staged in one buffer per range, and each part is one GET issued on this process's I/O loop, at most
@@ -421,11 +422,23 @@ def _copy_box(blob: ObjectBlob, name, start, itemsize, chunk_shape, src_offsets,
 
 
 class ObjectSafetensors(ObjectBlob):
-    """``_fastio.SafetensorsFile`` for one object: the header from one GET, validated by ``_fastio``."""
+    """``_fastio.SafetensorsFile`` for one object: the header from one GET, validated by ``_fastio``.
 
-    def __init__(self, store: Store, key: str, size: int | None = None, etag: str | None = None):
+    ``header``: the object's first ``8 + n`` bytes (length prefix and JSON header) as they were read
+    earlier at version ``etag`` of ``size`` bytes (rank 0's header GET, sent with a checkpoint's table).
+    They are validated exactly as fetched ones would be and no GET is sent; since every later GET
+    carries If-Match ``etag``, an object replaced meanwhile fails its first read (ReadError naming it)
+    instead of being read through a stale header. Without both ``etag`` and ``size`` the header is
+    fetched: bytes read earlier could not be tied to the version read now.
+    """
+
+    def __init__(self, store: Store, key: str, size: int | None = None, etag: str | None = None,
+                 header: bytes | None = None):
+        if header is not None and (not etag or size is None):
+            header = None
         super().__init__(store, key, size, etag)
-        self.header, self.data_offset = parse_header(self)
+        self.header, self.header_bytes = parse_header(self, header)
+        self.data_offset = len(self.header_bytes)
         self.metadata = self.header.pop("__metadata__", None)
         self._names = list(self.header)
 
@@ -489,29 +502,49 @@ class ObjectSafetensors(ObjectBlob):
                          dst_strides, dst_shape)
 
 
-def parse_header(blob: ObjectBlob) -> tuple[dict, int]:
-    """``_fastio.read_header`` of an object: its first bytes (one GET when the header fits
-    ``header_get``) laid into a sparse memory file of the object's size, so every rule that checks
-    a local file checks the object (sizes, offsets, exact coverage)."""
-    from ._fastio import read_header
-
+def fetch_header(blob: ObjectBlob) -> bytes:
+    """The object's first ``8 + n`` bytes (length prefix and header): one GET of ``header_get`` bytes,
+    a second one only when the header is longer. Its length is checked (:func:`_header_length`)."""
     if blob.size < 8:
         raise HeaderError(f"{blob.path}: file is shorter than 8 bytes")
     first = min(blob.size, blob.store.header_get)
     head = bytes(blob.view(0, first))
+    n = _header_length(blob, head)
+    if 8 + n > first:
+        head += bytes(blob.view(first, 8 + n - first))
+    return head[: 8 + n]
+
+
+def _header_length(blob: ObjectBlob, head: bytes) -> int:
+    """The header length ``n`` that ``head`` starts with, checked against the limit and the object's size."""
     n = int.from_bytes(head[:8], "little")
     if n > 100_000_000:
         raise HeaderError(f"{blob.path}: header is {n} bytes, over the 100000000-byte limit")
     if 8 + n > blob.size:
         raise HeaderError(f"{blob.path}: header length {n} runs past the end of the file")
-    if 8 + n > first:
-        head += bytes(blob.view(first, 8 + n - first))
+    return n
+
+
+def parse_header(blob: ObjectBlob, head: bytes | None = None) -> tuple[dict, bytes]:
+    """(``_fastio.read_header`` of an object, its first ``8 + n`` bytes).
+
+    ``head``: those bytes, read before at the blob's version (else fetched, :func:`fetch_header`). They
+    are laid into a sparse memory file of the object's size, so every rule that checks a local file
+    checks the object (sizes, offsets, exact coverage, dtypes and shapes): the verdict is the same
+    whether this process fetched the bytes or another one did.
+    """
+    from ._fastio import read_header
+
+    if head is None:
+        head = fetch_header(blob)
+    elif blob.size < 8 or len(head) < 8 or len(head) != 8 + _header_length(blob, head):
+        raise HeaderError(f"{blob.path}: the header recorded for this object ({len(head)} bytes) is truncated")
     fd = os.memfd_create("pipeload-header", os.MFD_CLOEXEC)
     try:
-        os.write(fd, head[: 8 + n])
+        os.write(fd, head)
         os.ftruncate(fd, blob.size)
         try:
-            return read_header(f"/proc/self/fd/{fd}"), 8 + n
+            return read_header(f"/proc/self/fd/{fd}"), head
         except HeaderError as e:
             raise HeaderError(str(e).replace(f"/proc/self/fd/{fd}", blob.path)) from None
     finally:

@@ -163,7 +163,7 @@ class ChunkReader:
         self.cast = cast
         self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
         opener, capacity = ckpt.opener, self.cache.capacity
-        if storage.is_url(ckpt.root):  # objects: reopening one costs a header GET and drops what it staged
+        if storage.is_url(ckpt.root):  # objects: reopening one drops what it staged (and may cost a header GET)
             opener = opener or storage.open_safetensors
             capacity = max(capacity, _OBJECTS_OPEN)
         if opener is not None:

@@ -73,8 +73,12 @@ def join(root: str, name: str) -> str:
 # -- reading -------------------------------------------------------------------------------------------
 
 
-def open_safetensors(path: str):
-    """A safetensors file or object: ``_fastio.SafetensorsFile`` or its object-store twin."""
+def open_safetensors(path: str, size: int | None = None, etag: str | None = None, header: bytes | None = None):
+    """A safetensors file or object: ``_fastio.SafetensorsFile`` or its object-store twin.
+
+    An object is read at version (``size``, ``etag``), else at its pinned one; ``header``: its first
+    ``8 + n`` bytes as read before at that version (:func:`read_object_header`), validated without a
+    GET (see :class:`objstore.ObjectSafetensors`). A local file reads its own header (nothing to save)."""
     if not is_url(path):
         from ._fastio import SafetensorsFile
 
@@ -82,7 +86,7 @@ def open_safetensors(path: str):
     from .objstore import ObjectSafetensors
 
     store, key = store_of(path)
-    return ObjectSafetensors(store, key)
+    return ObjectSafetensors(store, key, size, etag, header)
 
 
 def open_raw(path: str):
@@ -105,6 +109,16 @@ def read_header(path: str) -> dict:
         return local(path)
     f = open_safetensors(path)
     return {**f.header, "__metadata__": f.metadata}
+
+
+def read_object_header(path: str) -> tuple[dict, tuple[int, str | None, bytes]]:
+    """(:func:`read_header` of the object ``path``, (size, ETag, first ``8 + n`` bytes) of the version
+    read): what lets another rank open the same version without a header GET (:func:`open_safetensors`)."""
+    f = open_safetensors(path)
+    try:
+        return {**f.header, "__metadata__": f.metadata}, (f.size, f.etag, f.header_bytes)
+    finally:
+        f.close()
 
 
 def read_bytes(path: str, limit: int, keep: bool = False) -> bytes:

@@ -131,8 +131,10 @@ def inspect_checkpoint(path: str | os.PathLike, format: str | None = None,
 # Integrity check
 
 
-def _open(path: str):
-    f = storage.open_safetensors(path)
+def _open(path: str, opener=None):
+    """A safetensors file or object (``opener``: the layout's, e.g. an HF checkpoint's objects opened
+    from the headers its table carries), every byte of it requested for one front-to-back pass."""
+    f = (opener or storage.open_safetensors)(path)
     f.advise("sequential")  # verify reads every byte, front to back
     if storage.is_url(path):  # every byte is needed: request them all now, as parallel ranged GETs
         f.advise("willneed", f.data_offset, f.size)
@@ -187,12 +189,12 @@ def verify_checkpoint(path: str | os.PathLike, format: str | None = None,
             problems.append(f"{name}: {str(e).split(': ', 1)[-1]}")
             continue
         try:
-            f = _open(fpath) if ckpt.opener is None else ckpt.opener(fpath)
+            f = _open(fpath, ckpt.opener) if ckpt.opener is None or ckpt.format == "hf" else ckpt.opener(fpath)
         except FileNotFoundError:
             problems.append(f"{name}: file is missing ({len(wanted[name])} chunks/objects live there)")
             continue
         except Exception as e:  # noqa: BLE001 - a bad header is reported, not raised
-            kind = "safetensors" if ckpt.opener is None else ckpt.format
+            kind = "safetensors" if ckpt.opener is None or ckpt.format == "hf" else ckpt.format
             problems.append(f"{name}: not a valid {kind} file: {_one_line(e)}")
             continue
         try:
