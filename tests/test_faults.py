@@ -659,6 +659,21 @@ def _die_when(t: torch.Tensor) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _die_on_read(n: int) -> None:
+    """SIGKILL this process as it starts its ``n``-th chunk read (a death inside the read loop)."""
+    from pipeload.io.reader import ChunkReader
+
+    read_into, calls = ChunkReader.read_into, [0]
+
+    def dying(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return read_into(self, *args, **kwargs)
+
+    ChunkReader.read_into = dying
+
+
 def world3_rank_death(rank: int, world: int, root: str, phase: str) -> dict:
     n = 60
     shared = os.path.join(root, "shared")
@@ -674,9 +689,13 @@ def world3_rank_death(rank: int, world: int, root: str, phase: str) -> dict:
         sd = {k: torch.zeros_like(v) for k, v in full.items() if k.startswith(f"r{rank}.")}
         ckpt, opts = private, {}
     dist.barrier()
-    if rank == 1:
-        # the victim dies once its 11th destination has landed: mid-phase
+    if rank == 1 and phase == "shared":
+        # the victim dies once its 11th destination has landed: mid-phase (the broadcasts, one in flight,
+        # keep it from finishing the phase before the watcher sees it)
         _die_when(sd[sorted(sd)[10]])
+    elif rank == 1:
+        # a private phase has no collective to hold the victim back, so it dies inside it, synchronously
+        _die_on_read(11)
     t0 = time.monotonic()
     try:
         pipeload.load(sd, ckpt, **opts)
