@@ -240,6 +240,31 @@ def test_hf_forms(tmp_path, hf_tensors):
     assert stats.missing_keys == ["model.norm.weight"]
 
 
+def test_hf_table_of_whole_tensors_is_the_chunked_table(tmp_path, hf_tensors):
+    # the column-built table of whole-tensor files is the table the chunk-by-chunk path builds, byte for byte
+    from pipeload.formats import hf
+
+    d = tmp_path / "two"
+    d.mkdir()
+    more = {**hf_tensors, "scalar": torch.tensor(3.0), "cube": torch.arange(24, dtype=torch.int16).reshape(2, 3, 4),
+            "unlisted": torch.ones(2)}
+    save_file({k: more[k] for k in ("embed.weight", "scalar", "cube")}, str(d / "a.safetensors"), metadata={"m": "1"})
+    save_file({k: more[k] for k in ("layers.0.w", "layers.1.w", "norm.weight", "unlisted")}, str(d / "b.safetensors"))
+    raws = {"dir": (str(d), hf.read_raw(str(d)))}
+    index = {"weight_map": {k: ("a" if k in ("embed.weight", "scalar", "cube") else "b") + ".safetensors"
+                            for k in more if k != "unlisted"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    raws["index"] = (str(d), hf.read_raw(str(d)))
+    raws["single"] = (str(d / "a.safetensors"), hf.read_raw(str(d / "a.safetensors")))
+    for form, (path, raw) in raws.items():
+        assert bytes(hf._whole_table(raw, path)) == bytes(hf._chunked_table(raw, path)), form
+    # an unknown dtype is named with its file
+    raw = hf.read_raw(str(d))
+    raw["headers"]["b.safetensors"]["norm.weight"] = ("Q7", [4], 0, 4)
+    with pytest.raises(CheckpointFormatError, match=r"b.safetensors: tensor 'norm.weight' has dtype Q7"):
+        hf.table_of(raw, str(d))
+
+
 def test_hf_errors(tmp_path, hf_tensors):
     d = tmp_path / "dup"
     d.mkdir()
