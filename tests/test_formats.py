@@ -265,6 +265,17 @@ def test_hf_table_of_whole_tensors_is_the_chunked_table(tmp_path, hf_tensors):
         hf.table_of(raw, str(d))
 
 
+def test_hf_headers_read_at_once_name_the_first_bad_file(tmp_path, hf_tensors):
+    # rank 0 reads the files' headers concurrently; a damaged one is still named, the first in order
+    for i in range(5):
+        save_file({f"l{i}.{k}": v for k, v in hf_tensors.items()}, str(tmp_path / f"m-{i}.safetensors"))
+    for i in (1, 3):
+        with open(tmp_path / f"m-{i}.safetensors", "r+b") as f:
+            f.write(b"\xff" * 8)  # a header length past the file's end
+    with pytest.raises(pipeload.PipeloadError, match=r"m-1\.safetensors"):
+        pipeload.load({}, str(tmp_path), format="hf")
+
+
 def test_hf_errors(tmp_path, hf_tensors):
     d = tmp_path / "dup"
     d.mkdir()

@@ -26,6 +26,7 @@ from .metadata import ChunkMeta, Metadata, TensorMeta, plain_file_name, tiling_p
 INDEX_FILE = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
 SHARDING_KEY = "DCP_SHARDING_INFO"
+HEADER_READS = 16  # files whose headers rank 0 reads at once
 MERGE_GAP = 4096  # prefetch: merge a rank's ranges only across a page (see Checkpoint.merge_gap)
 
 
@@ -57,18 +58,36 @@ def read_raw(path: str, names: dict | None = None) -> dict[str, Any]:
     root = _root(path, single)
     weight_map, files = (None, [os.path.basename(path)]) if single else _files_of(path, names)
     headers, objects = {}, {}
-    for name in files:
-        fpath = os.path.join(root, name)
-        try:
-            if is_url(fpath):
-                headers[name], objects[name] = read_object_header(fpath)
-            else:
-                headers[name] = read_header(fpath)
-        except OSError as e:
-            raise CheckpointFormatError(f"{fpath}: {e.strerror or e}") from None
+    for name, (header, version) in zip(files, _read_headers([os.path.join(root, n) for n in files])):
+        headers[name] = header
+        if version is not None:
+            objects[name] = version
     out = {"single": single, "weight_map": weight_map, "headers": headers}
     if objects:
         out["objects"] = objects
+    return out
+
+
+def _read_headers(paths: list[str]) -> list[tuple[dict, tuple | None]]:
+    """(header, object version or None) of each file, read up to HEADER_READS at a time: on an object
+    store or a network file system each is a round trip, and a checkpoint of 160 files would otherwise
+    pay 160 of them one after another before any rank can plan. The first failing file in order is raised."""
+    def one(fpath: str):
+        try:
+            return read_object_header(fpath) if is_url(fpath) else (read_header(fpath), None)
+        except OSError as e:
+            return CheckpointFormatError(f"{fpath}: {e.strerror or e}")
+
+    if len(paths) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(HEADER_READS, len(paths)), thread_name_prefix="pipeload-headers") as pool:
+            out = list(pool.map(one, paths))
+    else:
+        out = [one(p) for p in paths]
+    for r in out:
+        if isinstance(r, Exception):
+            raise r
     return out
 
 
