@@ -53,7 +53,7 @@ from ..plan.exchange import host_id
 from ..plan.statedict import flatten, tensor_box
 from ..plan.tensorkinds import refusal
 from . import restoreplan
-from .restoreread import list_root, verify
+from .restoreread import list_root, load_header, verify
 from .restorerun import SameJob, reshard_job
 
 _TIER_OPTIONS = ("process_group", "timeout", "strict")
@@ -139,13 +139,19 @@ def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, st
     while True:
         if planned.choice is None:
             return None
-        job = (SameJob(planned, comm.rank) if planned.same
-               else reshard_job(comm, planned, files, want, strict, what, tier.job))
-        lap("exchange")
-        bad = _check(files, job.reads, checked, planned.choice.step)
+        step = planned.choice.step
+        same = SameJob(planned, comm.rank) if planned.same else None
+        bad = _headers(files, same.files if same else _held(files, step), step)
         if _any_bad(comm, bad, what, lap, "check"):
             planned = _retake(comm, planned, bad, files, what)
             continue
+        job = same or reshard_job(comm, planned, files, want, strict, what, tier.job)
+        lap("exchange")
+        if not planned.same:  # (the same layout checks its copies as it reads them: see SameJob.run)
+            bad = _check(files, job.reads, checked, step)
+            if _any_bad(comm, bad, what, lap, "check"):
+                planned = _retake(comm, planned, bad, files, what)
+                continue
         stats.step = planned.choice.step
         decoded, error, bad = job.run(comm, files, want, stats, what)
         lap("transfer")
@@ -196,6 +202,25 @@ def _raise_problems(comm: Comm, problems: list, what: str) -> None:
     if len(gathered) == 1:
         raise StateDictError(f"{what}: cannot load", gathered[0])
     raise DistributedError(f"{what}: validation", {r: "\n".join(p) for r, p in enumerate(gathered) if p})
+
+
+def _held(files: dict, step: int) -> list:
+    """The saved ranks of ``step`` whose files this rank lists."""
+    return sorted(f for s, f in files if s == step)
+
+
+def _headers(files: dict, needed, step: int) -> list:
+    """Parse the records of the files of ``step`` this rank will read (listed from their summaries alone):
+    [(step, saved rank, why)] of those that do not parse or disagree with their summaries, which are also
+    dropped from ``files`` (missing copies: the decision is re-taken without them)."""
+    bad = []
+    for f in sorted(needed):
+        tf = files.get((step, f))
+        why = load_header(tf) if tf is not None else "not listed"
+        if why is not None:
+            bad.append((step, f, why))
+            files.pop((step, f), None)
+    return bad
 
 
 def _check(files: dict, reads: set, checked: set, step: int) -> list:
