@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from ..engine import stateful
+from ..engine._gcpause import paused_gc
 from ..engine.comm import Comm
 from ..errors import DistributedError, PipeloadError, StateDictError
 from ..formats.chunks import dtype_name
@@ -105,7 +106,8 @@ async def restore(state_dict: dict, tier, fallback, stats_cls, plain_load, optio
     expanded, stateful_values = stateful.expand(state_dict)
     stats = stats_cls()
     kw = {k: options[k] for k in _TIER_OPTIONS if k in options}
-    result = await asyncio.to_thread(_restore, expanded, tier, stats, **kw)
+    with paused_gc():  # (as a load's planning: full collections walking the trainer's objects cost more than the restore)
+        result = await asyncio.to_thread(_restore, expanded, tier, stats, **kw)
     if result is None:
         if fallback is None:
             raise PipeloadError(f"pipeload.load from memory tier {tier.root}: no step of the tier is complete "
