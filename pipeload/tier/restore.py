@@ -2,12 +2,15 @@
 
 One restore, on every rank of the load's group, in this order:
 
-1. each rank lists its own root (:mod:`.restoreread`) and computes the layout digest of its state dict;
+1. each rank lists its own root (:mod:`.restoreread`: each file's summary, its first bytes) and computes
+   the layout digest of its state dict;
 2. two gathers (:func:`.restoreplan.exchange`): the rows, then every rank's listing; from them alone,
    alike on every rank, the newest step complete over the live ranks, whether every rank loads exactly
    its saved rank's file (the same layout), and who reads what (:mod:`.restoreplan`). Resharding adds
    two all-gathers: the chunk tables of the step (each file's lowest holder sends its table) and every
    rank's requests;
+   Once a step is chosen, each rank parses the records of the files it will read; one that does not
+   parse or disagrees with its summary is a failed copy, found before any transfer (as in 3);
 3. checksums: every chunk and object a rank reads from its tier is hashed (xxh3) and compared with its
    header. Resharding checks the files first (before any destination is written); the same layout
    hashes the bytes as they are read, sent and copied (one pass over the tier instead of two). Either

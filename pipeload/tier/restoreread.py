@@ -1,10 +1,13 @@
 """What a restore reads from this rank's own tier root: the listing, the checks, the chunks.
 
-A rank can read only its own host's root. It lists the newest complete steps there (``format.list_steps``),
-reads each rank file's header (validated: a file whose header names another job, step or rank, or
-that does not parse, is left out, with a warning naming it: a missing copy), and reports one entry per
-file. Checksums are verified by the rank that will read a file, before any destination is written
-(:func:`verify`): a file that fails is a missing copy and the restore's decision is re-taken.
+A rank can read only its own host's root. It lists the newest complete steps there (``format.list_steps``)
+and reports one entry per rank file from the file's summary alone (its first bytes: job, step, rank,
+world, layout digest); a file whose summary names another job, step or rank, or does not parse, is
+left out with a warning naming it: a missing copy. Files without a summary are parsed whole. The
+record of a file (each chunk's box and checksum) is parsed only when this rank reads the file
+(:func:`load_header`), and must agree with the summary it was planned with. Checksums are verified by
+the rank that reads a file (:func:`verify`, or as it is read): a file that fails is a missing copy and
+the restore's decision is re-taken.
 """
 
 from __future__ import annotations
