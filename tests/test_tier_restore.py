@@ -158,6 +158,74 @@ def _case_corrupt_own_copy(rank, world, roots, ckpt, mesh):
     return {"received": stats.bytes_received}
 
 
+def _rewrite_header(path: str, edit) -> None:
+    """Rewrite a rank file with ``edit(header)`` applied to its safetensors header (data untouched:
+    its offsets are relative to the end of the header)."""
+    import json
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8: 8 + n])
+    edit(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (-(8 + len(new)) % 8)
+    with open(path, "wb") as f:
+        f.write(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def _case_summary_disagrees(rank, world, roots, ckpt, mesh):
+    """Rank 0's own file lists from its summary (the layout rank 0 loads) but its record describes
+    another layout: a missing copy, found before any transfer and warned naming the file; rank 0 gets
+    its file from the other copy's host."""
+    import json
+
+    import torch.distributed as dist
+
+    from pipeload.tier import format as tf
+
+    tier_sd = _tp_dp_state(mesh, 20.0)
+    _snapshot(rank, world, roots, 20, tier_sd)
+    dist.barrier()
+    path = os.fspath(tf.rank_file(roots[0], 20, 0))
+    if rank == 0:
+        def skew(header):
+            record = json.loads(header["__metadata__"][tf.META_KEY])
+            record["tensors"]["model.plain"]["shape"] = [4]
+            header["__metadata__"][tf.META_KEY] = json.dumps(record)
+
+        _rewrite_header(path, skew)
+        assert tf.read_summary(path, job=JOB, step=20, rank=0) is not None  # (still lists)
+    dest = _zeroed(tier_sd)
+    with pytest.warns(RuntimeWarning, match=f"{path}: its summary disagrees") if rank == 0 else _nothing():
+        stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
+    _same(dest, tier_sd)
+    assert (stats.source, stats.step) == ("tier", 20)
+    return {"received": stats.bytes_received}
+
+
+def _case_no_summary(rank, world, roots, ckpt, mesh):
+    """Files written before the summary existed (no summary key) are listed from their whole header
+    and restore as before, one host lost."""
+    import glob
+
+    from pipeload.tier import format as tf
+
+    tier_sd = _tp_dp_state(mesh, 21.0)
+    _snapshot(rank, world, roots, 21, tier_sd)
+    for path in glob.glob(os.path.join(tf.step_dir(roots[rank], 21), "rank-*.safetensors")):
+        _rewrite_header(path, lambda header: header["__metadata__"].pop(tf.SUMMARY_KEY))
+        r = int(os.path.basename(path)[5:11])
+        assert tf.read_summary(path, job=JOB, step=21, rank=r) is None
+        assert tf.read_rank_header(path, job=JOB).step == 21
+    _wipe(rank, roots, {1})
+    dest = _zeroed(tier_sd)
+    stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
+    _same(dest, tier_sd)
+    assert (stats.source, stats.step) == ("tier", 21)
+    return {"received": stats.bytes_received}
+
+
 def _case_fallbacks(rank, world, roots, ckpt, mesh, persistent):
     """The only other copy corrupted, then three roots of four wiped: the persistent step, exactly."""
     import pipeload
@@ -259,6 +327,8 @@ def _world_main(rank: int, world: int, tmp: str) -> dict:
     _snapshot(rank, world, roots, 10, _tp_dp_state(mesh, 10.0))
     _case_reshard(rank, world, roots, ckpt, mesh1)
     out["fsdp"] = _case_fsdp(rank, world, roots, ckpt, mesh1)
+    out["skewed"] = _case_summary_disagrees(rank, world, roots, ckpt, mesh)
+    out["old"] = _case_no_summary(rank, world, roots, ckpt, mesh)
     return out
 
 
@@ -271,3 +341,7 @@ def test_restore_world4(tmp_path):
     # a corrupted own copy: rank 0 received its file from the other copy's host
     assert res[0]["corrupt"]["received"] > 0 and res[1]["corrupt"]["received"] == 0
     assert res[3]["fsdp"] > 0
+    # a summary disagreeing with its record: that copy is missing, rank 0 received its file
+    assert res[0]["skewed"]["received"] > 0 and res[1]["skewed"]["received"] == 0
+    # files without a summary: listed whole, the lost host's rank received its state
+    assert res[1]["old"]["received"] > 0 and res[0]["old"]["received"] == 0

@@ -8,8 +8,14 @@
   ``weights_only=True``, as pipeload's own format does). ``__metadata__["pipeload.tier"]`` is JSON:
   ``{"format": 1, "job", "step", "rank", "world", "tensors": {fqn: {"shape": global shape, "offsets",
   "dtype", "checksum"}}, "objects": {fqn: checksum}}``; checksums are xxh3-64 of the stored bytes
-  (:mod:`pipeload.io.checksum`). Written as ``*.tmp`` and renamed into place (fsync'd first unless the
-  root is a tmpfs, where fsync does nothing).
+  (:mod:`pipeload.io.checksum`). ``__metadata__["pipeload.tier.summary"]``, written *first* (so the
+  header begins ``{"__metadata__":{"pipeload.tier.summary":"...``), is a small JSON summary of the record:
+  ``{"format", "job", "step", "rank", "world", "layout"}``, ``layout`` being the layout digest of the
+  file's non-empty chunks and its objects (:func:`pipeload.tier.restoreplan.layout_digest`). A restore
+  lists a file from its first bytes alone (:func:`read_summary`) and parses the record only for the files
+  it reads, checking then that the summary agrees with it. Files written before the summary existed
+  lack the key: they are read through their whole header, as before. Written as ``*.tmp`` and renamed
+  into place (fsync'd first unless the root is a tmpfs, where fsync does nothing).
 - ``R/step-<N:012d>/COMPLETE.json``: ``{"step", "world", "job", "ranks": [saved ranks whose files this
   host holds], "replicas", "hosts"}``, written only after every rank of the snapshot agreed that all
   files and copies were written. A step directory without it is unfinished: never restored from.
@@ -35,11 +41,16 @@ from ..errors import CheckpointFormatError, ChecksumError
 from ..formats.metadata import NAMES_OF_DTYPES
 from ..io._fastio import read_header
 from ..io.checksum import checksum
+from .restoreplan import layout_digest
 
 FORMAT = 1
 TIER_FILE = "TIER.json"
 COMPLETE_FILE = "COMPLETE.json"
 META_KEY = "pipeload.tier"
+SUMMARY_KEY = "pipeload.tier.summary"
+SUMMARY_FIELDS = ("format", "job", "step", "rank", "world", "layout")
+_SUMMARY_HEAD = b'{"__metadata__":{"' + SUMMARY_KEY.encode() + b'":"'
+_SUMMARY_READ = 8192  # bytes of a file's head read for its summary (a job id of 256 characters escaped fits)
 MAX_JOB_CHARS = 256
 STEP_RE = re.compile(r"^step-(\d{12})$")
 RANK_RE = re.compile(r"^rank-(\d{6})\.safetensors$")
@@ -119,7 +130,11 @@ def encode(step: int, rank: int, world: int, job: str,
         owners.append(objects[fqn])
     record = {"format": FORMAT, "job": job, "step": step, "rank": rank, "world": world,
               "tensors": record_t, "objects": record_o}
-    header: dict[str, Any] = {"__metadata__": {META_KEY: json.dumps(record, separators=(",", ":"))}}
+    layout = layout_digest(((f, r["dtype"], r["shape"], r["offsets"], n)  # (entries start with the tensors)
+                            for (f, _, n, _), r in zip(entries, record_t.values()) if all(n)), record_o)
+    summary = {"format": FORMAT, "job": job, "step": step, "rank": rank, "world": world, "layout": layout}
+    header: dict[str, Any] = {"__metadata__": {SUMMARY_KEY: json.dumps(summary, separators=(",", ":")),
+                                               META_KEY: json.dumps(record, separators=(",", ":"))}}
     for fqn, dtype, shape, n in entries:
         if fqn == "__metadata__":
             raise ValueError("'__metadata__' cannot be a key of a tier file")
@@ -295,6 +310,61 @@ def read_rank_header(path: str | os.PathLike, *, job: str | None = None, step: i
     tensors, objects = _entries(path, doc, entries)
     size = max((e[3] for e in entries.values()), default=0)
     return RankHeader(path, doc["job"], doc["step"], doc["rank"], doc["world"], tensors, objects, size)
+
+
+def read_summary(path: str | os.PathLike, *, job: str, step: int, rank: int) -> tuple[dict, int] | None:
+    """(the summary of the rank file ``path``, the file's size) read from its first bytes only, or None
+    when the file has no summary (written before it existed: read its whole header instead).
+
+    The summary must be an object with exactly :data:`SUMMARY_FIELDS`, of this format, naming ``job``,
+    ``step`` and ``rank`` (a rank below its world), with a layout digest (an int64); otherwise
+    :class:`CheckpointFormatError` naming the path. Nothing here proves that the record agrees with it:
+    whoever reads the file parses the record and checks (:func:`summary_problem`)."""
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _SUMMARY_READ, 0)
+    finally:
+        os.close(fd)
+    if len(head) < 8 or not head.startswith(_SUMMARY_HEAD, 8):
+        return None
+    n = int.from_bytes(head[:8], "little")
+    try:
+        text = head[8: 8 + min(n, len(head) - 8)].decode("utf-8", "replace")
+        value, _ = json.JSONDecoder().raw_decode(text, len(_SUMMARY_HEAD) - 1)
+        doc = json.loads(value, object_pairs_hook=_no_duplicates)
+    except ValueError as e:
+        raise CheckpointFormatError(f"{path}: the tier summary does not parse ({e})") from None
+    if not isinstance(doc, dict) or set(doc) != set(SUMMARY_FIELDS):
+        raise CheckpointFormatError(f"{path}: the tier summary must have exactly the keys {', '.join(SUMMARY_FIELDS)}")
+    if not _is_int(doc["format"]) or doc["format"] != FORMAT:
+        raise CheckpointFormatError(f"{path}: tier format {doc['format']!r:.40}, this pipeload reads {FORMAT}")
+    try:
+        _check_ids(doc["step"], doc["rank"], doc["world"], doc["job"])
+    except ValueError as e:
+        raise CheckpointFormatError(f"{path}: {e}") from None
+    if (doc["job"], doc["step"], doc["rank"]) != (job, step, rank):
+        raise CheckpointFormatError(f"{path}: the summary records job {doc['job']!r:.80}, step {doc['step']}, "
+                                    f"rank {doc['rank']}, expected {job!r:.80}, {step}, {rank}")
+    if not _is_int(doc["layout"]) or not -(1 << 63) <= doc["layout"] < (1 << 63):
+        raise CheckpointFormatError(f"{path}: the summary's layout must be a 64-bit integer")
+    return doc, size
+
+
+def summary_problem(meta: Any, record: dict, layout: int) -> str | None:
+    """Why a file's summary (``meta[SUMMARY_KEY]`` as stored) disagrees with its parsed ``record`` and the
+    ``layout`` digest computed from it, or None."""
+    text = meta.get(SUMMARY_KEY) if isinstance(meta, dict) else None
+    try:
+        doc = json.loads(text)
+    except (TypeError, ValueError):
+        return "its summary does not parse"
+    if not isinstance(doc, dict):
+        return "its summary is not an object"
+    got = {k: record.get(k) for k in SUMMARY_FIELDS if k != "layout"} | {"layout": layout}
+    odd = [k for k in SUMMARY_FIELDS if doc.get(k) != got[k]]
+    return f"its summary disagrees with its record ({', '.join(odd)})" if odd else None
 
 
 def _entries(path: str, doc: dict, entries: dict) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry]]:
@@ -509,5 +579,5 @@ def verify_chunk(header: RankHeader, fqn: str, data) -> None:
         raise ChecksumError(f"{header.path}: {fqn!r}: checksum {got}, recorded {entry.checksum}")
 
 
-__all__ = ["FORMAT", "TIER_FILE", "COMPLETE_FILE", "RankHeader", "TensorEntry", "ObjectEntry", "default_job", "check_job", "step_dir", "rank_file", "write_rank_file", "read_rank_header",
+__all__ = ["FORMAT", "TIER_FILE", "COMPLETE_FILE", "RankHeader", "TensorEntry", "read_summary", "summary_problem", "SUMMARY_KEY", "ObjectEntry", "default_job", "check_job", "step_dir", "rank_file", "write_rank_file", "read_rank_header",
            "list_steps", "claim", "tier_problem", "encode", "write_parts", "complete_problem", "verify_chunk"]

@@ -2,12 +2,15 @@
 
 One restore, on every rank of the load's group, in this order:
 
-1. each rank lists its own root (:mod:`.restoreread`) and computes the layout digest of its state dict;
+1. each rank lists its own root (:mod:`.restoreread`: each file's summary, its first bytes) and computes
+   the layout digest of its state dict;
 2. two gathers (:func:`.restoreplan.exchange`): the rows, then every rank's listing; from them alone,
    alike on every rank, the newest step complete over the live ranks, whether every rank loads exactly
    its saved rank's file (the same layout), and who reads what (:mod:`.restoreplan`). Resharding adds
    two all-gathers: the chunk tables of the step (each file's lowest holder sends its table) and every
    rank's requests;
+   Once a step is chosen, each rank parses the records of the files it will read; one that does not
+   parse or disagrees with its summary is a failed copy, found before any transfer (as in 3);
 3. checksums: every chunk and object a rank reads from its tier is hashed (xxh3) and compared with its
    header. Resharding checks the files first (before any destination is written); the same layout
    hashes the bytes as they are read, sent and copied (one pass over the tier instead of two). Either
@@ -46,6 +49,7 @@ import numpy as np
 import torch
 
 from ..engine import stateful
+from ..engine._gcpause import paused_gc
 from ..engine.comm import Comm
 from ..errors import DistributedError, PipeloadError, StateDictError
 from ..formats.chunks import dtype_name
@@ -53,7 +57,7 @@ from ..plan.exchange import host_id
 from ..plan.statedict import flatten, tensor_box
 from ..plan.tensorkinds import refusal
 from . import restoreplan
-from .restoreread import list_root, verify
+from .restoreread import list_root, load_header, verify
 from .restorerun import SameJob, reshard_job
 
 _TIER_OPTIONS = ("process_group", "timeout", "strict")
@@ -105,7 +109,8 @@ async def restore(state_dict: dict, tier, fallback, stats_cls, plain_load, optio
     expanded, stateful_values = stateful.expand(state_dict)
     stats = stats_cls()
     kw = {k: options[k] for k in _TIER_OPTIONS if k in options}
-    result = await asyncio.to_thread(_restore, expanded, tier, stats, **kw)
+    with paused_gc():  # (as a load's planning: full collections walking the trainer's objects cost more than the restore)
+        result = await asyncio.to_thread(_restore, expanded, tier, stats, **kw)
     if result is None:
         if fallback is None:
             raise PipeloadError(f"pipeload.load from memory tier {tier.root}: no step of the tier is complete "
@@ -139,13 +144,19 @@ def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, st
     while True:
         if planned.choice is None:
             return None
-        job = (SameJob(planned, comm.rank) if planned.same
-               else reshard_job(comm, planned, files, want, strict, what, tier.job))
-        lap("exchange")
-        bad = _check(files, job.reads, checked, planned.choice.step)
+        step = planned.choice.step
+        same = SameJob(planned, comm.rank) if planned.same else None
+        bad = _headers(files, same.files if same else _held(files, step), step)
         if _any_bad(comm, bad, what, lap, "check"):
             planned = _retake(comm, planned, bad, files, what)
             continue
+        job = same or reshard_job(comm, planned, files, want, strict, what, tier.job)
+        lap("exchange")
+        if not planned.same:  # (the same layout checks its copies as it reads them: see SameJob.run)
+            bad = _check(files, job.reads, checked, step)
+            if _any_bad(comm, bad, what, lap, "check"):
+                planned = _retake(comm, planned, bad, files, what)
+                continue
         stats.step = planned.choice.step
         decoded, error, bad = job.run(comm, files, want, stats, what)
         lap("transfer")
@@ -196,6 +207,25 @@ def _raise_problems(comm: Comm, problems: list, what: str) -> None:
     if len(gathered) == 1:
         raise StateDictError(f"{what}: cannot load", gathered[0])
     raise DistributedError(f"{what}: validation", {r: "\n".join(p) for r, p in enumerate(gathered) if p})
+
+
+def _held(files: dict, step: int) -> list:
+    """The saved ranks of ``step`` whose files this rank lists."""
+    return sorted(f for s, f in files if s == step)
+
+
+def _headers(files: dict, needed, step: int) -> list:
+    """Parse the records of the files of ``step`` this rank will read (listed from their summaries alone):
+    [(step, saved rank, why)] of those that do not parse or disagree with their summaries, which are also
+    dropped from ``files`` (missing copies: the decision is re-taken without them)."""
+    bad = []
+    for f in sorted(needed):
+        tf = files.get((step, f))
+        why = load_header(tf) if tf is not None else "not listed"
+        if why is not None:
+            bad.append((step, f, why))
+            files.pop((step, f), None)
+    return bad
 
 
 def _check(files: dict, reads: set, checked: set, step: int) -> list:

@@ -1,10 +1,13 @@
 """What a restore reads from this rank's own tier root: the listing, the checks, the chunks.
 
-A rank can read only its own host's root. It lists the newest complete steps there (``format.list_steps``),
-reads each rank file's header (validated: a file whose header names another job, step or rank, or
-that does not parse, is left out, with a warning naming it: a missing copy), and reports one entry per
-file. Checksums are verified by the rank that will read a file, before any destination is written
-(:func:`verify`): a file that fails is a missing copy and the restore's decision is re-taken.
+A rank can read only its own host's root. It lists the newest complete steps there (``format.list_steps``)
+and reports one entry per rank file from the file's summary alone (its first bytes: job, step, rank,
+world, layout digest); a file whose summary names another job, step or rank, or does not parse, is
+left out with a warning naming it: a missing copy. Files without a summary are parsed whole. The
+record of a file (each chunk's box and checksum) is parsed only when this rank reads the file
+(:func:`load_header`), and must agree with the summary it was planned with. Checksums are verified by
+the rank that reads a file (:func:`verify`, or as it is read): a file that fails is a missing copy and
+the restore's decision is re-taken.
 """
 
 from __future__ import annotations
@@ -27,22 +30,33 @@ from .restoreplan import STEPS_LISTED, layout_digest
 
 @dataclass
 class TierFile:
-    """One rank file of this rank's root, as its header describes it."""
+    """One rank file of this rank's root, as its summary (listing) or its header describes it.
+
+    Listed from the summary alone (:func:`.format.read_summary`), ``tensors``/``objects``/``spans`` are
+    None until :func:`load_header` parsed the record (only for files this rank reads); ``layout`` is the
+    summary's digest. A file without a summary is parsed whole when listed, as before summaries existed."""
 
     step: int
     rank: int  # saved rank
     world: int  # saved world
     path: str
     nbytes: int
-    tensors: dict  # fqn -> (dtype name, global shape, offsets, lengths, checksum)
-    objects: dict  # fqn -> (bytes, checksum)
-    spans: dict  # fqn (tensor or object) -> (start, end): absolute byte offsets in the file
+    tensors: dict | None  # fqn -> (dtype name, global shape, offsets, lengths, checksum)
+    objects: dict | None  # fqn -> (bytes, checksum)
+    spans: dict | None  # fqn (tensor or object) -> (start, end): absolute byte offsets in the file
+    layout: int | None = None  # the layout digest (the summary's, or computed from the record)
+    summary_problem: str | None = None  # (parsed by load_header: how its summary disagrees with the record)
 
     @property
     def digest(self) -> int:
         """The layout digest of what this file holds (empty chunks aside, as a state dict's boxes are)."""
-        return layout_digest(((f, d, s, o, n) for f, (d, s, o, n, _) in self.tensors.items() if all(n)),
-                             self.objects)
+        if self.layout is None:
+            self.layout = _digest(self.tensors, self.objects)
+        return self.layout
+
+    @property
+    def loaded(self) -> bool:
+        return self.tensors is not None
 
     def entry(self) -> tuple[int, int, int, int, int]:
         return (self.step, self.rank, self.world, self.digest, self.nbytes)
@@ -54,8 +68,13 @@ class TierFile:
                 "objects": {f: int(b) for f, (b, _) in self.objects.items()}}
 
 
+def _digest(tensors: dict, objects: dict) -> int:
+    return layout_digest(((f, d, s, o, n) for f, (d, s, o, n, _) in tensors.items() if all(n)), objects)
+
+
 def list_root(root: str, job: str) -> dict[tuple[int, int], TierFile]:
-    """Every readable rank file of the newest :data:`STEPS_LISTED` complete steps under ``root``."""
+    """Every usable rank file of the newest :data:`STEPS_LISTED` complete steps under ``root``: from each
+    file's summary (its first bytes), or its whole header when it has none."""
     out: dict[tuple[int, int], TierFile] = {}
     try:
         steps = tierformat.list_steps(root, job)  # (another job's or a damaged root: empty, warned there)
@@ -66,23 +85,61 @@ def list_root(root: str, job: str) -> dict[tuple[int, int], TierFile]:
     for step in complete:
         for r in steps[step]["ranks"]:
             path = os.fspath(tierformat.rank_file(root, step, r))
-            tf = _open(path, job, step, r)
+            tf = _list_one(path, job, step, r)
             if tf is not None:
                 out[(step, r)] = tf
     return out
 
 
-def _open(path: str, job: str, step: int, rank: int) -> TierFile | None:
+def _list_one(path: str, job: str, step: int, rank: int) -> TierFile | None:
+    try:
+        got = tierformat.read_summary(path, job=job, step=step, rank=rank)
+    except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
+        _unusable(path, e)
+        return None
+    if got is None:
+        return _open(path, job, step, rank)
+    doc, size = got
+    return TierFile(step, rank, doc["world"], path, size, None, None, None, doc["layout"])
+
+
+def _unusable(path: str, e: Exception) -> None:
+    warnings.warn(f"pipeload: memory tier file {path} is not usable ({type(e).__name__}: {e}); treated as "
+                  f"missing", RuntimeWarning, stacklevel=3)
+
+
+def load_header(tf: TierFile) -> str | None:
+    """Parse ``tf``'s record (a file listed from its summary) into it: None, or why the copy is unusable
+    (its header does not parse, or disagrees with the summary it was listed and planned with)."""
+    if tf.loaded:
+        return None
+    full = _open(tf.path, None, tf.step, tf.rank, warn=False)
+    if isinstance(full, str):
+        return full
+    if full.summary_problem:
+        return f"{tf.path}: {full.summary_problem}"
+    if full.world != tf.world or (full.spans and full.nbytes != tf.nbytes):
+        return f"{tf.path}: its header disagrees with its summary (world or size)"
+    if full.digest != tf.layout:
+        return f"{tf.path}: its summary disagrees with its record (layout)"
+    tf.tensors, tf.objects, tf.spans = full.tensors, full.objects, full.spans
+    return None
+
+
+def _open(path: str, job: str | None, step: int, rank: int, warn: bool = True):
     """The file's header as the listing needs it, or None (warned) when it is not this job's step and
-    rank's or does not parse. The safetensors layer is validated by the compiled parser; the tier record
-    is only parsed here (each chunk's fields against the file's entries), not checked field by field as
-    :func:`.format.read_rank_header` does: a copy is used only when its layout digest equals the one it
-    is used with (:func:`.restoreplan.same_layout`) — the receiving rank's own boxes, or the lowest
-    holder's header, fully validated before its chunk table is sent — and its checksums pass."""
+    rank's or does not parse (with ``warn=False``: why, a str). The safetensors layer is validated by the
+    compiled parser; the tier record is only parsed here (each chunk's fields against the file's entries),
+    not checked field by field as :func:`.format.read_rank_header` does: a copy is used only when its
+    layout digest equals the one it is used with (:func:`.restoreplan.same_layout`) — the receiving rank's
+    own boxes, or the lowest holder's header, fully validated before its chunk table is sent — and its
+    checksums pass."""
     try:
         entries = read_header(path)
-        doc = json.loads((entries.pop("__metadata__") or {})[tierformat.META_KEY])
-        if (doc["format"], doc["job"], doc["step"], doc["rank"]) != (tierformat.FORMAT, job, step, rank):
+        meta = entries.pop("__metadata__") or {}
+        doc = json.loads(meta[tierformat.META_KEY])
+        if (doc["format"], doc["step"], doc["rank"]) != (tierformat.FORMAT, step, rank) or (
+                job is not None and doc["job"] != job):
             raise ValueError(f"records format {doc['format']!r:.20}, job {doc['job']!r:.80}, step "
                              f"{doc['step']!r:.20}, rank {doc['rank']!r:.20}")
         if set(doc["tensors"]) | set(doc["objects"]) != set(entries):
@@ -98,10 +155,16 @@ def _open(path: str, job: str, step: int, rank: int) -> TierFile | None:
             spans[fqn] = entries[fqn][2:]
             objects[fqn] = (spans[fqn][1] - spans[fqn][0], str(c))
         size = max((e[3] for e in entries.values()), default=0)
-        return TierFile(step, rank, int(doc["world"]), path, int(size), tensors, objects, spans)
+        tf = TierFile(step, rank, int(doc["world"]), path, int(size), tensors, objects, spans)
+        if tierformat.SUMMARY_KEY in meta:
+            tf.summary_problem = tierformat.summary_problem(meta, doc, tf.digest)
+        else:
+            tf.summary_problem = None if job is not None else "its summary is gone"
+        return tf
     except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
-        warnings.warn(f"pipeload: memory tier file {path} is not usable ({type(e).__name__}: {e}); treated as "
-                      f"missing", RuntimeWarning, stacklevel=2)
+        if not warn:
+            return f"{path}: {type(e).__name__}: {e}"
+        _unusable(path, e)
         return None
 
 

@@ -22,10 +22,10 @@ from ..errors import DistributedError, StateDictError
 from ..formats.chunks import torch_dtype
 from ..io._fastio import SafetensorsFile
 from ..io.reader import decode_object, narrow
-from ..io.checksum import hasher
+from ..io.checksum import checksum, hasher
 from . import restoreplan
 from .restoreread import copy_region, pread_into, read_region, validated_table
-from .restorexfer import Transfers, batches, staged_into, unpack_into
+from .restorexfer import Transfers, batches, host_bytes, staged_into, unpack_into
 
 
 class _Files:
@@ -86,7 +86,11 @@ class _Hashes:
     order): a copy that fails is reported after the transfers, and the decision is re-taken then."""
 
     def __init__(self):
-        self.of: dict[tuple[str, str], object] = {}
+        self.of: dict[tuple[str, str], object] = {}  # a hasher fed in parts, or the hex digest of the whole
+
+    def whole(self, tf, fqn: str, data) -> None:
+        """The checksum of ``fqn``'s bytes, all of them in ``data`` (a bytes-like object)."""
+        self.of[(tf.path, fqn)] = checksum(data)
 
     def feed(self, tf, fqn: str, data: torch.Tensor) -> None:
         h = self.of.get((tf.path, fqn))
@@ -100,10 +104,13 @@ class _Hashes:
         want = {f: t[4] for f, t in tf.tensors.items()} | {f: o[1] for f, o in tf.objects.items()}
         for fqn, csum in want.items():
             h = self.of.get((tf.path, fqn))
-            got = h.hexdigest() if h is not None else hasher().hexdigest()
+            got = h if type(h) is str else h.hexdigest() if h is not None else _EMPTY
             if got != csum:
                 return f"{tf.path}: {fqn!r}: checksum {got} != {csum} recorded"
         return None
+
+
+_EMPTY = checksum(b"")
 
 
 def _part(tf, fd: int, fqn: str, errors: _Errors, hashes: _Hashes):
@@ -180,10 +187,18 @@ def _send_file(x: Transfers, tf, fd: int, peer: int, errors: _Errors, hashes: _H
             x.send(peer, batch[0][1], _part(tf, fd, batch[0][0], errors, hashes))
             continue
         buf = torch.empty(sum(n for _, n in batch), dtype=torch.uint8)
+        view = host_bytes(buf.data_ptr(), buf.numel())
+        spans = [tf.spans[fqn] for fqn, _ in batch]
+        if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):  # (back to back in the file: one read)
+            errors.guard(lambda: pread_into(fd, tf.path, spans[0][0], buf), lambda: None)
+        else:
+            at = 0
+            for (fqn, n), (start, _) in zip(batch, spans):
+                errors.guard(lambda: pread_into(fd, tf.path, start, buf[at: at + n]), lambda: None)
+                at += n
         at = 0
         for fqn, n in batch:
-            errors.guard(lambda: pread_into(fd, tf.path, tf.spans[fqn][0], buf[at: at + n]), lambda: None)
-            hashes.feed(tf, fqn, buf[at: at + n])
+            hashes.whole(tf, fqn, view[at: at + n])
             at += n
         x.send(peer, buf.numel(), _slices(buf))
     names = sorted(tf.objects)
@@ -222,12 +237,30 @@ def _recv_file(x: Transfers, peer: int, want, errors: _Errors, what: str) -> lis
 
 
 def _copy_file(tf, fd: int, want, errors: _Errors, stats, hashes: _Hashes) -> list:
-    """This rank's own file into its destinations: ``pread`` straight into each contiguous host tensor
-    (in pieces, each hashed while it is in the cache)."""
+    """This rank's own file into its destinations: ``preadv`` straight into the destination tensors, many
+    chunks back to back in the file a call (a large one in pieces), each hashed while it is in the cache."""
+    items = []
     for fqn, (_, box, _) in want.tensors.items():
         buf, then = staged_into(box.local)
-        errors.guard(lambda: (_pread_hashed(fd, tf, fqn, buf, hashes), then()), lambda: None)
+        items.append((tf.spans[fqn][0], fqn, buf, then))
         stats.bytes_read += buf.numel()
+    items.sort(key=lambda item: item[0])
+    group: list = []
+    total = 0
+    for item in items:
+        start, _, buf, _ = item
+        n = buf.numel()
+        if group and (start != group[-1][0] + group[-1][2].numel() or len(group) >= _IOV_MAX
+                      or total + n > _HASH_PIECE):
+            _read_group(fd, tf, group, errors, hashes)
+            group, total = [], 0
+        if n >= _HASH_PIECE:
+            errors.guard(lambda: (_pread_hashed(fd, tf, item[1], buf, hashes), item[3]()), lambda: None)
+            continue
+        group.append(item)
+        total += n
+    if group:
+        _read_group(fd, tf, group, errors, hashes)
     stats.private_shards = len(want.tensors)
     out = []
     for fqn, leaf in want.objects.items():
@@ -237,6 +270,28 @@ def _copy_file(tf, fd: int, want, errors: _Errors, stats, hashes: _Hashes) -> li
         data = blob.numpy().tobytes()
         out.append((leaf, errors.guard(lambda: decode_object(data, f"{tf.path}: object {fqn!r}"), lambda: None)))
     return out
+
+
+_IOV_MAX = 1024  # buffers per preadv (Linux's IOV_MAX)
+
+
+def _read_group(fd: int, tf, group: list, errors: _Errors, hashes: _Hashes) -> None:
+    """Chunks back to back in the file (``group``: (start, fqn, flat uint8 destination, then)) with one
+    ``preadv`` (a short read: each again on its own, which names where the file ended); hashed, then
+    copied on where the destination is staged."""
+    views = [host_bytes(buf.data_ptr(), buf.numel()) for _, _, buf, _ in group if buf.numel()]
+
+    def read() -> None:
+        if os.preadv(fd, views, group[0][0]) != sum(v.nbytes for v in views):
+            for start, _, buf, _ in group:
+                pread_into(fd, tf.path, start, buf)
+
+    ok = errors.guard(lambda: (read(), True)[1], lambda: False)
+    at = iter(views)
+    for _, fqn, buf, then in group:
+        hashes.whole(tf, fqn, next(at) if buf.numel() else b"")
+        if ok:
+            then()
 
 
 _HASH_PIECE = 4 << 20
