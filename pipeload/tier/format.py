@@ -298,18 +298,23 @@ def read_rank_header(path: str | os.PathLike, *, job: str | None = None, step: i
     if not isinstance(doc, dict) or set(doc) != {"format", "job", "step", "rank", "world", "tensors", "objects"}:
         raise CheckpointFormatError(f"{path}: the tier record must be an object with exactly the keys format, "
                                     f"job, step, rank, world, tensors, objects")
-    if not _is_int(doc["format"]) or doc["format"] != FORMAT:
-        raise CheckpointFormatError(f"{path}: tier format {doc['format']!r:.40}, this pipeload reads {FORMAT}")
-    try:
-        _check_ids(doc["step"], doc["rank"], doc["world"], doc["job"])
-    except ValueError as e:
-        raise CheckpointFormatError(f"{path}: {e}") from None
+    _check_doc(path, doc)
     for name, want in (("job", job), ("step", step), ("rank", rank)):
         if want is not None and doc[name] != want:
             raise CheckpointFormatError(f"{path}: the file records {name} {doc[name]!r:.80}, expected {want!r:.80}")
     tensors, objects = _entries(path, doc, entries)
     size = max((e[3] for e in entries.values()), default=0)
     return RankHeader(path, doc["job"], doc["step"], doc["rank"], doc["world"], tensors, objects, size)
+
+
+def _check_doc(path: str, doc: dict) -> None:
+    """A record's or summary's format and ids (step, rank below world, job), or the error naming ``path``."""
+    if not _is_int(doc["format"]) or doc["format"] != FORMAT:
+        raise CheckpointFormatError(f"{path}: tier format {doc['format']!r:.40}, this pipeload reads {FORMAT}")
+    try:
+        _check_ids(doc["step"], doc["rank"], doc["world"], doc["job"])
+    except ValueError as e:
+        raise CheckpointFormatError(f"{path}: {e}") from None
 
 
 def read_summary(path: str | os.PathLike, *, job: str, step: int, rank: int) -> tuple[dict, int] | None:
@@ -338,12 +343,7 @@ def read_summary(path: str | os.PathLike, *, job: str, step: int, rank: int) -> 
         raise CheckpointFormatError(f"{path}: the tier summary does not parse ({e})") from None
     if not isinstance(doc, dict) or set(doc) != set(SUMMARY_FIELDS):
         raise CheckpointFormatError(f"{path}: the tier summary must have exactly the keys {', '.join(SUMMARY_FIELDS)}")
-    if not _is_int(doc["format"]) or doc["format"] != FORMAT:
-        raise CheckpointFormatError(f"{path}: tier format {doc['format']!r:.40}, this pipeload reads {FORMAT}")
-    try:
-        _check_ids(doc["step"], doc["rank"], doc["world"], doc["job"])
-    except ValueError as e:
-        raise CheckpointFormatError(f"{path}: {e}") from None
+    _check_doc(path, doc)
     if (doc["job"], doc["step"], doc["rank"]) != (job, step, rank):
         raise CheckpointFormatError(f"{path}: the summary records job {doc['job']!r:.80}, step {doc['step']}, "
                                     f"rank {doc['rank']}, expected {job!r:.80}, {step}, {rank}")
