@@ -298,6 +298,44 @@ def _case_fsdp(rank, world, roots, ckpt, mesh1):
     return received
 
 
+def _many_state(mesh, scale: float) -> dict:
+    """Tensors of many sizes: under, around and over the (shrunk) message sizes of the case below."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    out = {}
+    for i, n in enumerate([1, 3, 5, 8, 17, 40, 64, 100, 2, 7, 33, 250]):
+        t = (torch.arange(n * 4, dtype=torch.float32).reshape(n, 4) + 1000 * i) * scale
+        out[f"t{i:02d}"] = distribute_tensor(t, mesh, [Replicate(), Shard(0) if n >= 2 else Replicate()])
+    return {"model": out, "step": int(scale)}
+
+
+def _case_small_messages(rank, world, roots, ckpt, mesh, mesh1):
+    """Messages of at most 256 bytes, 512 in flight: transfers cut into many parts and packed messages,
+    their buffers reused as messages complete; a restore and a resharding restore stay exact."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pipeload.tier import restorexfer
+
+    sizes = restorexfer.PIECE, restorexfer.SMALL, restorexfer.INFLIGHT
+    restorexfer.PIECE, restorexfer.SMALL, restorexfer.INFLIGHT = 256, 64, 512
+    try:
+        sd = _many_state(mesh, 11.0)
+        _snapshot(rank, world, roots, 11, sd)
+        _wipe(rank, roots, {1})
+        dest = _zeroed(sd)
+        stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
+        _same(dest, sd)
+        received = stats.bytes_received
+        full = {k: v.full_tensor() for k, v in sd["model"].items()}
+        want = {"model": {k: distribute_tensor(v, mesh1, [Shard(1)]) for k, v in full.items()}, "step": 11}
+        dest = _zeroed(want)
+        _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
+        _same(dest, want)
+        return received
+    finally:
+        restorexfer.PIECE, restorexfer.SMALL, restorexfer.INFLIGHT = sizes
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -329,6 +367,7 @@ def _world_main(rank: int, world: int, tmp: str) -> dict:
     out["fsdp"] = _case_fsdp(rank, world, roots, ckpt, mesh1)
     out["skewed"] = _case_summary_disagrees(rank, world, roots, ckpt, mesh)
     out["old"] = _case_no_summary(rank, world, roots, ckpt, mesh)
+    out["small"] = _case_small_messages(rank, world, roots, ckpt, mesh, mesh1)
     return out
 
 
@@ -343,5 +382,6 @@ def test_restore_world4(tmp_path):
     assert res[3]["fsdp"] > 0
     # a summary disagreeing with its record: that copy is missing, rank 0 received its file
     assert res[0]["skewed"]["received"] > 0 and res[1]["skewed"]["received"] == 0
+    assert res[1]["small"] > 4 * 256  # (many messages: the buffers were reused)
     # files without a summary: listed whole, the lost host's rank received its state
     assert res[1]["old"]["received"] > 0 and res[0]["old"]["received"] == 0

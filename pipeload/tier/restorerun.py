@@ -113,14 +113,15 @@ class _Hashes:
 _EMPTY = checksum(b"")
 
 
-def _part(tf, fd: int, fqn: str, errors: _Errors, hashes: _Hashes):
+def _part(tf, fd: int, fqn: str, errors: _Errors, hashes: _Hashes, take=None):
     """``part(lo, hi)``: bytes [lo, hi) of the stored chunk (or object) ``fqn``, read with ``pread``
-    (parts asked for in order: each is hashed as it is read)."""
+    (parts asked for in order: each is hashed as it is read) into ``take(n)`` (a transfer's buffer)."""
     start = tf.spans[fqn][0]
+    take = take or (lambda n: torch.empty(n, dtype=torch.uint8))
 
     def part(lo: int, hi: int) -> torch.Tensor:
         def read():
-            out = torch.empty(hi - lo, dtype=torch.uint8)
+            out = take(hi - lo)
             pread_into(fd, tf.path, start + lo, out)
             hashes.feed(tf, fqn, out)
             return out
@@ -184,9 +185,9 @@ class SameJob:
 def _send_file(x: Transfers, tf, fd: int, peer: int, errors: _Errors, hashes: _Hashes) -> None:
     for batch in batches([(fqn, _size(tf, fqn)) for fqn in sorted(tf.tensors)]):
         if len(batch) == 1:
-            x.send(peer, batch[0][1], _part(tf, fd, batch[0][0], errors, hashes))
+            x.send(peer, batch[0][1], _part(tf, fd, batch[0][0], errors, hashes, x.buffer))
             continue
-        buf = torch.empty(sum(n for _, n in batch), dtype=torch.uint8)
+        buf = x.buffer(sum(n for _, n in batch))
         view = host_bytes(buf.data_ptr(), buf.numel())
         spans = [tf.spans[fqn] for fqn, _ in batch]
         if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):  # (back to back in the file: one read)
@@ -215,7 +216,7 @@ def _recv_file(x: Transfers, peer: int, want, errors: _Errors, what: str) -> lis
         if len(batch) == 1:
             buf, then = staged_into(dst[batch[0][0]])
         else:
-            buf = torch.empty(sum(n for _, n in batch), dtype=torch.uint8)
+            buf = x.buffer(sum(n for _, n in batch))
             then = unpack_into(buf, [dst[fqn] for fqn, _ in batch])
         x.recv(peer, buf, then)
     names = sorted(want.objects)
@@ -392,7 +393,7 @@ class ReshardJob:
                     if len(dsts) == 1:
                         buf, then = staged_into(dsts[0])
                     else:
-                        buf = torch.empty(sum(d.numel() * d.element_size() for d in dsts), dtype=torch.uint8)
+                        buf = x.buffer(sum(d.numel() * d.element_size() for d in dsts))
                         then = unpack_into(buf, dsts)
                     x.recv(s, buf, then)
                     stats.shared_shards += len(batch)

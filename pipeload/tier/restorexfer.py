@@ -7,6 +7,11 @@ the global order and posts every part at once (``isend``/``irecv`` on the load's
 its oldest outstanding part while more than :data:`INFLIGHT` bytes are in flight. A sender reads the
 next part (``pread`` out of its tier file: a file cut meanwhile is a short read, never a SIGBUS) while
 the backend sends the previous ones.
+
+Messages that are not a destination's own memory (a sender's parts, a receiver's packed messages) go
+through a few :data:`PIECE`-byte buffers reused as their messages complete (:meth:`Transfers.buffer`):
+fresh memory for every message made the first restore of a process fault in every byte it moved (a
+quarter of a million page faults, most of its time, for 256 MiB sent on this machine's VM).
 """
 
 from __future__ import annotations
@@ -28,11 +33,25 @@ INFLIGHT = 64 << 20  # bytes a rank has posted and not yet seen complete
 class Transfers:
     """One rank's sends and receives, posted in the global order, at most :data:`INFLIGHT` bytes in flight."""
 
-    def __init__(self, comm, what: str, limit: int = INFLIGHT):
-        self.comm, self.what, self.limit = comm, what, limit
+    def __init__(self, comm, what: str, limit: int | None = None):
+        self.comm, self.what, self.limit = comm, what, INFLIGHT if limit is None else limit
         self.pending: deque = deque()  # (work, bytes, buffer kept alive, then-callback)
         self.inflight = 0
         self.sent = self.received = self.messages = 0
+        self._free: list[torch.Tensor] = []  # PIECE-byte buffers whose message completed
+        self._pooled: dict[int, torch.Tensor] = {}  # address -> buffer, every buffer of the pool
+
+    def buffer(self, n: int) -> torch.Tensor:
+        """A flat uint8 buffer for one message of ``n`` bytes (its single part: ``n`` <= :data:`PIECE`),
+        taken back for another message once the message it was posted with completed (after its
+        ``then``). At most INFLIGHT / PIECE + 2 buffers exist: the posted ones and the one being filled."""
+        if n == 0 or n > PIECE:
+            return torch.empty(n, dtype=torch.uint8)
+        if not self._free:
+            base = torch.empty(PIECE, dtype=torch.uint8)
+            self._pooled[base.data_ptr()] = base
+            self._free.append(base)
+        return self._free.pop()[:n]
 
     def send(self, peer: int, nbytes: int, part: Callable[[int, int], torch.Tensor]) -> None:
         """Send ``nbytes`` to ``peer``: ``part(lo, hi)`` gives bytes [lo, hi) as a uint8 tensor."""
@@ -70,7 +89,7 @@ class Transfers:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        work, n, _, then = self.pending.popleft()
+        work, n, buf, then = self.pending.popleft()
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001
@@ -78,6 +97,9 @@ class Transfers:
         self.inflight -= n
         if then is not None:
             then()
+        base = self._pooled.get(buf.data_ptr()) if self._pooled else None
+        if base is not None:  # (a buffer of the pool carries one message of one part: complete, and read)
+            self._free.append(base)
 
     def drain(self) -> None:
         """Wait for everything posted (the oldest first)."""
