@@ -2,7 +2,7 @@
 
 Faults: concurrent loads/saves on one group or directory, a file truncated while it is copied, hostile
 checkpoint files (FIFO, /dev/zero, links leaving the directory, compressed object records, malformed
-metadata) and ranks killed mid-load. Each case asserts a PipeloadError on every surviving rank,
+metadata) and ranks killed mid-load or mid-restore from a memory tier. Each case asserts a PipeloadError on every surviving rank,
 promptly, and that nothing is reported loaded or committed.
 """
 
@@ -716,3 +716,62 @@ def test_rank_killed_mid_load(tmp_path, phase):
         assert value["error"] is not None, f"rank {r} reported the load as done"
         assert value["took"] < 30, value
         assert "rank(s) 1 stopped answering" in value["error"], value["error"]
+
+
+# -- a rank killed mid-restore from a memory tier -----------------------------------------------------------
+
+
+def _die_on_pread(n: int) -> None:
+    """SIGKILL this process as a tier restore reads its ``n``-th part to send (inside the transfers)."""
+    from pipeload.tier import restorerun
+
+    pread_into, calls = restorerun.pread_into, [0]
+
+    def dying(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return pread_into(*args, **kwargs)
+
+    restorerun.pread_into = dying
+
+
+def world3_restore_death(rank: int, world: int, root: str) -> dict:
+    """Rank 1's host lost; rank 2, the host of its copy, dies while sending it (4 KiB messages, 8 KiB in
+    flight: the transfer is many messages long)."""
+    from pipeload.tier import MemoryTier, restorexfer
+
+    restorexfer.PIECE, restorexfer.SMALL, restorexfer.INFLIGHT = 4096, 1024, 8192
+    sd = {f"t{i:02d}": torch.full((16 << 10,), 1.0 + i + rank) for i in range(8)}
+    tier = MemoryTier(os.path.join(root, f"host{rank}"), replicas=2, job="restore-death")
+    pipeload.save(sd, tier, step=1)
+    dist.barrier()
+    if rank == 1:
+        import shutil
+
+        shutil.rmtree(tier.root)
+        os.makedirs(tier.root)
+    dist.barrier()
+    if rank == 2:
+        _die_on_pread(3)
+    dest = {k: torch.zeros_like(v) for k, v in sd.items()}
+    t0 = time.monotonic()
+    try:
+        pipeload.load(dest, tier, fallback=os.path.join(root, "nothing"))
+    except PipeloadError as e:
+        return {"error": str(e), "took": time.monotonic() - t0}
+    return {"error": None, "took": time.monotonic() - t0}
+
+
+@pytest.mark.timeout(200)
+def test_rank_killed_mid_restore(tmp_path):
+    res = _spawn_survivors(world3_restore_death, 3, (str(tmp_path),), timeout=90, pg_timeout=60)
+    assert 2 not in res, "the victim reported"
+    for r in (0, 1):
+        assert r in res, f"rank {r} did not report within the deadline ({res})"
+        ok, value = res[r]
+        assert ok, value
+        assert value["error"] is not None, f"rank {r} reported the restore as done"
+        assert value["took"] < 30, value
+        assert "rank(s) 2 stopped answering" in value["error"], value["error"]
+    assert "point-to-point transfer" in res[1][1]["error"]  # (the receiver was inside the transfer)
