@@ -527,8 +527,14 @@ def world2_concurrency(rank: int, world: int, root: str) -> dict:
                                        return_exceptions=True)
         return results
 
-    # Two loads at once on the world, the same order on every rank, then in opposite orders.
-    for name, (x, y) in {"same": (a, b), "same-ckpt": (a, a), "crossed": (a, b) if rank == 0 else (b, a)}.items():
+    from pipeload.tier import MemoryTier
+
+    tier = MemoryTier(os.path.join(root, f"tier{rank}"), replicas=2, job="concurrency")
+    pipeload.save(_sd(40, 7.0), tier, step=1)
+    # Two loads at once on the world, the same order on every rank, then in opposite orders; a tier
+    # restore beside a load, in both orders.
+    for name, (x, y) in {"same": (a, b), "same-ckpt": (a, a), "crossed": (a, b) if rank == 0 else (b, a),
+                         "tier": (tier, a), "tier-crossed": (tier, a) if rank == 0 else (a, tier)}.items():
         t0 = time.monotonic()
         results = asyncio.run(both(x, y))
         out[name] = time.monotonic() - t0
@@ -539,6 +545,8 @@ def world2_concurrency(rank: int, world: int, root: str) -> dict:
     sd = _sd(40)
     pipeload.load(sd, a)
     assert all(torch.equal(sd[f"t{i:03d}"], torch.full((1024,), 1.0 + i)) for i in range(40))
+    pipeload.load(sd, tier)
+    assert all(torch.equal(sd[f"t{i:03d}"], torch.full((1024,), 7.0 + i)) for i in range(40))
     # use_collectives=False loads may run together.
     async def free():
         sa, sb = _sd(40), _sd(40)
@@ -601,7 +609,7 @@ def world2_concurrency(rank: int, world: int, root: str) -> dict:
 def test_world2_concurrent_use_and_truncation(tmp_path):
     res = run_world(world2_concurrency, 2, str(tmp_path), timeout=150, pg_timeout=60, separate_hosts=True)
     for r in res:
-        for name in ("same", "same-ckpt", "crossed"):
+        for name in ("same", "same-ckpt", "crossed", "tier", "tier-crossed"):
             assert r[name] < 10, f"{name} took {r[name]:.1f} s"
     for r in res:
         for o in r["truncate"]:

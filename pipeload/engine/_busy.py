@@ -32,6 +32,11 @@ import numpy as np
 
 from ..errors import PipeloadError
 
+CONTENDED = -1
+"""The first word of a rank's first row gather when its operation is contended: a load's and a tier
+restore's first collectives are both four-word row gathers with it in word 0 (a plan token, a host id:
+never -1), so whichever of the two a rank's gather is paired with, every rank sees the contention."""
+
 _lock = threading.Lock()
 _seq = itertools.count()
 _active: dict[int, "Activity"] = {}

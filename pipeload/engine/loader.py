@@ -32,7 +32,7 @@ import torch
 
 from ..plan import plancache
 from . import stateful
-from ._busy import Guard, refuse_contended_or_disagreeing
+from ._busy import CONTENDED, Guard, refuse_contended_or_disagreeing
 from ._gcpause import paused_gc
 from .comm import Comm
 from ..errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
@@ -449,7 +449,7 @@ def _rebind(prep: _Prepared, values: list, homes: dict) -> None:
         obj.leaf = Leaf(obj.fqn, *homes[i], values[i])
 
 
-_CONTENDED = -1  # the first word of a rank whose load overlaps another on its process (tokens are never -1)
+_CONTENDED = CONTENDED  # the first word of a rank whose load overlaps another on its process (_busy.py)
 
 
 def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):

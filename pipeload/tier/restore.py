@@ -22,6 +22,8 @@ One restore, on every rank of the load's group, in this order:
    layout: a copy needs no other rank), then the final agreement; Python objects
    are put in their containers and ``Stateful`` values loaded only after it succeeded.
 No whole step: ``pipeload.load(state_dict, fallback, **options)``, the ordinary load.
+A restore takes the one-operation-per-group guard as a load does (:mod:`pipeload.engine._busy`): a contended
+rank's only collective is the rows gather, with the contention mark where a load's first gather has it.
 
 Why this cannot deadlock (the argument of docs/ARCHITECTURE.md, for point-to-point messages): every
 message has a position in one sequence all ranks derive from the gathered words (transfers sorted by
@@ -49,6 +51,7 @@ import numpy as np
 import torch
 
 from ..engine import stateful
+from ..engine._busy import CONTENDED, Guard, refuse_contended_or_disagreeing
 from ..engine._gcpause import paused_gc
 from ..engine.comm import Comm
 from ..errors import DistributedError, PipeloadError, StateDictError
@@ -59,9 +62,6 @@ from ..plan.tensorkinds import refusal
 from . import restoreplan
 from .restoreread import list_root, load_header, verify
 from .restorerun import SameJob, reshard_job
-
-_TIER_OPTIONS = ("process_group", "timeout", "strict")
-
 
 @dataclass
 class Wanted:
@@ -108,9 +108,15 @@ async def restore(state_dict: dict, tier, fallback, stats_cls, plain_load, optio
         raise PipeloadError("pipeload.load from a memory tier needs collectives (use_collectives=False given)")
     expanded, stateful_values = stateful.expand(state_dict)
     stats = stats_cls()
-    kw = {k: options[k] for k in _TIER_OPTIONS if k in options}
-    with paused_gc():  # (as a load's planning: full collections walking the trainer's objects cost more than the restore)
-        result = await asyncio.to_thread(_restore, expanded, tier, stats, **kw)
+    comm = Comm(options.get("process_group"), options.get("timeout"))
+    what = f"pipeload.load from memory tier {tier.root}"
+    # GC paused as for a load's planning: full collections walking the trainer's objects cost more than
+    # the restore. The guard registers here, in the event loop, like a load's (_busy.py): operations
+    # started together in one loop see each other before either issues a collective.
+    with paused_gc(), Guard() as guard:
+        contended = await guard.enter(comm, comm.size > 1, what)
+        result = await asyncio.to_thread(_restore, comm, guard, contended, expanded, tier, stats, what,
+                                         options.get("strict", True))
     if result is None:
         if fallback is None:
             raise PipeloadError(f"pipeload.load from memory tier {tier.root}: no step of the tier is complete "
@@ -126,17 +132,21 @@ async def restore(state_dict: dict, tier, fallback, stats_cls, plain_load, optio
     return stats
 
 
-def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, strict: bool = True):
+def _restore(comm: Comm, guard: Guard, contended: str | None, state_dict: dict, tier, stats, what: str,
+             strict: bool = True):
     """Steps 1-4 on this rank (in a worker thread); None: no whole step, the caller falls back.
-    ``stats.timings``: list (root and state dict), exchange, check, transfer (and local copies), agree."""
-    comm = Comm(process_group, timeout)
-    what = f"pipeload.load from memory tier {tier.root}"
+    ``stats.timings``: list (root and state dict), exchange, check, transfer (and local copies), agree.
+    ``contended`` (this rank's operation overlaps another, see _busy.py): its one collective is the rows
+    gather, carrying it; every rank then refuses."""
     lap = _Laps(stats.timings)
     want = wanted(flatten(state_dict))
-    files = list_root(tier.root, tier.job)
+    files = {} if contended else list_root(tier.root, tier.job)
     listing = restoreplan.encode_listing(tf.entry() for tf in files.values())
     lap("list")
-    g = restoreplan.exchange(comm, host_id(), want.digest(), listing, what, flags=int(bool(want.problems)))
+    g = restoreplan.exchange(comm, CONTENDED if contended else host_id(), want.digest(), listing, what,
+                             flags=int(bool(want.problems)))
+    refuse_contended_or_disagreeing(what, g.rows[:, restoreplan.R_HOST] == CONTENDED, np.zeros(len(g.rows)),
+                                    contended, "")
     if np.any(g.rows[:, restoreplan.R_FLAGS]):
         _raise_problems(comm, want.problems, what)
     planned, checked = restoreplan.decide(g), set()
@@ -163,6 +173,7 @@ def _restore(state_dict: dict, tier, stats, process_group=None, timeout=None, st
         if not _any_bad(comm, bad, what, lap, "agree"):
             break
         planned = _retake(comm, planned, bad, files, what)  # (this round's errors came from the bad copy)
+    error = error or guard.late(comm)  # an operation overlapped this one after its rows: nothing is loaded
     comm.agree(what, error) if comm.size > 1 else _alone(error, what)
     lap("agree")
     return decoded

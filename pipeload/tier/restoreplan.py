@@ -33,6 +33,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
+from ..engine._busy import CONTENDED
 from ..plan.balance import assign
 from ..plan.exchange import hash64
 
@@ -70,13 +71,15 @@ class Gathered(NamedTuple):
 
 def exchange(ex, host: int, layout: int, listing: np.ndarray, what: str, flags: int = 0) -> Gathered:
     """The restore's two gathers through ``ex`` (:class:`pipeload.engine.comm.Comm` or a simulated one):
-    the fixed rows, then every rank's entries padded to the longest list. Every rank takes both."""
+    the fixed rows, then every rank's entries padded to the longest list. Every rank takes both, unless
+    some row's host word is :data:`~pipeload.engine._busy.CONTENDED` (``host`` of a rank whose restore
+    overlaps another operation in its process): then every rank stops after the rows, and refuses."""
     listing = np.asarray(listing, dtype=np.int64).reshape(-1, ENTRY_WORDS)
     row = np.array([host, layout, len(listing), flags], dtype=np.int64)
     rows = ex.gather_rows(row, what, "all-gather of tier rows")
     counts = rows[:, R_COUNT]
     pad = int(counts.max()) if len(counts) else 0
-    if pad == 0:
+    if pad == 0 or np.any(rows[:, R_HOST] == CONTENDED):  # (a contended operation issues this gather only)
         return Gathered(rows, np.zeros((0, 1 + ENTRY_WORDS), dtype=np.int64))
     mine = np.full((pad, ENTRY_WORDS), -1, dtype=np.int64)
     mine[: len(listing)] = listing
