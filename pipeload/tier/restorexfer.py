@@ -10,8 +10,8 @@ the backend sends the previous ones.
 
 Messages that are not a destination's own memory (a sender's parts, a receiver's packed messages) go
 through a few :data:`PIECE`-byte buffers reused as their messages complete (:meth:`Transfers.buffer`):
-fresh memory for every message made the first restore of a process fault in every byte it moved (a
-quarter of a million page faults, most of its time, for 256 MiB sent on this machine's VM).
+fresh memory for every message made the first restore of a process fault in every byte it moved (59,000
+page faults and 0.74 s of system time on the rank that sent 256 MiB, on this project's 2-core VM).
 """
 
 from __future__ import annotations
