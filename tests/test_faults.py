@@ -2,8 +2,8 @@
 
 Faults: concurrent loads/saves on one group or directory, a file truncated while it is copied, hostile
 checkpoint files (FIFO, /dev/zero, links leaving the directory, compressed object records, malformed
-metadata) and ranks killed mid-load or mid-restore from a memory tier. Each case asserts a PipeloadError on every surviving rank,
-promptly, and that nothing is reported loaded or committed.
+metadata) and ranks killed mid-load or mid-restore from a memory tier. Each case asserts a PipeloadError
+on every surviving rank, promptly, and that nothing is reported loaded or committed.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ from ..errors import PipeloadError
 CONTENDED = -1
 """The first word of a rank's first row gather when its operation is contended: a load's and a tier
 restore's first collectives are both four-word row gathers with it in word 0 (where a load has a plan
-token, never -1, and a restore a 64-bit host hash), so whichever of the two a rank's gather is paired with, every rank sees the contention."""
+token, never -1, and a restore a 64-bit host hash), so whichever of the two a rank's gather is paired
+with, every rank sees the contention."""
 
 _lock = threading.Lock()
 _seq = itertools.count()
