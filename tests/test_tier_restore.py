@@ -128,14 +128,19 @@ def _load_hidden(rank, sd, tier, ckpt):
         dist.barrier()
 
 
-def _case_one_host_lost(rank, world, roots, ckpt, mesh):
-    tier_sd = _tp_dp_state(mesh, 7.0)
-    _snapshot(rank, world, roots, 7, tier_sd)
-    _wipe(rank, roots, {2})
-    dest = _zeroed(tier_sd)
+def _restored_after_loss(rank, world, roots, ckpt, sd, step: int, lost: set):
+    """Snapshot ``sd`` at ``step``, wipe the roots of ``lost``, restore into zeros: exact, from the tier."""
+    _snapshot(rank, world, roots, step, sd)
+    _wipe(rank, roots, lost)
+    dest = _zeroed(sd)
     stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
-    _same(dest, tier_sd)
-    assert (stats.source, stats.step) == ("tier", 7)
+    _same(dest, sd)
+    assert (stats.source, stats.step) == ("tier", step)
+    return stats
+
+
+def _case_one_host_lost(rank, world, roots, ckpt, mesh):
+    stats = _restored_after_loss(rank, world, roots, ckpt, _tp_dp_state(mesh, 7.0), 7, {2})
     return {"received": stats.bytes_received, "read": stats.bytes_read}
 
 
@@ -320,12 +325,7 @@ def _case_small_messages(rank, world, roots, ckpt, mesh, mesh1):
     restorexfer.PIECE, restorexfer.SMALL, restorexfer.INFLIGHT = 256, 64, 512
     try:
         sd = _many_state(mesh, 11.0)
-        _snapshot(rank, world, roots, 11, sd)
-        _wipe(rank, roots, {1})
-        dest = _zeroed(sd)
-        stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
-        _same(dest, sd)
-        received = stats.bytes_received
+        received = _restored_after_loss(rank, world, roots, ckpt, sd, 11, {1}).bytes_received
         full = {k: v.full_tensor() for k, v in sd["model"].items()}
         want = {"model": {k: distribute_tensor(v, mesh1, [Shard(1)]) for k, v in full.items()}, "step": 11}
         dest = _zeroed(want)
