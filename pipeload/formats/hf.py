@@ -158,10 +158,7 @@ def _decode_raw(path: str, data: dict[str, Any]):
             if weight_map is not None and weight_map.get(key) != name:
                 continue  # the index names another file (or none) for this tensor
             dtype, shape, _, _ = entry
-            try:
-                torch_dtype(dtype)
-            except KeyError:
-                raise CheckpointFormatError(f"{fpath}: tensor {key!r} has dtype {dtype}, which torch cannot hold") from None
+            _check_dtype(fpath, key, dtype)
             shape = tuple(shape)
             offsets = (0,) * len(shape)
             if offsets_of is not None and key in offsets_of:
@@ -171,13 +168,7 @@ def _decode_raw(path: str, data: dict[str, Any]):
                 offsets = tuple(off)
                 sharded.add(key)
             parts.setdefault(key, []).append((dtype, offsets, ChunkMeta(offsets, shape, name, key, "")))
-    if weight_map is not None:
-        absent = sorted(k for k in weight_map if k not in parts)
-        if absent:
-            raise CheckpointFormatError(
-                f"{os.path.join(root, INDEX_FILE)}: tensor {absent[0]!r} is not in {weight_map[absent[0]]}"
-                + (f" ({len(absent) - 1} more missing)" if len(absent) > 1 else "")
-            )
+    _check_index_covered(root, weight_map, parts)
     md = Metadata(save_id="", world_size=0)
     for key, chunks in parts.items():
         dtypes = {d for d, _, _ in chunks}
@@ -195,6 +186,24 @@ def _decode_raw(path: str, data: dict[str, Any]):
             raise CheckpointFormatError(f"{path}: tensor {key!r}: {problem}")
         md.tensors[key] = TensorMeta(dtypes.pop(), shape, metas)
     return root, md, file_metadata
+
+
+def _check_dtype(fpath: str, key: str, dtype: str) -> None:
+    try:
+        torch_dtype(dtype)
+    except KeyError:
+        raise CheckpointFormatError(f"{fpath}: tensor {key!r} has dtype {dtype}, which torch cannot hold") from None
+
+
+def _check_index_covered(root: str, weight_map: dict | None, found) -> None:
+    """Every tensor the index names was found in the file it names (``found``: the tensors found)."""
+    if weight_map is None:
+        return
+    absent = sorted(k for k in weight_map if k not in found)
+    if absent:
+        raise CheckpointFormatError(
+            f"{os.path.join(root, INDEX_FILE)}: tensor {absent[0]!r} is not in {weight_map[absent[0]]}"
+            + (f" ({len(absent) - 1} more missing)" if len(absent) > 1 else ""))
 
 
 def table_of(raw: dict[str, Any], path: str):
@@ -246,21 +255,12 @@ def _whole_table(raw: dict[str, Any], path: str):
                 continue
             dtype, shape = entry[0], tuple(entry[1])
             if dtype not in known:
-                try:
-                    torch_dtype(dtype)
-                except KeyError:
-                    raise CheckpointFormatError(f"{os.path.join(root, name)}: tensor {key!r} has dtype {dtype}, "
-                                                "which torch cannot hold") from None
+                _check_dtype(os.path.join(root, name), key, dtype)
                 known.add(dtype)
             if key in where:
                 raise CheckpointFormatError(f"{path}: tensor {key!r} is in several files ({where[key]}, {name})")
             where[key], entries[key] = name, (dtype, shape)
-    if weight_map is not None:
-        absent = sorted(k for k in weight_map if k not in where)
-        if absent:
-            raise CheckpointFormatError(
-                f"{os.path.join(root, INDEX_FILE)}: tensor {absent[0]!r} is not in {weight_map[absent[0]]}"
-                + (f" ({len(absent) - 1} more missing)" if len(absent) > 1 else ""))
+    _check_index_covered(root, weight_map, where)
     names = sorted(entries)
     files = sorted(set(where.values()))
     file_ix = {f: i for i, f in enumerate(files)}

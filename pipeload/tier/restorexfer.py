@@ -109,11 +109,7 @@ class Transfers:
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
     """``t``'s memory as a flat uint8 view when a receive may write straight into it, else None."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg() or not t.numel():
-        return None
-    if not t.data_ptr():
-        raise PipeloadError("a destination tensor has no memory of its own")
-    return t.reshape(-1).view(torch.uint8)
+    return t.reshape(-1).view(torch.uint8) if direct_ptr(t) is not None else None
 
 
 def staged_into(dst: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
