@@ -323,7 +323,7 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
         # which shards are broadcast, and PIPELOAD_HOST_ID may change between loads
         start.cache_key = plancache.key(comm.global_ranks, run.directory, (*opts.planned, run.host))
         entry, found = _cached(start.cache_key, comm, run.directory, state_dict)
-    offer = _CONTENDED if contended else entry.token if entry is not None else 0
+    offer = CONTENDED if contended else entry.token if entry is not None else 0
     early = _metadata_bytes(run.directory, opts.format) if comm.rank == 0 and offer == 0 else None
     tokens, reuse = None, False
     try:
@@ -339,7 +339,7 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
     finally:
         if entry is not None and not reuse:
             _strip(entry.state)  # replaced by this load's plan, or dropped: never holds our tensors
-    refuse_contended_or_disagreeing(run.what, first[:, 0] == _CONTENDED, first[:, 2], contended,
+    refuse_contended_or_disagreeing(run.what, first[:, 0] == CONTENDED, first[:, 2], contended,
                                     "broadcast_replicated_tensors, broadcast_batch_bytes or strict options")
     if reuse:
         start.prep = entry.state
@@ -447,9 +447,6 @@ def _rebind(prep: _Prepared, values: list, homes: dict) -> None:
     prep.binding.values = values
     for obj, i in zip(prep.plan.objects, prep.leaf_pos[len(prep.plan.shards):]):
         obj.leaf = Leaf(obj.fqn, *homes[i], values[i])
-
-
-_CONTENDED = CONTENDED  # the first word of a rank whose load overlaps another on its process (_busy.py)
 
 
 def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
