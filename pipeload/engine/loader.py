@@ -38,7 +38,7 @@ from .comm import Comm
 from ..errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
 from ..plan.exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, FLAG_RESHARDED, classes, decode_record, encode_record, hash64,
                              host_id, make_row, record_transfer)
-from ..plan import keyowners
+from ..plan import keyowners, storageorder
 from ..plan.globalplan import GlobalPlan, global_plan
 from .. import formats
 from ..io import storage
@@ -108,14 +108,24 @@ class _Clock:
         self.last = now
 
 
-def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
-    """Start reading, before the plan exchange, what this rank needs from the file it wrote itself.
+def _prefetch_mine(reader: ChunkReader, plan, own_file: str | None, rank: int, md=None, world: int = 1) -> None:
+    """Start reading, before the plan exchange, what this rank will read itself (at most
+    SPECULATIVE_PREFETCH bytes, in the order the shared phase reads them).
 
-    Saved and loaded on the same world with the same layout, every rank reads exactly the shards it
-    wrote (save and load pick writers and readers with one greedy), so storage starts streaming while
-    the ranks are still planning. Otherwise this is a guess that can only be partly wrong: only bytes
-    this rank needs, from one file.
+    ``own_file``: saved and loaded on the same world with the same layout, every rank reads exactly the
+    shards it wrote (save and load pick writers and readers with one greedy): those of that file.
+    None: the checkpoint's readers are preferred by storage position (:mod:`pipeload.plan.storageorder`):
+    the first shards of this rank's region (``md``'s, ``world`` ranks). Either way a guess that can only
+    be partly wrong: only bytes this rank needs.
     """
+    if own_file is None:
+        shards = storageorder.speculative(plan, md, world, rank, SPECULATIVE_PREFETCH)
+        whole = {}
+        for s in shards:
+            if s.exact_file is not None:
+                whole.setdefault(s.exact_file, []).append(s.exact_key())
+        reader.prefetch([it for s in shards if s.exact_file is None for it in s.reads], whole=whole or None)
+        return
     whole, items, total = [], [], 0
     for s in plan.shards:  # (in the worker, holding the GIL the planning thread needs: no key built in vain)
         if total >= SPECULATIVE_PREFETCH:
@@ -477,9 +487,11 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                                       *mesh_groups(plan.meshes if plan is not None else meshes_of(leaves))])
                 if collective and not private_only else {})
     moved = plan is not None and resharded(plan.shards)  # (its own file was written for another layout)
-    if not problems and md.world_size == comm.size and not moved:
-        # in the worker: under a throttled device, queueing the requests blocks for a while
-        pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
+    # in the worker: under a throttled device, queueing the requests blocks for a while
+    if not problems and ckpt.by_position and collective and not private_only:
+        pool.submit(_prefetch_mine, reader, plan, None, comm.rank, md, comm.size)
+    elif not problems and md.world_size == comm.size and not moved:
+        pool.submit(_prefetch_mine, reader, plan, data_file_name(md.save_id, comm.rank), comm.rank)
     clock.lap("plan")
 
     # 2-3. exchange and global plan
@@ -495,7 +507,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                            batch_bytes=batch_bytes, can_create=comm.is_world, global_ranks=comm.global_ranks,
                            clock=clock, rows_out=rows_seen, private_only=private_only,
                            same_host_private=broadcast_replicated_tensors == "auto" and comm.broadcast_device.type == "cpu",
-                           host=host, resharded=moved)
+                           host=host, resharded=moved, by_position=ckpt is not None and ckpt.by_position)
     unexpected = []
     if collective:
         unasked = np.ones(len(names), dtype=bool)
@@ -551,6 +563,8 @@ def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, 
         if cast:
             md = formats.cast_metadata(md, leaves)
         plan = local_plan(leaves, md, comm.broadcastable, strict=strict, writer_of=ckpt.writer_of)
+        if ckpt.by_position and collective:
+            storageorder.place(plan, md, comm.size)
         return md, leaves, plan, plan.problems, ckpt
     except Exception as e:  # noqa: BLE001
         return md, leaves, plan, [str(e) if isinstance(e, PipeloadError) else f"{type(e).__name__}: {e}"], ckpt
@@ -596,7 +610,7 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
                       batch_bytes: int, can_create: bool, global_ranks=None, clock=None,
                       on_phase=None, rows_out: list | None = None, same_host_private: bool = False,
                       everything: bool = False, private_only: bool = False, host: int | None = None,
-                      resharded: bool = False) -> GlobalPlan:
+                      resharded: bool = False, by_position: bool = False) -> GlobalPlan:
     """Steps 2-3 of a load on one rank: the exchange through ``ex`` and this rank's global plan.
 
     ``ex`` is the load's :class:`~pipeload.engine.comm.Comm` (or the simulated exchange of
@@ -609,7 +623,9 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     component is more than its one holder set).
     ``host``: this rank's :func:`~pipeload.plan.exchange.host_id` (the load's, read once; None: read here).
     ``resharded``: some box of this rank is not exactly one stored chunk (its row says so; when any row
-    does, the global plan looks for chunk units: :mod:`pipeload.plan.chunkunits`).
+    does, the global plan looks for chunk units: :mod:`pipeload.plan.chunkunits`). ``by_position``: the
+    checkpoint's readers are preferred by storage position (:mod:`pipeload.plan.storageorder`; every
+    rank alike, as every rank reads one checkpoint), and the broadcasts go in region order.
 
     ``private_only``: every rank knows no shard will be broadcast (all on one host under gloo and the
     default policy, or broadcasting off), so nobody needs another rank's record: after the rows, one
@@ -662,12 +678,13 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     ndim, itemsize = _key_arrays(md, names)
     chunks = (chunk_table(md, names) if md is not None and broadcast and np.any(rows[:, F_FLAGS] & FLAG_RESHARDED)
               else None)
+    positions = storageorder.key_positions(md, names) if by_position and md is not None else None
     if on_phase is not None:
         on_phase("key shapes")
     return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
                        batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
                        on_phase=on_phase, same_host_private=same_host_private, everything=everything,
-                       chunks=chunks)
+                       chunks=chunks, positions=positions)
 
 
 def _key_arrays(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.ndarray]:

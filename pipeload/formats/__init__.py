@@ -53,6 +53,9 @@ class Checkpoint:
     # of neighbouring items, and no storage page is read by two ranks. None: the layout names none
     # (pipeload's own save already places each shard in the file its load reader is chosen for).
     writer_of: Callable[[str], int] | None = None
+    # No rank wrote the files (another tool did): readers are preferred by storage position instead
+    # (pipeload.plan.storageorder), so each rank reads one contiguous run of them.
+    by_position: bool = False
 
 
 def detect(path: str) -> str:
@@ -140,6 +143,7 @@ def from_payload(payload: tuple[str, Any], path: str | os.PathLike, key_map: Key
         # Whole tensors, each read by several ranks in parts: the bytes between two of this rank's
         # ranges are usually another rank's share. Merge only what is about one page apart.
         ckpt.merge_gap = hf.MERGE_GAP
+        ckpt.by_position = True
     elif format == "dcp":
         ckpt.writer_of = dcp.writer_of
     if key_map is not None:

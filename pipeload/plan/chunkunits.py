@@ -106,6 +106,7 @@ class Touch(NamedTuple):
     classes: list[tuple[int, ...]]  # (U,) the classes needing part of it, ascending
     pair_group: np.ndarray  # key group of each (group, unit) pair
     pair_unit: np.ndarray  # unit (position in ``chunk``) of each pair
+    row: np.ndarray  # (U,) the first shard row of the first key group touching it (its affinity is the unit's)
 
 
 def _pairs(table: ChunkTable, groups: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -186,7 +187,8 @@ def find_units(order: np.ndarray, starts: np.ndarray, ends: np.ndarray, cl: np.n
     uc = chunks[unit][many]
     first_group = np.zeros(len(uc), dtype=np.int64)
     first_group[pu] = pg
-    return Touch(uc, index[fr[first_group]].astype(np.int64), table.offsets[uc], table.lengths[uc], classes, pg, pu)
+    return Touch(uc, index[fr[first_group]].astype(np.int64), table.offsets[uc], table.lengths[uc], classes, pg, pu,
+                 fr[first_group])
 
 
 def _classes_of(pg, pu, n_units, order, starts, ends, cl) -> list[tuple[int, ...]]:

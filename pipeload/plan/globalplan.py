@@ -79,6 +79,7 @@ import numpy as np
 
 from ._greedy import assign_readers, batch_ops, cut_stream
 from .chunkunits import ChunkTable, Touch, encode, find_units
+from .storageorder import interleaved
 from .exchange import F_FLAGS, F_GROUPS, F_HOST, F_NGROUPS, FLAG_RESHARDED, Classes, Record, group_digest
 
 ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -489,9 +490,10 @@ def unit_sets(table: SetTable, touch: Touch | None, n_groups: int) -> tuple[np.n
 
 
 def with_units(s: Shared, touch: Touch, mine: np.ndarray, sid: np.ndarray, ndim: np.ndarray,
-               itemsize: np.ndarray) -> Shared:
+               itemsize: np.ndarray, affinity: np.ndarray | None = None) -> Shared:
     """The shared rows ``s`` and, after them, the units ``mine`` selects as rows keyed
-    (``-1 - index``, chunk offsets, chunk lengths) (see :mod:`pipeload.plan.chunkunits`)."""
+    (``-1 - index``, chunk offsets, chunk lengths) (see :mod:`pipeload.plan.chunkunits`); a unit prefers
+    the rank the shard columns' ``affinity`` names for the first row touching it."""
     pick = np.flatnonzero(mine)
     if not len(pick):
         return s
@@ -504,7 +506,9 @@ def with_units(s: Shared, touch: Touch, mine: np.ndarray, sid: np.ndarray, ndim:
     weight = itemsize[idx].astype(np.int64)
     for d in range(width):
         weight *= np.where(nd > d, ln[:, d], 1)
-    prefer = None if s.prefer is None else np.concatenate([s.prefer, np.full(len(pick), -1, np.int64)])
+    mine_prefer = affinity[touch.row[pick]] if affinity is not None else np.full(len(pick), -1, np.int64)
+    prefer = (None if s.prefer is None and affinity is None else
+              np.concatenate([s.prefer if s.prefer is not None else np.full(len(s.index), -1, np.int64), mine_prefer]))
     return Shared(np.concatenate([s.index, encode(idx)]), np.concatenate([s.offsets, off]),
                   np.concatenate([s.lengths, ln]), np.concatenate([s.nd, nd]), np.concatenate([s.weight, weight]),
                   np.concatenate([s.sid, sid[pick]]), prefer)
@@ -634,7 +638,8 @@ def _readers_of(s: Shared, reader_of: np.ndarray, whole: np.ndarray, cut_sets: l
 
 def plan_component(s: Shared, sets: dict[int, HolderSet], loads: list[int], extra: np.ndarray, me: int, *,
                    component_of: Callable[[int], int], requested: np.ndarray, in_use: set[int], stripe: bool,
-                   min_stripe: int, batch_bytes: int, lap=lambda name: None) -> GlobalPlan:
+                   min_stripe: int, batch_bytes: int, lap=lambda name: None, positions: tuple | None = None
+                   ) -> GlobalPlan:
     """Steps 3-4 for the shared rows ``s`` of one rank's component: readers, cutting, this rank's
     broadcasts. ``loads``: bytes each rank reads alone; ``extra``: per rank, bytes of private copies it
     reads (reported in ``loads`` only); ``in_use``: the set ids some broadcast of the load uses. Every
@@ -651,6 +656,8 @@ def plan_component(s: Shared, sets: dict[int, HolderSet], loads: list[int], extr
     lap("readers")
     mine_sets = {sid for sid, hs in sets.items() if contains(hs.members, me)}
     cols, pieces = rank_pieces(s, reader_of, whole, cut_sets, mine_sets)
+    if positions is not None:
+        cols = interleaved(cols[0], cols[1:], positions, len(loads))
     ops = batch(*cols, batch_bytes)
     lap("ops")
     return GlobalPlan(ops, pieces, {sid: hs for sid, hs in sets.items() if sid in in_use}, requested, readers,
@@ -675,6 +682,7 @@ def global_plan(
     everything: bool = False,
     on_phase: Callable[[str], None] | None = None,
     chunks: ChunkTable | None = None,
+    positions: tuple | None = None,
 ) -> GlobalPlan:
     """This rank's view of the one global plan (see the module docstring for the rules): the steps
     above, in order.
@@ -684,7 +692,9 @@ def global_plan(
     ``same_host_private``: a shard whose holders all run on one host (the rows' host word) is read by
     each of them, from the one page cache they share, instead of broadcast. ``everything``: plan every
     component (for reporting), not only this rank's. ``chunks``: the checkpoint's chunk table
-    (:func:`pipeload.plan.chunkunits.chunk_table`); without it no chunk unit is planned.
+    (:func:`pipeload.plan.chunkunits.chunk_table`); without it no chunk unit is planned. ``positions``
+    (:func:`pipeload.plan.storageorder.key_positions`): the records' affinities are storage regions,
+    and the broadcasts go in region order.
     """
     lap = on_phase or (lambda name: None)
     sizes = np.array([len(m) for m in cls.members], dtype=np.int64)
@@ -711,14 +721,15 @@ def global_plan(
         unit_ok = unit_sid >= 0
         mine_u = unit_ok if everything else in_component(table, find, int(cls.of_rank[me]),
                                                          np.maximum(unit_sid, 0), unit_ok)
-        shared = with_units(shared, touch, mine_u, unit_sid, ndim, itemsize)
+        shared = with_units(shared, touch, mine_u, unit_sid, ndim, itemsize, sh.affinity)
     extra = private_bytes(sh, kg, np.concatenate([candidates[~good], shut]), len(records))
     lap("holder sets")
     # every set some broadcast of the load uses, in any component: creating one is world-wide
     in_use = set(sid_of[good].tolist()) | set(unit_sid[unit_sid >= 0].tolist())
     return plan_component(shared, table.sets, loads, extra[cls.of_rank] if len(rows) else extra, me,
                           component_of=lambda sid: find(table.classes[sid][0]), requested=sh.requested,
-                          in_use=in_use, stripe=stripe, min_stripe=min_stripe, batch_bytes=batch_bytes, lap=lap)
+                          in_use=in_use, stripe=stripe, min_stripe=min_stripe, batch_bytes=batch_bytes, lap=lap,
+                          positions=positions)
 
 
 

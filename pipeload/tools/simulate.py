@@ -61,6 +61,7 @@ from ..formats.metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, 
                                 metadata_path, read_metadata, read_metadata_bytes)
 from ..save.saver import _write_file
 from ..plan.planner import fqn_index, local_plan, plan_record, resharded
+from ..plan import storageorder
 from ..plan.statedict import Box, flatten
 
 LAYOUTS = ("dense", "dense-pp8", "moe", "fsdp", "tp-from-whole")
@@ -254,17 +255,21 @@ class Layout:
         """Whether some box of ``rank`` is not one stored chunk (its row's ``FLAG_RESHARDED``)."""
         return self.whole and any(ln != t.shape for t, _, ln in self.boxes(rank))
 
-    def record(self, rank: int, width: int, affinity: bool = False) -> bytes:
+    def record(self, rank: int, width: int, affinity: bool = False, by_position=None) -> bytes:
         """The record ``rank`` would send, encoded from its boxes by the loader's own encoder; ``affinity``:
-        with each shard's writer rank (a DCP checkpoint's files name it: :func:`pipeload.tools.simforeign.writer`)."""
+        with each shard's writer rank (a DCP checkpoint's files name it: :func:`pipeload.tools.simforeign.writer`);
+        ``by_position``: the metadata whose storage positions give each shard's affinity (a Hugging Face
+        checkpoint: :mod:`pipeload.plan.storageorder`)."""
         bx = self.boxes(rank)
         aff = None
+        offsets, lengths = padded([tuple(o) for _, o, _ in bx], width), padded([tuple(ln) for _, _, ln in bx], width)
         if affinity:
             from .simforeign import writer
 
             aff = [writer(self, t, rank) for t, _, _ in bx]
-        return encode_record([self.index[t.fqn] for t, _, _ in bx], [True] * len(bx),
-                             padded([tuple(o) for _, o, _ in bx], width), padded([tuple(ln) for _, _, ln in bx], width),
+        elif by_position is not None:
+            aff = storageorder.affinities(by_position, [t.fqn for t, _, _ in bx], offsets, lengths, self.world)
+        return encode_record([self.index[t.fqn] for t, _, _ in bx], [True] * len(bx), offsets, lengths,
                              [self.index[o] for o in self.objects], width, aff)
 
     def state_dict(self, rank: int) -> tuple[dict, dict[str, Box]]:
@@ -473,16 +478,18 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
     load_async() pauses it for all of this.
     """
     with paused_gc():
-        writer_of = None
+        writer_of, by_position = None, False
         if open_ckpt is None:
             md = Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory), directory=directory)
         else:  # a foreign layout (pipeload.tools.simforeign): from the bytes rank 0 broadcasts
             ckpt = open_ckpt()
-            md, writer_of = ckpt.metadata, ckpt.writer_of
+            md, writer_of, by_position = ckpt.metadata, ckpt.writer_of, ckpt.by_position
         phases.lap("metadata")
         sd, boxes = state
         leaves = flatten(sd)
         plan = local_plan(leaves, md, lambda t: True, box_of=lambda fqn, v, cache: boxes[fqn], writer_of=writer_of)
+        if by_position:  # as the loader's _local_plan does
+            storageorder.place(plan, md, layout.world)
         if plan.problems:
             raise AssertionError(f"rank {rank}: local plan problems: {plan.problems[:3]}")
         names = list(fqn_index(md))
@@ -493,21 +500,22 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
         gp = exchange_and_plan(ex, rank, layout.world, md, names, record, [], groups, directory="<simulated>",
                                broadcast=True, batch_bytes=6 << 20, can_create=True, clock=phases,
                                on_phase=lambda name: phases.lap(f"global plan: {name}"),
-                               resharded=resharded(plan.shards))
+                               resharded=resharded(plan.shards), by_position=by_position)
         phases.lap("global plan")
     return gp, ex, len(plan.shards)
 
 
 def _world_rows(lay: Layout, width: int, dcp_writers: bool = False,
-                save_id: str = SAVE_ID) -> tuple[np.ndarray, Classes, list[bytes]]:
+                save_id: str = SAVE_ID, by_position=None) -> tuple[np.ndarray, Classes, list[bytes]]:
     """Every rank's exchange row, the classes, and each class's record (encoded once per class;
-    ``dcp_writers``: with the writer affinity a DCP checkpoint's file names give)."""
+    ``dcp_writers``: with the writer affinity a DCP checkpoint's file names give; ``by_position``: the
+    metadata whose storage positions give the affinities, as the loader does for Hugging Face files)."""
     world = lay.world
     keys = [lay.class_of(r) for r in range(world)]
     rep: dict[tuple, int] = {}
     for r, k in enumerate(keys):
         rep.setdefault(k, r)
-    rec_of = {k: lay.record(r, width, dcp_writers) for k, r in rep.items()}
+    rec_of = {k: lay.record(r, width, dcp_writers, by_position) for k, r in rep.items()}
     digest_of = {k: record_digest(rec) for k, rec in rec_of.items()}
     group_cache: dict = {}
     host = [hash64(f"host-{r // GPUS_PER_HOST}".encode()) for r in range(0, world, GPUS_PER_HOST)]
@@ -566,7 +574,8 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
         md, md_bytes = foreign.md, foreign.metadata_bytes
     width = md.width()
     log(f"metadata: {len(lay.tensors)} tensors, {md_bytes / 1e6:.1f} MB (.metadata and chunk index)")
-    rows, cls, records = _world_rows(lay, width, foreign is not None and format == "dcp", md.save_id)
+    rows, cls, records = _world_rows(lay, width, foreign is not None and format == "dcp", md.save_id,
+                                     md if format == "hf" else None)
     log(f"{world} rows, {len(records)} distinct records ({sum(map(len, records)) / 1e6:.2f} MB)")
     keys = None
     if keyowners.use_key_owners(rows, cls, record_transfer(cls, world)):  # the loader's own choice
@@ -584,7 +593,7 @@ def simulate(world: int, layout: str, *, optim: bool = False, samples: int = 3, 
     gp = exchange_and_plan(ex, sampled[0], world, md, list(fqn_index(md)), records[int(cls.of_rank[sampled[0]])], [],
                            lay.group_digests(sampled[0], {}), directory="<simulated>", broadcast=True,
                            batch_bytes=6 << 20, can_create=True, everything=True,
-                           resharded=lay.resharded(sampled[0]))
+                           resharded=lay.resharded(sampled[0]), by_position=format == "hf")
     loads = np.asarray(gp.loads, dtype=np.float64)
     mean = loads.mean() if len(loads) else 0.0
     views = [r.pop("gp") for r in results]

@@ -1,0 +1,182 @@
+"""Readers by storage position: for checkpoints no rank of the load wrote (Hugging Face files).
+
+A layout written by the ranks of a job names the writer of each file, and its load prefers that rank
+as reader (the *affinity* of :mod:`pipeload.plan.globalplan`). Files written by another tool name no
+rank, and the greedy alone then hands neighbouring tensors to different ranks: each rank reads
+thousands of scattered ranges, every range boundary that falls inside a page is read from storage by
+two ranks, and no rank can start reading before the whole plan is known.
+
+Here the checkpoint's bytes, laid end to end (data files in the order the metadata lists them, the
+chunks of a file in key order: the order ``safetensors`` writes a file of one dtype in), are cut into
+``W`` equal *regions*, one per rank of the load group, and each shard's affinity is the rank whose
+region holds its first byte. The plan honours it as it honours a named writer (only a holder, within
+11/10 of its component's mean), so each rank reads mostly one contiguous run of the files, and what a
+rank needs from its own region it will read itself: it may ask storage for those bytes while the plan
+is still being made (:func:`pipeload.engine.loader`'s speculative prefetch).
+
+A pure function of the metadata every rank holds and the shard's box: replicas of one box compute the
+same affinity, so their exchange records stay identical. ``O(C)`` for the ``C`` stored chunks, once
+per metadata, then ``O(n)`` vectorised for the ``n`` boxes of a rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..formats.chunks import dtype_itemsize
+
+
+def chunk_positions(md) -> tuple[np.ndarray, int] | None:
+    """(position of each stored chunk's first byte in the storage order, the checkpoint's tensor bytes),
+    chunk rows as in the metadata's index; None when the metadata has no index (format 1)."""
+    if not md.indexed:
+        return None
+    cached = getattr(md, "_storage_positions", None)
+    if cached is not None:
+        return cached
+    t = md.tensors
+    a = t.index.a
+    start = a["chunk_start"]
+    n_chunks = int(start[-1]) if len(start) else 0
+    tensor_of = np.repeat(np.arange(len(start) - 1), np.diff(start))
+    width = a["chunk_lengths"].shape[1] if a["chunk_lengths"].ndim == 2 else 0
+    nd = np.asarray(t.ndims, dtype=np.int64)[tensor_of]
+    lens = a["chunk_lengths"].astype(np.int64, copy=False)
+    numel = np.prod(np.where(np.arange(width)[None, :] < nd[:, None], lens, 1), axis=1) if width else np.ones(n_chunks, np.int64)
+    itemsize = np.fromiter((dtype_itemsize(d) for d in t.dtypes), dtype=np.int64, count=len(t.dtypes))
+    nbytes = numel * itemsize[tensor_of]
+    order = np.lexsort((np.arange(n_chunks), a["chunk_file"]))  # by file, then key order inside it
+    pos = np.empty(n_chunks, dtype=np.int64)
+    pos[order] = np.cumsum(nbytes[order]) - nbytes[order]
+    out = (pos, int(nbytes.sum()))
+    md._storage_positions = out
+    return out
+
+
+def _box_positions(md, fqns: list[str], offsets: np.ndarray, lengths: np.ndarray):
+    """(storage position of each box's first byte, -1 for a tensor stored in several chunks; whether the
+    box is one contiguous run of its chunk: a range of rows; the checkpoint's tensor bytes)."""
+    pos, total = chunk_positions(md)
+    t = md.tensors
+    a = t.index.a
+    rows = np.fromiter((t.pos[f] for f in fqns), dtype=np.int64, count=len(fqns))
+    start = a["chunk_start"]
+    whole = (start[rows + 1] - start[rows]) == 1  # one chunk: the whole tensor (checked when planned)
+    shape = a["shape"][rows].astype(np.int64, copy=False)
+    nd = np.asarray(t.ndims, dtype=np.int64)[rows]
+    w = min(offsets.shape[1], shape.shape[1]) if offsets.ndim == 2 else 0
+    first = np.zeros(len(rows), dtype=np.int64)  # row-major index of the box's first element
+    stride = np.ones(len(rows), dtype=np.int64)
+    rowwise = np.ones(len(rows), dtype=bool)
+    for d in reversed(range(w)):
+        real = nd > d
+        first += np.where(real, offsets[:, d] * stride, 0)
+        stride *= np.where(real, shape[:, d], 1)
+        if d:
+            rowwise &= ~real | (lengths[:, d] == shape[:, d])
+    itemsize = np.fromiter((dtype_itemsize(t.dtypes[r]) for r in rows.tolist()), dtype=np.int64, count=len(rows))
+    at = np.where(whole, pos[np.where(whole, start[rows], 0)] + first * itemsize, -1)
+    return at, rowwise, total
+
+
+def affinities(md, fqns: list[str], offsets: np.ndarray, lengths: np.ndarray, world: int) -> np.ndarray | None:
+    """Per box (tensor ``fqns[j]``, ``offsets[j]``/``lengths[j]`` zero-padded), the load-group rank whose
+    region holds its first byte — a box strided across its chunk (not a range of rows), its chunk's first
+    byte: such a chunk is read whole, as a unit — or -1 (a tensor stored in several chunks: no position
+    is taken for it). None: no index, or a load group of one."""
+    if world <= 1 or not len(fqns) or chunk_positions(md) is None or chunk_positions(md)[1] <= 0:
+        return None
+    at, rowwise, total = _box_positions(md, fqns, offsets, lengths)
+    if not rowwise.all():
+        base, _, _ = _box_positions(md, fqns, np.zeros_like(offsets), lengths)
+        at = np.where(rowwise, at, base)
+    return np.where(at >= 0, np.minimum(world - 1, at * world // total), -1)
+
+
+def speculative(plan, md, world: int, rank: int, budget: int) -> list:
+    """The shards of a local plan this rank may ask storage for before the plan is made: affinity this
+    rank, a range of rows of their chunk (a strided box's chunk may be read by a rank whose region
+    holds its start), small against the region and in its first half (the plan honours an affinity
+    within a balance cap: a region crowded by a few large shards, or its tail, may go to others), in
+    storage order, at most ``budget`` bytes. None when the region is under four budgets: a small
+    checkpoint gains nothing from it (measured: up to 8 % more device bytes on a 7.8 MB one)."""
+    mine = [j for j, s in enumerate(plan.shards) if s.affinity == rank]
+    if not mine or plan.boxes is None or len(plan.boxes[0]) != len(plan.shards):
+        return []
+    idx = np.asarray(mine)
+    at, rowwise, total = _box_positions(md, [plan.shards[j].fqn for j in mine], plan.boxes[0][idx],
+                                        plan.boxes[1][idx])
+    region = max(1, -(-total // world))
+    if region < 4 * budget:
+        return []
+    small = np.fromiter((plan.shards[j].nbytes for j in mine), dtype=np.int64, count=len(mine)) <= region // 16
+    keep = rowwise & small & (at >= 0) & (at - rank * region < region // 2)
+    out, used = [], 0
+    for k in np.flatnonzero(keep)[np.argsort(at[keep], kind="stable")].tolist():
+        s = plan.shards[mine[k]]
+        if used + s.nbytes > budget:
+            break
+        out.append(s)
+        used += s.nbytes
+    return out
+
+
+def place(plan, md, world: int) -> None:
+    """Give each shard of a local plan the affinity of its storage position (:func:`affinities`)."""
+    if plan.boxes is None or len(plan.boxes[0]) != len(plan.shards):
+        return
+    found = affinities(md, [s.fqn for s in plan.shards], *plan.boxes, world)
+    if found is not None:
+        for s, a in zip(plan.shards, found.tolist()):
+            s.affinity = a
+
+
+def key_positions(md, names: list[str]) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """Per checkpoint key (``names``, index order): the storage position of its tensor's one whole chunk
+    (-1: not one whole chunk, or an object) and the bytes of one of its rows; and the checkpoint's
+    tensor bytes. None without an index."""
+    found = chunk_positions(md)
+    if found is None:
+        return None
+    pos, total = found
+    t = md.tensors
+    a = t.index.a
+    rows = np.fromiter((t.pos.get(x, -1) for x in names), dtype=np.int64, count=len(names))
+    have = rows >= 0
+    r = np.where(have, rows, 0)
+    start = a["chunk_start"]
+    whole = have & ((start[r + 1] - start[r]) == 1) if len(start) > 1 else np.zeros(len(names), dtype=bool)
+    at = np.where(whole, pos[np.where(whole, start[r], 0)] if len(pos) else 0, -1)
+    shape = a["shape"].astype(np.int64, copy=False)
+    nd = np.asarray(t.ndims, dtype=np.int64)
+    itemsize = np.fromiter((dtype_itemsize(d) for d in t.dtypes), dtype=np.int64, count=len(t.dtypes))
+    width = shape.shape[1] if shape.ndim == 2 else 0
+    inner = (np.prod(np.where((np.arange(width)[None, :] >= 1) & (np.arange(width)[None, :] < nd[:, None]), shape, 1),
+                     axis=1) if width else np.ones(len(nd), dtype=np.int64)) * itemsize
+    return at, np.where(whole, inner[r], 0), total
+
+
+def interleaved(p_keys, cols: tuple, positions: tuple, world: int) -> tuple:
+    """``(p_keys, *cols)`` re-sorted so that readers advance through their regions together.
+
+    With readers preferred by position, key order (the storage order of a Hugging Face file) would
+    hand the first quarter of the broadcasts to the first region's rank, the next to the next: one
+    rank reading at a time. Sorted by (offset of the piece inside its region, key) instead, the k-th
+    megabyte of every region comes before the (k+1)-th of any, so every reader reads all the time. A
+    pure function of the piece key and the metadata: every rank orders the pieces it shares alike.
+    """
+    if not p_keys:
+        return (p_keys, *cols)
+    start, row_bytes, total = positions
+    region = max(1, -(-total // max(1, world)))
+    last = region  # pieces of tensors without a position: after every region's bytes, in key order
+    keyed = []
+    for j, k in enumerate(p_keys):
+        i = k[0] if k[0] >= 0 else -1 - k[0]
+        at = int(start[i]) if i < len(start) else -1
+        if at >= 0:
+            at = (at + (k[1][0] * int(row_bytes[i]) if k[1] else 0)) % region
+        keyed.append((at if at >= 0 else last, k, j))
+    keyed.sort()
+    order = [j for _, _, j in keyed]
+    return ([p_keys[j] for j in order], *(np.asarray(c)[order] for c in cols))

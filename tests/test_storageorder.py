@@ -1,0 +1,160 @@
+"""Readers by storage position (pipeload.plan.storageorder) for checkpoints no rank wrote.
+
+Affinities come from a real Hugging Face file's metadata as the loader decodes it; the plans are the
+global plan's own, from records encoded by the loader's encoder.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeload import formats
+from pipeload.plan import globalplan as G
+from pipeload.plan import storageorder
+from pipeload.plan.chunkunits import chunk_table
+from pipeload.plan.exchange import classes, decode_record, encode_record, make_row
+from pipeload.plan.planner import fqn_index
+
+# (rows, cols, role): col -> Shard(0) over tp, row -> Shard(1), rep -> whole on every rank
+SHAPES = {f"layer{i:02d}.{n}": (s, role) for i in range(12)
+          for n, s, role in (("a_col", (64, 32), "col"), ("b_row", (32, 64), "row"), ("c_rep", (16,), "rep"))}
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """One Hugging Face file of float32 tensors, opened as the loader opens it."""
+    root = tmp_path_factory.mktemp("hf")
+    save_file({k: torch.randn(s) for k, (s, _) in SHAPES.items()}, str(root / "model.safetensors"))
+    return formats.open_checkpoint(str(root))
+
+
+def _boxes(md, tp: int, rank: int):
+    """(fqns, offsets, lengths) of one rank's boxes, TP ``tp`` (rank % tp is its TP rank)."""
+    t = rank % tp
+    fqns, off, ln = [], [], []
+    for k, (s, role) in sorted(SHAPES.items()):
+        o, n = [0] * len(s), list(s)
+        if role == "col":
+            o[0], n[0] = t * s[0] // tp, s[0] // tp
+        elif role == "row":
+            o[1], n[1] = t * s[1] // tp, s[1] // tp
+        fqns.append(k)
+        off.append(o + [0] * (md.width() - len(o)))
+        ln.append(n + [0] * (md.width() - len(n)))
+    return fqns, np.array(off, np.int64), np.array(ln, np.int64)
+
+
+def test_hf_checkpoints_are_placed_by_position_and_others_not(hf, tmp_path):
+    assert hf.by_position and hf.writer_of is None
+    import pipeload
+
+    pipeload.save({"w": torch.ones(4)}, str(tmp_path / "pl"))
+    assert not formats.open_checkpoint(str(tmp_path / "pl")).by_position
+
+
+def test_affinity_is_the_region_of_the_first_byte_alike_on_replicas(hf):
+    md = hf.metadata
+    world = 4
+    pos, total = storageorder.chunk_positions(md)
+    assert total == sum(int(np.prod(s)) * 4 for s, _ in SHAPES.values())
+    assert len(set(pos.tolist())) == len(pos)  # one tensor a chunk, each at its own place
+    fqns, off, ln = _boxes(md, 2, 0)
+    aff = storageorder.affinities(md, fqns, off, ln, world)
+    assert aff.min() >= 0 and aff.max() == world - 1
+    # the regions follow the storage order: sorted by position, the affinities never go down
+    t = md.tensors
+    start = t.index.a["chunk_start"]
+    first = np.array([pos[start[t.pos[f]]] for f in fqns])
+    assert np.all(np.diff(aff[np.argsort(first, kind="stable")]) >= 0)
+    assert np.array_equal(aff, storageorder.affinities(md, *_boxes(md, 2, 2), world))  # a DP replica
+    # TP rank 1's half of a column-parallel tensor starts half-way: never in an earlier region
+    other = storageorder.affinities(md, *_boxes(md, 2, 1), world)
+    assert np.all(other >= aff)
+    assert storageorder.affinities(md, fqns, off, ln, 1) is None
+
+
+def _plan(hf, tp: int, dp: int, me: int, order=None, positions=True):
+    """Rank ``me``'s global plan of a TP x DP load of ``hf`` with position affinities."""
+    md = hf.metadata
+    world = tp * dp
+    names = list(fqn_index(md))
+    index = {n: i for i, n in enumerate(names)}
+    rows, recs = [], []
+    for r in range(world):
+        fqns, off, ln = _boxes(md, tp, r)
+        aff = storageorder.affinities(md, fqns, off, ln, world)
+        perm = list(range(len(fqns))) if order is None else order(len(fqns), r)
+        rec = encode_record([index[fqns[i]] for i in perm], [True] * len(perm), off[perm], ln[perm], [],
+                            md.width(), aff[perm])
+        rows.append(make_row(record=rec, save_id="s", problems=False, host=r, resharded=tp > 1))
+        recs.append(rec)
+    rows = np.stack(rows)
+    cls = classes(rows)
+    ndim, itemsize = md.key_arrays(names)
+    return G.global_plan(rows, cls, [decode_record(recs[int(o)]) for o in cls.owners], me, ndim=ndim,
+                         itemsize=itemsize, broadcast=True, batch_bytes=0, can_create=True,
+                         chunks=chunk_table(md, names),
+                         positions=storageorder.key_positions(md, names) if positions else None)
+
+
+def test_each_rank_reads_its_own_region_and_readers_advance_together(hf):
+    tp, dp = 2, 2
+    world = tp * dp
+    md = hf.metadata
+    names = list(fqn_index(md))
+    start, row_bytes, total = storageorder.key_positions(md, names)
+    region = -(-total // world)
+    gp = _plan(hf, tp, dp, 0)
+    # every unit and replicated tensor (held by every rank) is read by the owner of its region
+    everyone = [op for op in gp.ops if len(gp.sets[op.group].members) == world]
+    assert everyone
+    for op in everyone:
+        for key in op.shards:
+            i = key[0] if key[0] >= 0 else -1 - key[0]
+            at = int(start[i]) + (key[1][0] * int(row_bytes[i]) if key[1] else 0)
+            assert op.reader == min(world - 1, at * world // total), key
+    # the broadcasts go in region order: along the op list, each reader's offset inside its region grows
+    # and no reader's offset runs more than a region's fraction ahead of another's
+    seen = {}
+    for op in gp.ops:
+        for key in op.shards:
+            i = key[0] if key[0] >= 0 else -1 - key[0]
+            at = (int(start[i]) + (key[1][0] * int(row_bytes[i]) if key[1] else 0)) % region
+            assert at >= seen.get(op.reader, -1)
+            seen[op.reader] = at
+    assert len(seen) == world  # every rank reads, from the start
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_position_plans_agree_on_every_rank_and_any_record_order(hf, seed):
+    rng = random.Random(seed)
+
+    def order(n, r):
+        p = list(range(n))
+        rng.shuffle(p)
+        return p
+
+    ref = _plan(hf, 2, 2, 0).digest()
+    for me in range(4):
+        assert _plan(hf, 2, 2, me, order=order).digest() == ref
+
+
+def test_interleaved_is_a_pure_function_of_the_pieces():
+    keys = [(i, (r,), (1,)) for i in range(3) for r in range(4)]
+    start = np.array([0, 400, 800])
+    row_bytes = np.array([100, 100, 100])
+    cols = (np.arange(len(keys)), np.arange(len(keys)) * 10)
+    out = storageorder.interleaved(keys, cols, (start, row_bytes, 1200), 3)
+    # regions of 400 bytes: the k-th 100 bytes of every region, then the next
+    assert out[0][:3] == [(0, (0,), (1,)), (1, (0,), (1,)), (2, (0,), (1,))]
+    assert out[1].tolist() == [keys.index(k) for k in out[0]]
+    shuffled = list(range(len(keys)))
+    random.Random(3).shuffle(shuffled)
+    again = storageorder.interleaved([keys[j] for j in shuffled], (cols[0][shuffled], cols[1][shuffled]),
+                                     (start, row_bytes, 1200), 3)
+    assert again[0] == out[0] and again[2].tolist() == out[2].tolist()
