@@ -54,11 +54,12 @@ from ..plan.statedict import Leaf, check_top, flatten, mesh_groups, meshes_of
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
-# At most this much of its own file a rank requests while planning: enough to keep storage busy until
+# At most this much of what it will read itself a rank requests while planning (its own file, loaded
+# as saved; the start of its region, readers by storage position): enough to keep storage busy until
 # the shared phase's own prefetch takes over (shared storage at 200 MiB/s serves 4 ranks ~8 MiB each in
-# 0.15 s of planning; 4 x 8 MiB queued lasts it 0.16 s). More only moves page-cache work (~0.25 ms of
-# CPU per MiB, charged to the rank) into the planning every rank waits for: 64 MiB a rank cost 16 ms of
-# CPU there, and no load time.
+# 0.15 s of planning). More was measured slower, not faster: 64 MiB of its own file cost a rank 16 ms
+# of CPU in the planning every rank waits for, and 16 MiB of its region made a 253 MiB Hugging Face
+# load 10-15 % slower than 8 MiB (pipeload bench --format hf, medians of 9 runs).
 SPECULATIVE_PREFETCH = 8 << 20
 
 
@@ -294,14 +295,16 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
     device = comm.broadcast_device
     init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+    # The requests of what a rank will read, made while it plans, go from a thread of their own: under a
+    # throttled device queueing them blocks, and the first read of the shared phase must not wait for that.
     with ChunkReader(run.directory, verify_checksums=opts.verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
-    ) as pool:
+    ) as pool, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-ahead") as ahead:
         start = await _first_gather(run, opts, state_dict, reader, contended) if run.collective else _Start(
             private_only=opts.broadcast_replicated_tensors is False)
         prep = start.prep or _prepare(
             state_dict, run.directory, comm, run.collective, opts.strict, opts.broadcast_replicated_tensors,
-            opts.broadcast_batch_bytes, opts.broadcast_groups, reader, pool, run.clock,
+            opts.broadcast_batch_bytes, opts.broadcast_groups, reader, ahead, run.clock,
             (opts.format, opts.key_map, opts.cast), keepable=start.cache_key is not None,
             private_only=start.private_only, sent=start.sent, host=run.host)
         _count_plan(run.stats, prep, reader)
@@ -472,7 +475,7 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
 
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
-             broadcast_groups, reader, pool, clock, request, keepable: bool = False,
+             broadcast_groups, reader, ahead, clock, request, keepable: bool = False,
              private_only: bool = False, sent: tuple = (-1, None), host: int | None = None) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
 
@@ -487,11 +490,10 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                                       *mesh_groups(plan.meshes if plan is not None else meshes_of(leaves))])
                 if collective and not private_only else {})
     moved = plan is not None and resharded(plan.shards)  # (its own file was written for another layout)
-    # in the worker: under a throttled device, queueing the requests blocks for a while
     if not problems and ckpt.by_position and collective and not private_only:
-        pool.submit(_prefetch_mine, reader, plan, None, comm.rank, md, comm.size)
+        ahead.submit(_prefetch_mine, reader, plan, None, comm.rank, md, comm.size)
     elif not problems and md.world_size == comm.size and not moved:
-        pool.submit(_prefetch_mine, reader, plan, data_file_name(md.save_id, comm.rank), comm.rank)
+        ahead.submit(_prefetch_mine, reader, plan, data_file_name(md.save_id, comm.rank), comm.rank)
     clock.lap("plan")
 
     # 2-3. exchange and global plan
