@@ -104,26 +104,61 @@ class Metadata:
         return self.exact_rows(np.fromiter((pos[f] for f in fqns), dtype=np.int64, count=len(fqns)), offsets,
                                lengths)
 
-    def exact_rows(self, rows, offsets, lengths) -> list:
-        """:meth:`exact_chunks` of boxes given by their tensors' rows in the format-2 table (an int64 array)."""
+    def exact_rows(self, rows, offsets, lengths, inside: bool = False) -> list:
+        """:meth:`exact_chunks` of boxes given by their tensors' rows in the format-2 table (an int64 array).
+        ``inside``: a box that lies inside its tensor's one whole chunk without being all of it (a Hugging
+        Face tensor loaded into tensor parallelism) gets ``(file, checksum, chunk shape)``: its one read is
+        that box of the chunk, built when the read runs."""
         import numpy as np
 
         t = self.tensors
-        found = t.index.exact(rows, _at_width(offsets, t.index.width), _at_width(lengths, t.index.width))
+        offsets, lengths = _at_width(offsets, t.index.width), _at_width(lengths, t.index.width)
+        found = t.index.exact(rows, offsets, lengths)
         hit = found >= 0
         r = found[hit]
         files = t.index.a["chunk_file"][r].tolist()
-        # every checksum as 16 hex digits in one conversion (big-endian bytes -> one hex string)
-        sums = t.index.a["chunk_checksum"][r].astype(">u8").tobytes().hex()
         names = t.files
         out: list = [None] * len(rows)
-        if not t.index.checksums:  # a foreign layout: none recorded
-            for j, f in zip(np.flatnonzero(hit).tolist(), files):
-                out[j] = (names[f], "")
-            return out
+        sums = self._checksums(r)
         for k, (j, f) in enumerate(zip(np.flatnonzero(hit).tolist(), files)):
-            out[j] = (names[f], sums[16 * k : 16 * k + 16])
+            out[j] = (names[f], sums[k])
+        if inside and not hit.all() and len(rows):
+            self._inside_rows(rows, offsets, lengths, ~hit, out)
         return out
+
+    def _checksums(self, chunks) -> list[str]:
+        """The recorded checksums of chunk rows, 16 hex digits each ("" for a layout that records none)."""
+        if not self.tensors.index.checksums:
+            return [""] * len(chunks)
+        # every checksum as 16 hex digits in one conversion (big-endian bytes -> one hex string)
+        sums = self.tensors.index.a["chunk_checksum"][chunks].astype(">u8").tobytes().hex()
+        return [sums[16 * k : 16 * k + 16] for k in range(len(chunks))]
+
+    def _inside_rows(self, rows, offsets, lengths, todo, out: list) -> None:
+        """Fill ``out[j]`` for the boxes ``todo`` selects that lie inside their tensor's one whole chunk."""
+        import numpy as np
+
+        t = self.tensors
+        idx = t.index
+        whole = np.asarray(idx._whole_rows(), dtype=np.int64)[rows]
+        nd = np.asarray(t.ndims, dtype=np.int64)[rows]
+        shape = idx.a["shape"][rows]
+        width = shape.shape[1] if shape.ndim == 2 else 0
+        real = np.arange(width)[None, :] < nd[:, None]
+        inside = todo & (whole >= 0) & (nd > 0) & np.all(
+            ~real | ((lengths > 0) & (offsets >= 0) & (offsets + lengths <= shape)), axis=1)
+        pick = np.flatnonzero(inside)
+        if not len(pick):
+            return
+        chunks = whole[pick]
+        files = idx.a["chunk_file"][chunks].tolist()
+        sums = self._checksums(chunks)
+        shapes: dict[int, tuple] = {}
+        for k, (j, f, row) in enumerate(zip(pick.tolist(), files, rows[pick].tolist())):
+            sh = shapes.get(row)
+            if sh is None:
+                sh = shapes[row] = tuple(shape[j, : nd[j]].tolist())
+            out[j] = (t.files[f], sums[k], sh)
 
     def key_arrays(self, names: list[str]):
         """(tensor rank, item size) per key of ``names`` as int64 arrays (0 for objects)."""

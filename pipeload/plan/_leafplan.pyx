@@ -147,7 +147,7 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
 
     ``box_of(fqn, value, cache)`` gives a leaf's box as :func:`box` does (None: :func:`box` itself);
     ``exact_of(rows, offsets, lengths)`` the ``(file, checksum)`` of the stored chunk that is exactly each
-    box, or None (format 2 only); ``reads_of(fqn, offsets, lengths, itemsize)`` the reads and affinity of
+    box, or ``(file, checksum, chunk shape)`` of the one whole chunk it lies inside, or None (format 2 only); ``reads_of(fqn, offsets, lengths, itemsize)`` the reads and affinity of
     a box that is not one stored chunk.
     """
     cdef Py_ssize_t n = len(names), j = 0, d, nd, i
@@ -249,7 +249,9 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
         hit = exact[k] if exact is not None else None
         if hit is not None:
             file = hit[0]
-            reads = (file, hit[1], whole)  # its one ReadItem, built when the read runs (DestShard.reads)
+            # its one ReadItem, built when the read runs (DestShard.reads); a box inside the tensor's one
+            # whole chunk: (file, checksum, chunk shape)
+            reads = (file, hit[1], whole) if len(hit) == 2 else hit
             if writer_of is None:
                 affinity = -1
             else:

@@ -56,7 +56,8 @@ class DestShard:
 
     Built for every tensor leaf before the exchange, so what only the reads need is built when they
     run (in the worker thread, overlapping the broadcasts): a box loaded as saved keeps its one stored
-    chunk as ``(file, checksum, whole)`` until :attr:`reads` is first asked for, and :attr:`dest` is
+    chunk as ``(file, checksum, whole)`` until :attr:`reads` is first asked for (a box inside a tensor's
+    one whole chunk, ``(file, checksum, chunk shape)``), and :attr:`dest` is
     detached from autograd when first used, not at planning. The shard of a kept plan holds no tensor
     between loads, only where to find it: ``(binding, leaf position, first row, rows or None)``.
     """
@@ -79,18 +80,24 @@ class DestShard:
     def reads(self) -> list[ReadItem]:
         r = self._reads
         if type(r) is tuple:
-            file, checksum, whole = r
             offsets, lengths = self.key[1], self.key[2]
             zero = (0,) * len(lengths)
-            r = self._reads = [ReadItem(file, chunk_key(self.fqn, offsets, whole), checksum, lengths, zero, zero,
-                                        lengths, self.nbytes)]
+            if type(r[2]) is not tuple:  # (file, checksum, whole): the stored chunk is this box
+                file, checksum, whole = r
+                item = ReadItem(file, chunk_key(self.fqn, offsets, whole), checksum, lengths, zero, zero, lengths,
+                                self.nbytes)
+            else:  # (file, checksum, shape): the box lies inside the tensor's one whole chunk
+                file, checksum, shape = r
+                item = ReadItem(file, chunk_key(self.fqn, zero, True), checksum, shape, offsets, zero, lengths,
+                                self.nbytes)
+            r = self._reads = [item]
         return r
 
     @property
     def exact_file(self) -> str | None:
         """The file of the stored chunk that is exactly this box, when its reads were not built yet."""
         r = self._reads
-        return r[0] if type(r) is tuple else None
+        return r[0] if type(r) is tuple and type(r[2]) is not tuple else None
 
     def exact_key(self) -> str:
         """The safetensors name of that chunk (only when :attr:`exact_file` is not None)."""
@@ -160,6 +167,11 @@ def _intersect(chunk: ChunkMeta, offsets, lengths) -> tuple | None:
     )
 
 
+def _exact_or_inside(md: Metadata):
+    """The chunk lookup of :func:`local_plan`: each box's exact chunk, or the one whole chunk it lies in."""
+    return lambda rows, offsets, lengths: md.exact_rows(rows, offsets, lengths, inside=True)
+
+
 def local_plan(
     leaves: dict[str, Leaf],
     md: Metadata,
@@ -199,7 +211,7 @@ def local_plan(
         return reads, writer_of(reads[0].file) if one_file else -1
 
     plan.shards, offsets, lengths, plan.problems, unboxed, others, adopted = resolve(
-        sorted(leaves), leaves, index, md, box_of, boxes, width, NAMES_OF_DTYPES, md.exact_rows, reads_of, DestShard,
+        sorted(leaves), leaves, index, md, box_of, boxes, width, NAMES_OF_DTYPES, _exact_or_inside(md), reads_of, DestShard,
         broadcastable, writer_of)
     plan.boxes = (offsets, lengths)  # one shard per box, in order
     plan.adopted = [(leaves[fqn], t) for fqn, t in adopted]

@@ -21,17 +21,26 @@ per metadata, then ``O(n)`` vectorised for the ``n`` boxes of a rank.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..formats.chunks import dtype_itemsize
 
 
-def chunk_positions(md) -> tuple[np.ndarray, int] | None:
-    """(position of each stored chunk's first byte in the storage order, the checkpoint's tensor bytes),
-    chunk rows as in the metadata's index; None when the metadata has no index (format 1)."""
+class _Order(NamedTuple):
+    """A metadata's storage order, computed once per metadata (kept on it)."""
+
+    pos: np.ndarray  # per chunk row: its first byte's position
+    total: int  # the checkpoint's tensor bytes
+    itemsize: np.ndarray  # per tensor row
+    ndim: np.ndarray  # per tensor row
+
+
+def _order(md) -> _Order | None:
     if not md.indexed:
         return None
-    cached = getattr(md, "_storage_positions", None)
+    cached = getattr(md, "_storage_order", None)
     if cached is not None:
         return cached
     t = md.tensors
@@ -40,31 +49,44 @@ def chunk_positions(md) -> tuple[np.ndarray, int] | None:
     n_chunks = int(start[-1]) if len(start) else 0
     tensor_of = np.repeat(np.arange(len(start) - 1), np.diff(start))
     width = a["chunk_lengths"].shape[1] if a["chunk_lengths"].ndim == 2 else 0
-    nd = np.asarray(t.ndims, dtype=np.int64)[tensor_of]
+    ndim = np.asarray(t.ndims, dtype=np.int64)
+    nd = ndim[tensor_of]
     lens = a["chunk_lengths"].astype(np.int64, copy=False)
-    numel = np.prod(np.where(np.arange(width)[None, :] < nd[:, None], lens, 1), axis=1) if width else np.ones(n_chunks, np.int64)
+    numel = (np.prod(np.where(np.arange(width)[None, :] < nd[:, None], lens, 1), axis=1) if width
+             else np.ones(n_chunks, np.int64))
     itemsize = np.fromiter((dtype_itemsize(d) for d in t.dtypes), dtype=np.int64, count=len(t.dtypes))
     nbytes = numel * itemsize[tensor_of]
     order = np.lexsort((np.arange(n_chunks), a["chunk_file"]))  # by file, then key order inside it
     pos = np.empty(n_chunks, dtype=np.int64)
     pos[order] = np.cumsum(nbytes[order]) - nbytes[order]
-    out = (pos, int(nbytes.sum()))
-    md._storage_positions = out
+    out = md._storage_order = _Order(pos, int(nbytes.sum()), itemsize, ndim)
     return out
 
 
-def _box_positions(md, fqns: list[str], offsets: np.ndarray, lengths: np.ndarray):
-    """(storage position of each box's first byte, -1 for a tensor stored in several chunks; whether the
-    box is one contiguous run of its chunk: a range of rows; the bytes of its tensor; the checkpoint's
-    tensor bytes)."""
-    pos, total = chunk_positions(md)
+def chunk_positions(md) -> tuple[np.ndarray, int] | None:
+    """(position of each stored chunk's first byte in the storage order, the checkpoint's tensor bytes),
+    chunk rows as in the metadata's index; None when the metadata has no index (format 1)."""
+    o = _order(md)
+    return None if o is None else (o.pos, o.total)
+
+
+class _Boxes(NamedTuple):
+    chunk: np.ndarray  # storage position of the box's tensor's one chunk, -1: several chunks
+    first: np.ndarray  # bytes from there to the box's first byte
+    rowwise: np.ndarray  # the box is one contiguous run of its chunk: a range of rows
+    tensor_bytes: np.ndarray
+    total: int
+
+
+def _box_positions(md, fqns: list[str], offsets: np.ndarray, lengths: np.ndarray) -> _Boxes:
+    o = _order(md)
     t = md.tensors
     a = t.index.a
     rows = np.fromiter((t.pos[f] for f in fqns), dtype=np.int64, count=len(fqns))
     start = a["chunk_start"]
     whole = (start[rows + 1] - start[rows]) == 1  # one chunk: the whole tensor (checked when planned)
     shape = a["shape"][rows].astype(np.int64, copy=False)
-    nd = np.asarray(t.ndims, dtype=np.int64)[rows]
+    nd = o.ndim[rows]
     w = min(offsets.shape[1], shape.shape[1]) if offsets.ndim == 2 else 0
     first = np.zeros(len(rows), dtype=np.int64)  # row-major index of the box's first element
     stride = np.ones(len(rows), dtype=np.int64)
@@ -75,9 +97,9 @@ def _box_positions(md, fqns: list[str], offsets: np.ndarray, lengths: np.ndarray
         stride *= np.where(real, shape[:, d], 1)
         if d:
             rowwise &= ~real | (lengths[:, d] == shape[:, d])
-    itemsize = np.fromiter((dtype_itemsize(t.dtypes[r]) for r in rows.tolist()), dtype=np.int64, count=len(rows))
-    at = np.where(whole, pos[np.where(whole, start[rows], 0)] + first * itemsize, -1)
-    return at, rowwise, stride * itemsize, total
+    itemsize = o.itemsize[rows]
+    chunk = np.where(whole, o.pos[np.where(whole, start[rows], 0)], -1)
+    return _Boxes(chunk, first * itemsize, rowwise, stride * itemsize, o.total)
 
 
 def affinities(md, fqns: list[str], offsets: np.ndarray, lengths: np.ndarray, world: int) -> np.ndarray | None:
@@ -85,13 +107,12 @@ def affinities(md, fqns: list[str], offsets: np.ndarray, lengths: np.ndarray, wo
     region holds its first byte — a box strided across its chunk (not a range of rows), its chunk's first
     byte: such a chunk is read whole, as a unit — or -1 (a tensor stored in several chunks: no position
     is taken for it). None: no index, or a load group of one."""
-    if world <= 1 or not len(fqns) or chunk_positions(md) is None or chunk_positions(md)[1] <= 0:
+    o = _order(md) if world > 1 and len(fqns) else None
+    if o is None or o.total <= 0:
         return None
-    at, rowwise, _, total = _box_positions(md, fqns, offsets, lengths)
-    if not rowwise.all():
-        base = _box_positions(md, fqns, np.zeros_like(offsets), lengths)[0]
-        at = np.where(rowwise, at, base)
-    return np.where(at >= 0, np.minimum(world - 1, at * world // total), -1)
+    b = _box_positions(md, fqns, offsets, lengths)
+    at = b.chunk + np.where(b.rowwise, b.first, 0)
+    return np.where(b.chunk >= 0, np.minimum(world - 1, at * world // b.total), -1)
 
 
 def speculative(plan, md, world: int, rank: int, budget: int) -> list:
@@ -106,14 +127,14 @@ def speculative(plan, md, world: int, rank: int, budget: int) -> list:
     if not mine or plan.boxes is None or len(plan.boxes[0]) != len(plan.shards):
         return []
     idx = np.asarray(mine)
-    at, rowwise, tensor_bytes, total = _box_positions(md, [plan.shards[j].fqn for j in mine], plan.boxes[0][idx],
-                                                      plan.boxes[1][idx])
-    region = max(1, -(-total // world))
+    b = _box_positions(md, [plan.shards[j].fqn for j in mine], plan.boxes[0][idx], plan.boxes[1][idx])
+    region = max(1, -(-b.total // world))
     if region < 4 * budget:
         return []
+    at = np.where(b.chunk >= 0, b.chunk + b.first, -1)
     # what storage serves for it: the box, or the whole chunk a strided box's unit reads
-    cost = np.where(rowwise, np.fromiter((plan.shards[j].nbytes for j in mine), dtype=np.int64, count=len(mine)),
-                    tensor_bytes)
+    cost = np.where(b.rowwise, np.fromiter((plan.shards[j].nbytes for j in mine), dtype=np.int64, count=len(mine)),
+                    b.tensor_bytes)
     keep = (cost <= region // 16) & (at >= 0) & (at - rank * region < region // 2)
     out, used = [], 0
     for k in np.flatnonzero(keep)[np.argsort(at[keep], kind="stable")].tolist():
@@ -138,10 +159,10 @@ def key_positions(md, names: list[str]) -> tuple[np.ndarray, np.ndarray, int] | 
     """Per checkpoint key (``names``, index order): the storage position of its tensor's one whole chunk
     (-1: not one whole chunk, or an object) and the bytes of one of its rows; and the checkpoint's
     tensor bytes. None without an index."""
-    found = chunk_positions(md)
-    if found is None:
+    o = _order(md)
+    if o is None:
         return None
-    pos, total = found
+    pos, total = o.pos, o.total
     t = md.tensors
     a = t.index.a
     rows = np.fromiter((t.pos.get(x, -1) for x in names), dtype=np.int64, count=len(names))
@@ -151,8 +172,7 @@ def key_positions(md, names: list[str]) -> tuple[np.ndarray, np.ndarray, int] | 
     whole = have & ((start[r + 1] - start[r]) == 1) if len(start) > 1 else np.zeros(len(names), dtype=bool)
     at = np.where(whole, pos[np.where(whole, start[r], 0)] if len(pos) else 0, -1)
     shape = a["shape"].astype(np.int64, copy=False)
-    nd = np.asarray(t.ndims, dtype=np.int64)
-    itemsize = np.fromiter((dtype_itemsize(d) for d in t.dtypes), dtype=np.int64, count=len(t.dtypes))
+    nd, itemsize = o.ndim, o.itemsize
     width = shape.shape[1] if shape.ndim == 2 else 0
     inner = (np.prod(np.where((np.arange(width)[None, :] >= 1) & (np.arange(width)[None, :] < nd[:, None]), shape, 1),
                      axis=1) if width else np.ones(len(nd), dtype=np.int64)) * itemsize
