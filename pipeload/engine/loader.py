@@ -297,6 +297,7 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
     init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
     # The requests of what a rank will read, made while it plans, go from a thread of their own: under a
     # throttled device queueing them blocks, and the first read of the shared phase must not wait for that.
+    # (Objects: from the read worker, before its first read: both stage the same parts.)
     with ChunkReader(run.directory, verify_checksums=opts.verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-ahead") as ahead:
@@ -304,7 +305,8 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
             private_only=opts.broadcast_replicated_tensors is False)
         prep = start.prep or _prepare(
             state_dict, run.directory, comm, run.collective, opts.strict, opts.broadcast_replicated_tensors,
-            opts.broadcast_batch_bytes, opts.broadcast_groups, reader, ahead, run.clock,
+            opts.broadcast_batch_bytes, opts.broadcast_groups, reader,
+            pool if storage.is_url(run.directory) else ahead, run.clock,
             (opts.format, opts.key_map, opts.cast), keepable=start.cache_key is not None,
             private_only=start.private_only, sent=start.sent, host=run.host)
         _count_plan(run.stats, prep, reader)
@@ -490,9 +492,13 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                                       *mesh_groups(plan.meshes if plan is not None else meshes_of(leaves))])
                 if collective and not private_only else {})
     moved = plan is not None and resharded(plan.shards)  # (its own file was written for another layout)
-    if not problems and ckpt.by_position and collective and not private_only:
-        ahead.submit(_prefetch_mine, reader, plan, None, comm.rank, md, comm.size)
-    elif not problems and md.world_size == comm.size and not moved:
+    if problems:
+        pass
+    elif ckpt.by_position:
+        if collective and not private_only and not storage.is_url(directory):
+            # (objects: a guess the balance cap overrules would cost GETs of bytes nobody here reads)
+            ahead.submit(_prefetch_mine, reader, plan, None, comm.rank, md, comm.size)
+    elif md.world_size == comm.size and not moved:
         ahead.submit(_prefetch_mine, reader, plan, data_file_name(md.save_id, comm.rank), comm.rank)
     clock.lap("plan")
 
