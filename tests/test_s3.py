@@ -41,7 +41,7 @@ def s3():
     with LocalS3() as server:
         for b in BUCKETS:
             server.bucket(b)
-        faults = Faults(rules=[("/flaky/", {"p503": 0.10, "preset": 0.03, "pshort": 0.03}),
+        faults = Faults(rules=[("/flaky/", {"p503": 0.10, "preset": 0.03, "pshort": 0.03, "first": "503"}),
                                ("/broken/big/data-", {"p503": 1.0})], seed=7)
         with FaultProxy(server.port, links=4, faults=faults) as proxy:
             yield server, proxy

@@ -14,7 +14,7 @@ Only loopback addresses are ever bound or connected to.
 from __future__ import annotations
 
 import asyncio
-import random
+import hashlib
 import socket
 import struct
 import threading
@@ -159,8 +159,10 @@ class Faults:
     preset: float = 0.0  # share of GETs whose connection is reset before an answer
     pshort: float = 0.0  # share of GETs whose body is cut in half (then the connection closes)
     only: str = ""  # faults only for paths containing this (e.g. ".safetensors")
-    # (path prefix, {"p503": .., "preset": .., "pshort": ..}): the first rule whose prefix starts the
-    # request's path sets its fault shares instead of the ones above
+    # (path prefix, {"p503": .., "preset": .., "pshort": .., "first": "503"}): the first rule whose prefix
+    # starts the request's path sets its fault shares instead of the ones above; "first" gives the first
+    # GET of each object that fault ("503", "reset" or "short"), whatever the draws (a test that must
+    # meet one does, however its requests fall)
     rules: list[tuple[str, dict]] = field(default_factory=list)
     seed: int = 0
     hook: Callable[[Request], None] | None = field(default=None, repr=False)  # runs before forwarding
@@ -174,7 +176,7 @@ class FaultProxy:
         self.faults = faults or Faults()
         self.ports = [free_port() for _ in range(links)]
         self.log: list[Request] = []
-        self._rng = random.Random(self.faults.seed)
+        self._attempts: dict[tuple[str, str], int] = {}  # (path, range) -> times asked for
         self._links = [_Bucket(self.faults.link_rate) for _ in range(links)]
         self._loop = asyncio.new_event_loop()
         self._servers: list = []
@@ -219,7 +221,7 @@ class FaultProxy:
         if "link_rate" in kw:
             self._links = [_Bucket(self.faults.link_rate) for _ in self.ports]
         if "seed" in kw:
-            self._rng = random.Random(kw["seed"])
+            self._attempts = {}
 
     def clear(self) -> None:
         self.log = []
@@ -228,16 +230,27 @@ class FaultProxy:
         return [r for r in self.log if r.method == method and (link is None or r.link == link)
                 and contains in r.path]
 
-    def _fault(self, method: str, path: str) -> str:
+    def _fault(self, method: str, path: str, range_: str | None = None) -> str:
+        """The fault of one request. Drawn from (seed, path, range, how many times that range was asked
+        for), not from arrival order: the same requests meet the same faults however the ranks' requests
+        interleave, and a retry of a range draws afresh."""
         f = self.faults
         if method != "GET" or (f.only and f.only not in path):
             return ""
         shares = {"p503": f.p503, "preset": f.preset, "pshort": f.pshort}
+        first = ""
         for prefix, rule in f.rules:
             if path.startswith(prefix):
                 shares = {k: rule.get(k, 0.0) for k in shares}
+                first = rule.get("first", "")
                 break
-        x = self._rng.random()
+        if first and path not in self._attempts:
+            self._attempts[path] = 1  # (an object's path: no (path, range) key is a bare string)
+            return first
+        key = (path, range_ or "")
+        attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
+        digest = hashlib.blake2b(f"{f.seed}\0{path}\0{range_ or ''}\0{attempt}".encode(), digest_size=8).digest()
+        x = int.from_bytes(digest, "little") / 2.0**64
         for name, p in (("503", shares["p503"]), ("reset", shares["preset"]), ("short", shares["pshort"])):
             if x < p:
                 return name
@@ -258,7 +271,7 @@ class FaultProxy:
                 self.log.append(rec)
                 if self.faults.latency:
                     await asyncio.sleep(self.faults.latency)
-                rec.fault = self._fault(method, path)
+                rec.fault = self._fault(method, path, rec.range)
                 if self.faults.hook is not None:
                     self.faults.hook(rec)
                 if rec.fault == "503":
