@@ -492,13 +492,11 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                                       *mesh_groups(plan.meshes if plan is not None else meshes_of(leaves))])
                 if collective and not private_only else {})
     moved = plan is not None and resharded(plan.shards)  # (its own file was written for another layout)
-    if problems:
-        pass
-    elif ckpt.by_position:
+    if not problems and ckpt.by_position:
         if collective and not private_only and not storage.is_url(directory):
             # (objects: a guess the balance cap overrules would cost GETs of bytes nobody here reads)
             ahead.submit(_prefetch_mine, reader, plan, None, comm.rank, md, comm.size)
-    elif md.world_size == comm.size and not moved:
+    elif not problems and md.world_size == comm.size and not moved:
         ahead.submit(_prefetch_mine, reader, plan, data_file_name(md.save_id, comm.rank), comm.rank)
     clock.lap("plan")
 

@@ -62,7 +62,11 @@ Rules (DESIGN.md, "Global plan"):
   cutting (at most one member per ``UNIT_STRIPE`` bytes of a set holding units) and batching treat it
   as a shard, so it cannot deadlock for the reason shards cannot: its holder set is derived from data
   every rank holds, its broadcasts sit at positions of the one order every member computes alike;
-- order: pieces sorted by (fqn index, offsets, lengths); pieces under ``batch_bytes`` join the pending
+- **storage position** (:mod:`pipeload.plan.storageorder`, files no rank wrote): the records'
+  affinities are the ranks whose equal share of the files' bytes holds each shard, honoured as a named
+  writer is; a unit takes the affinity of the first row touching it (a strided box's is its chunk's);
+- order: pieces sorted by (fqn index, offsets, lengths) — by storage position, by (offset inside the
+  region, key), so that every region's reader reads at once; pieces under ``batch_bytes`` join the pending
   batch of their (holder set, reader), which is sent at the position of the piece that fills it; the
   batches left at the end follow in the order of their first piece.
 """

@@ -12,7 +12,7 @@ chunks of a file in key order: the order ``safetensors`` writes a file of one dt
 region holds its first byte. The plan honours it as it honours a named writer (only a holder, within
 11/10 of its component's mean), so each rank reads mostly one contiguous run of the files, and what a
 rank needs from its own region it will read itself: it may ask storage for those bytes while the plan
-is still being made (:func:`pipeload.engine.loader`'s speculative prefetch).
+is still being made (:func:`speculative`).
 
 A pure function of the metadata every rank holds and the shard's box: replicas of one box compute the
 same affinity, so their exchange records stay identical. ``O(C)`` for the ``C`` stored chunks, once
