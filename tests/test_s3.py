@@ -298,6 +298,23 @@ def test_s3_killed_save_keeps_previous(s3, tmp_path):
     assert stats.requests >= 3 and stats.bytes_fetched >= 4 << 20
 
 
+def test_the_io_loop_stops_before_the_interpreter_finalizes(s3):
+    """At exit the object store's loop is stopped and its thread joined (a daemon thread stopped inside
+    a native callback during finalization aborts the process); a later request starts a new loop."""
+    from pipeload.io import objstore
+
+    server, proxy = s3
+    sd = {"w": torch.arange(16.0)}
+    pipeload.save(sd, "s3://saves/atexit", storage_options=LocalS3.options(proxy.url(0)))
+    loop = objstore.io_loop()
+    assert loop.thread.is_alive()
+    objstore._stop_loop()
+    assert not loop.thread.is_alive()
+    back = {"w": torch.zeros(16)}
+    pipeload.load(back, "s3://saves/atexit", storage_options=LocalS3.options(proxy.url(0)))
+    assert torch.equal(back["w"], sd["w"]) and objstore.io_loop() is not loop
+
+
 def test_missing_extra_names_it(tmp_path):
     """Without obstore the error names the extra that installs it (run in a process without it)."""
     code = textwrap.dedent("""
