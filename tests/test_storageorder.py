@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import pipeload
 from pipeload import formats
 from pipeload.plan import globalplan as G
 from pipeload.plan import storageorder
@@ -51,8 +52,6 @@ def _boxes(md, tp: int, rank: int):
 
 def test_hf_checkpoints_are_placed_by_position_and_others_not(hf, tmp_path):
     assert hf.by_position and hf.writer_of is None
-    import pipeload
-
     pipeload.save({"w": torch.ones(4)}, str(tmp_path / "pl"))
     assert not formats.open_checkpoint(str(tmp_path / "pl")).by_position
 
