@@ -130,7 +130,7 @@ def _stop_loop() -> None:
     A daemon thread still running the loop when finalization starts is stopped inside whatever it
     runs: in the object store's native code (a request's callback), that unwinds through frames that
     cannot be unwound and aborts the process — after a save or load that had completed (seen as a
-    SIGABRT about once in 25-60 processes that saved to S3)."""
+    SIGABRT in 2 of 185 processes that saved to S3; 0 of 200 with this)."""
     loop = _LOOP
     if loop is None or _LOOP_PID != os.getpid() or not loop.thread.is_alive():
         return
