@@ -109,24 +109,14 @@ class _Clock:
         self.last = now
 
 
-def _prefetch_mine(reader: ChunkReader, plan, own_file: str | None, rank: int, md=None, world: int = 1) -> None:
-    """Start reading, before the plan exchange, what this rank will read itself (at most
-    SPECULATIVE_PREFETCH bytes, in the order the shared phase reads them).
+def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
+    """Start reading, before the plan exchange, what this rank needs from the file it wrote itself.
 
-    ``own_file``: saved and loaded on the same world with the same layout, every rank reads exactly the
-    shards it wrote (save and load pick writers and readers with one greedy): those of that file.
-    None: the checkpoint's readers are preferred by storage position (:mod:`pipeload.plan.storageorder`):
-    the first shards of this rank's region (``md``'s, ``world`` ranks). Either way a guess that can only
-    be partly wrong: only bytes this rank needs.
+    Saved and loaded on the same world with the same layout, every rank reads exactly the shards it
+    wrote (save and load pick writers and readers with one greedy), so storage starts streaming while
+    the ranks are still planning. Otherwise this is a guess that can only be partly wrong: only bytes
+    this rank needs, from one file.
     """
-    if own_file is None:
-        shards = storageorder.speculative(plan, md, world, rank, SPECULATIVE_PREFETCH)
-        whole = {}
-        for s in shards:
-            if s.exact_file is not None:
-                whole.setdefault(s.exact_file, []).append(s.exact_key())
-        reader.prefetch([it for s in shards if s.exact_file is None for it in s.reads], whole=whole or None)
-        return
     whole, items, total = [], [], 0
     for s in plan.shards:  # (in the worker, holding the GIL the planning thread needs: no key built in vain)
         if total >= SPECULATIVE_PREFETCH:
@@ -142,6 +132,18 @@ def _prefetch_mine(reader: ChunkReader, plan, own_file: str | None, rank: int, m
                 items.append(it)
                 total += it.nbytes
     reader.prefetch(items, whole={own_file: whole} if whole else None)
+
+
+def _prefetch_region(reader: ChunkReader, plan, md, rank: int, world: int) -> None:
+    """Start reading, before the plan exchange, the first shards of this rank's region when readers are
+    preferred by storage position (:func:`pipeload.plan.storageorder.speculative`): what the plan will
+    make it read itself, in the order its broadcasts take them."""
+    shards = storageorder.speculative(plan, md, world, rank, SPECULATIVE_PREFETCH)
+    whole: dict[str, list[str]] = {}
+    for s in shards:
+        if s.exact_file is not None:
+            whole.setdefault(s.exact_file, []).append(s.exact_key())
+    reader.prefetch([it for s in shards if s.exact_file is None for it in s.reads], whole=whole or None)
 
 
 def _contiguous(it) -> bool:
@@ -495,9 +497,9 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     if not problems and ckpt.by_position:
         if collective and not private_only and not storage.is_url(directory):
             # (objects: a guess the balance cap overrules would cost GETs of bytes nobody here reads)
-            ahead.submit(_prefetch_mine, reader, plan, None, comm.rank, md, comm.size)
+            ahead.submit(_prefetch_region, reader, plan, md, comm.rank, comm.size)
     elif not problems and md.world_size == comm.size and not moved:
-        ahead.submit(_prefetch_mine, reader, plan, data_file_name(md.save_id, comm.rank), comm.rank)
+        ahead.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
     clock.lap("plan")
 
     # 2-3. exchange and global plan

@@ -234,7 +234,7 @@ class ChunkIndex:
                   & (files >= 0) & (files < self.n_files))
         return np.where(found, lo, -1)
 
-    def _whole_rows(self) -> list[int]:
+    def whole_rows(self) -> list[int]:
         """Per tensor, the row of its one chunk when that chunk is the whole tensor and names a listed file
         (whole-tensor layouts: Hugging Face files, anything saved unsharded), else -1: one vectorised
         check of the table instead of one per box (offsets, lengths and shape are zero-padded alike)."""
@@ -254,7 +254,7 @@ class ChunkIndex:
 
     def overlapping(self, i: int, fqn: str, ndim: int, files: list[str], offsets, lengths) -> list:
         """The chunks of tensor ``i`` that overlap the box; they must cover it exactly."""
-        if ndim and self._whole_rows()[i] >= 0:  # one whole chunk: it covers any non-empty box inside the shape
+        if ndim and self.whole_rows()[i] >= 0:  # one whole chunk: it covers any non-empty box inside the shape
             shape = self.shape(i, ndim)
             if all(n > 0 and 0 <= o and o + n <= d for o, n, d in zip(offsets, lengths, shape)):
                 return [ChunkMeta((0,) * ndim, shape, files[self._whole_file[i]], chunk_key(fqn, (0,) * ndim, True),

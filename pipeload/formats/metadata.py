@@ -140,7 +140,7 @@ class Metadata:
 
         t = self.tensors
         idx = t.index
-        whole = np.asarray(idx._whole_rows(), dtype=np.int64)[rows]
+        whole = np.asarray(idx.whole_rows(), dtype=np.int64)[rows]
         nd = np.asarray(t.ndims, dtype=np.int64)[rows]
         shape = idx.a["shape"][rows]
         width = shape.shape[1] if shape.ndim == 2 else 0

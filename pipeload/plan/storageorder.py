@@ -35,6 +35,7 @@ class _Order(NamedTuple):
     total: int  # the checkpoint's tensor bytes
     itemsize: np.ndarray  # per tensor row
     ndim: np.ndarray  # per tensor row
+    whole: np.ndarray  # per tensor row: its one chunk's row when that chunk is the whole tensor, else -1
 
 
 def _order(md) -> _Order | None:
@@ -59,7 +60,8 @@ def _order(md) -> _Order | None:
     order = np.lexsort((np.arange(n_chunks), a["chunk_file"]))  # by file, then key order inside it
     pos = np.empty(n_chunks, dtype=np.int64)
     pos[order] = np.cumsum(nbytes[order]) - nbytes[order]
-    out = md._storage_order = _Order(pos, int(nbytes.sum()), itemsize, ndim)
+    whole = np.asarray(t.index.whole_rows(), dtype=np.int64)
+    out = md._storage_order = _Order(pos, int(nbytes.sum()), itemsize, ndim, whole)
     return out
 
 
@@ -79,12 +81,12 @@ class _Boxes(NamedTuple):
 
 
 def _box_positions(md, fqns: list[str], offsets: np.ndarray, lengths: np.ndarray) -> _Boxes:
+    """Where each box (tensor ``fqns[j]``, zero-padded ``offsets[j]``/``lengths[j]``) lies in the storage order."""
     o = _order(md)
     t = md.tensors
     a = t.index.a
     rows = np.fromiter((t.pos[f] for f in fqns), dtype=np.int64, count=len(fqns))
-    start = a["chunk_start"]
-    whole = (start[rows + 1] - start[rows]) == 1  # one chunk: the whole tensor (checked when planned)
+    one = o.whole[rows]  # the tensor's one whole chunk, or -1
     shape = a["shape"][rows].astype(np.int64, copy=False)
     nd = o.ndim[rows]
     w = min(offsets.shape[1], shape.shape[1]) if offsets.ndim == 2 else 0
@@ -98,7 +100,7 @@ def _box_positions(md, fqns: list[str], offsets: np.ndarray, lengths: np.ndarray
         if d:
             rowwise &= ~real | (lengths[:, d] == shape[:, d])
     itemsize = o.itemsize[rows]
-    chunk = np.where(whole, o.pos[np.where(whole, start[rows], 0)], -1)
+    chunk = np.where(one >= 0, o.pos[np.maximum(one, 0)], -1) if len(o.pos) else np.full(len(rows), -1)
     return _Boxes(chunk, first * itemsize, rowwise, stride * itemsize, o.total)
 
 
@@ -166,11 +168,10 @@ def key_positions(md, names: list[str]) -> tuple[np.ndarray, np.ndarray, int] | 
     t = md.tensors
     a = t.index.a
     rows = np.fromiter((t.pos.get(x, -1) for x in names), dtype=np.int64, count=len(names))
-    have = rows >= 0
-    r = np.where(have, rows, 0)
-    start = a["chunk_start"]
-    whole = have & ((start[r + 1] - start[r]) == 1) if len(start) > 1 else np.zeros(len(names), dtype=bool)
-    at = np.where(whole, pos[np.where(whole, start[r], 0)] if len(pos) else 0, -1)
+    r = np.maximum(rows, 0)
+    one = np.where(rows >= 0, o.whole[r], -1) if len(o.whole) else np.full(len(names), -1)
+    whole = one >= 0
+    at = np.where(whole, pos[np.maximum(one, 0)] if len(pos) else 0, -1)
     shape = a["shape"].astype(np.int64, copy=False)
     nd, itemsize = o.ndim, o.itemsize
     width = shape.shape[1] if shape.ndim == 2 else 0

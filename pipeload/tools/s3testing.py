@@ -177,6 +177,7 @@ class FaultProxy:
         self.ports = [free_port() for _ in range(links)]
         self.log: list[Request] = []
         self._attempts: dict[tuple[str, str], int] = {}  # (path, range) -> times asked for
+        self._first_done: set[str] = set()  # objects whose first GET met its rule's "first" fault
         self._links = [_Bucket(self.faults.link_rate) for _ in range(links)]
         self._loop = asyncio.new_event_loop()
         self._servers: list = []
@@ -221,7 +222,7 @@ class FaultProxy:
         if "link_rate" in kw:
             self._links = [_Bucket(self.faults.link_rate) for _ in self.ports]
         if "seed" in kw:
-            self._attempts = {}
+            self._attempts, self._first_done = {}, set()
 
     def clear(self) -> None:
         self.log = []
@@ -244,8 +245,8 @@ class FaultProxy:
                 shares = {k: rule.get(k, 0.0) for k in shares}
                 first = rule.get("first", "")
                 break
-        if first and path not in self._attempts:
-            self._attempts[path] = 1  # (an object's path: no (path, range) key is a bare string)
+        if first and path not in self._first_done:
+            self._first_done.add(path)
             return first
         key = (path, range_ or "")
         attempt = self._attempts[key] = self._attempts.get(key, 0) + 1

@@ -255,10 +255,10 @@ class Layout:
         """Whether some box of ``rank`` is not one stored chunk (its row's ``FLAG_RESHARDED``)."""
         return self.whole and any(ln != t.shape for t, _, ln in self.boxes(rank))
 
-    def record(self, rank: int, width: int, affinity: bool = False, by_position=None) -> bytes:
+    def record(self, rank: int, width: int, affinity: bool = False, position_md=None) -> bytes:
         """The record ``rank`` would send, encoded from its boxes by the loader's own encoder; ``affinity``:
         with each shard's writer rank (a DCP checkpoint's files name it: :func:`pipeload.tools.simforeign.writer`);
-        ``by_position``: the metadata whose storage positions give each shard's affinity (a Hugging Face
+        ``position_md``: the metadata whose storage positions give each shard's affinity (a Hugging Face
         checkpoint: :mod:`pipeload.plan.storageorder`)."""
         bx = self.boxes(rank)
         aff = None
@@ -267,8 +267,8 @@ class Layout:
             from .simforeign import writer
 
             aff = [writer(self, t, rank) for t, _, _ in bx]
-        elif by_position is not None:
-            aff = storageorder.affinities(by_position, [t.fqn for t, _, _ in bx], offsets, lengths, self.world)
+        elif position_md is not None:
+            aff = storageorder.affinities(position_md, [t.fqn for t, _, _ in bx], offsets, lengths, self.world)
         return encode_record([self.index[t.fqn] for t, _, _ in bx], [True] * len(bx), offsets, lengths,
                              [self.index[o] for o in self.objects], width, aff)
 
@@ -506,16 +506,16 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
 
 
 def _world_rows(lay: Layout, width: int, dcp_writers: bool = False,
-                save_id: str = SAVE_ID, by_position=None) -> tuple[np.ndarray, Classes, list[bytes]]:
+                save_id: str = SAVE_ID, position_md=None) -> tuple[np.ndarray, Classes, list[bytes]]:
     """Every rank's exchange row, the classes, and each class's record (encoded once per class;
-    ``dcp_writers``: with the writer affinity a DCP checkpoint's file names give; ``by_position``: the
+    ``dcp_writers``: with the writer affinity a DCP checkpoint's file names give; ``position_md``: the
     metadata whose storage positions give the affinities, as the loader does for Hugging Face files)."""
     world = lay.world
     keys = [lay.class_of(r) for r in range(world)]
     rep: dict[tuple, int] = {}
     for r, k in enumerate(keys):
         rep.setdefault(k, r)
-    rec_of = {k: lay.record(r, width, dcp_writers, by_position) for k, r in rep.items()}
+    rec_of = {k: lay.record(r, width, dcp_writers, position_md) for k, r in rep.items()}
     digest_of = {k: record_digest(rec) for k, rec in rec_of.items()}
     group_cache: dict = {}
     host = [hash64(f"host-{r // GPUS_PER_HOST}".encode()) for r in range(0, world, GPUS_PER_HOST)]
