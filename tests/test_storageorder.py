@@ -22,7 +22,7 @@ from pipeload.plan.exchange import classes, decode_record, encode_record, make_r
 from pipeload.plan.planner import fqn_index
 
 # (rows, cols, role): col -> Shard(0) over tp, row -> Shard(1), rep -> whole on every rank
-SHAPES = {f"layer{i:02d}.{n}": (s, role) for i in range(12)
+SHAPES = {f"layer{i:02d}.{n}": (s, role) for i in range(24)
           for n, s, role in (("a_col", (64, 32), "col"), ("b_row", (32, 64), "row"), ("c_rep", (16,), "rep"))}
 
 
@@ -75,6 +75,10 @@ def test_affinity_is_the_region_of_the_first_byte_alike_on_replicas(hf):
     other = storageorder.affinities(md, *_boxes(md, 2, 1), world)
     assert np.all(other >= aff)
     assert storageorder.affinities(md, fqns, off, ln, 1) is None
+    # under MIN_CHUNKS_PER_REGION chunks a rank (72 chunks, 8 ranks: 9 each), no reader goes by position
+    assert storageorder.applies(md, 4) and not storageorder.applies(md, 8)
+    assert storageorder.affinities(md, fqns, off, ln, 8) is None
+    assert storageorder.key_positions(md, list(fqn_index(md)), 8) is None
 
 
 def _plan(hf, tp: int, dp: int, me: int, order=None, positions=True):
@@ -98,7 +102,7 @@ def _plan(hf, tp: int, dp: int, me: int, order=None, positions=True):
     return G.global_plan(rows, cls, [decode_record(recs[int(o)]) for o in cls.owners], me, ndim=ndim,
                          itemsize=itemsize, broadcast=True, batch_bytes=0, can_create=True,
                          chunks=chunk_table(md, names),
-                         positions=storageorder.key_positions(md, names) if positions else None)
+                         positions=storageorder.key_positions(md, names, world) if positions else None)
 
 
 def test_each_rank_reads_its_own_region_and_readers_advance_together(hf):
@@ -106,7 +110,7 @@ def test_each_rank_reads_its_own_region_and_readers_advance_together(hf):
     world = tp * dp
     md = hf.metadata
     names = list(fqn_index(md))
-    start, row_bytes, total = storageorder.key_positions(md, names)
+    start, row_bytes, total = storageorder.key_positions(md, names, world)
     region = -(-total // world)
     gp = _plan(hf, tp, dp, 0)
     # every unit and replicated tensor (held by every rank) is read by the owner of its region

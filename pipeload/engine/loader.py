@@ -495,7 +495,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                 if collective and not private_only else {})
     moved = plan is not None and resharded(plan.shards)  # (its own file was written for another layout)
     if not problems and ckpt.by_position:
-        if collective and not private_only and not storage.is_url(directory):
+        if (collective and not private_only and not storage.is_url(directory)
+                and storageorder.applies(md, comm.size)):
             # (objects: a guess the balance cap overrules would cost GETs of bytes nobody here reads)
             ahead.submit(_prefetch_region, reader, plan, md, comm.rank, comm.size)
     elif not problems and md.world_size == comm.size and not moved:
@@ -686,7 +687,7 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     ndim, itemsize = _key_arrays(md, names)
     chunks = (chunk_table(md, names) if md is not None and broadcast and np.any(rows[:, F_FLAGS] & FLAG_RESHARDED)
               else None)
-    positions = storageorder.key_positions(md, names) if by_position and md is not None else None
+    positions = storageorder.key_positions(md, names, world) if by_position and md is not None else None
     if on_phase is not None:
         on_phase("key shapes")
     return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
