@@ -134,11 +134,10 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     reader.prefetch(items, whole={own_file: whole} if whole else None)
 
 
-def _prefetch_region(reader: ChunkReader, plan, md, rank: int, world: int) -> None:
+def _prefetch_region(reader: ChunkReader, shards: list) -> None:
     """Start reading, before the plan exchange, the first shards of this rank's region when readers are
-    preferred by storage position (:func:`pipeload.plan.storageorder.speculative`): what the plan will
-    make it read itself, in the order its broadcasts take them."""
-    shards = storageorder.speculative(plan, md, world, rank, SPECULATIVE_PREFETCH)
+    preferred by storage position (:func:`pipeload.plan.storageorder.speculative` chose them): what the
+    plan will make it read itself, in the order its broadcasts take them."""
     whole: dict[str, list[str]] = {}
     for s in shards:
         if s.exact_file is not None:
@@ -297,9 +296,9 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
     device = comm.broadcast_device
     init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-    # The requests of what a rank will read, made while it plans, go from a thread of their own: under a
-    # throttled device queueing them blocks, and the first read of the shared phase must not wait for that.
-    # (Objects: from the read worker, before its first read: both stage the same parts.)
+    # Early requests of a rank's region go from a thread of their own (under a throttled device queueing
+    # them blocks, and the first read of the shared phase must not wait for that); those of its own file
+    # from the read worker, before its first read (as measured, and one thread opens the file).
     with ChunkReader(run.directory, verify_checksums=opts.verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-ahead") as ahead:
@@ -307,8 +306,7 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
             private_only=opts.broadcast_replicated_tensors is False)
         prep = start.prep or _prepare(
             state_dict, run.directory, comm, run.collective, opts.strict, opts.broadcast_replicated_tensors,
-            opts.broadcast_batch_bytes, opts.broadcast_groups, reader,
-            pool if storage.is_url(run.directory) else ahead, run.clock,
+            opts.broadcast_batch_bytes, opts.broadcast_groups, reader, (pool, ahead), run.clock,
             (opts.format, opts.key_map, opts.cast), keepable=start.cache_key is not None,
             private_only=start.private_only, sent=start.sent, host=run.host)
         _count_plan(run.stats, prep, reader)
@@ -479,7 +477,7 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
 
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
-             broadcast_groups, reader, ahead, clock, request, keepable: bool = False,
+             broadcast_groups, reader, workers, clock, request, keepable: bool = False,
              private_only: bool = False, sent: tuple = (-1, None), host: int | None = None) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
 
@@ -494,13 +492,18 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                                       *mesh_groups(plan.meshes if plan is not None else meshes_of(leaves))])
                 if collective and not private_only else {})
     moved = plan is not None and resharded(plan.shards)  # (its own file was written for another layout)
+    pool, ahead = workers  # (the read worker, the thread of early requests)
     if not problems and ckpt.by_position:
         if (collective and not private_only and not storage.is_url(directory)
                 and storageorder.applies(md, comm.size)):
             # (objects: a guess the balance cap overrules would cost GETs of bytes nobody here reads)
-            ahead.submit(_prefetch_region, reader, plan, md, comm.rank, comm.size)
+            early = storageorder.speculative(plan, md, comm.size, comm.rank, SPECULATIVE_PREFETCH)
+            for name in sorted({s.exact_file or s.reads[0].file for s in early}):
+                reader.file(name)  # opened here: two threads must not both open one file
+            if early:
+                ahead.submit(_prefetch_region, reader, early)
     elif not problems and md.world_size == comm.size and not moved:
-        ahead.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
+        pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
     clock.lap("plan")
 
     # 2-3. exchange and global plan
