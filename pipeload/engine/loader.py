@@ -145,6 +145,24 @@ def _prefetch_region(reader: ChunkReader, shards: list) -> None:
     reader.prefetch([it for s in shards if s.exact_file is None for it in s.reads], whole=whole or None)
 
 
+def _request_early(workers, reader: ChunkReader, plan, md, ckpt, comm: Comm, directory: str, sharing: bool,
+                   moved: bool) -> None:
+    """Ask storage, while the plan is exchanged, for bytes this rank will surely read: the start of its
+    region (readers by storage position, ``sharing``: something may be broadcast) from the early-request
+    thread, or (loaded as saved) its own file from the read worker. ``workers``: (read worker, that thread)."""
+    pool, ahead = workers
+    if ckpt.by_position:
+        if sharing and not storage.is_url(directory) and storageorder.applies(md, comm.size):
+            # (objects: a guess the balance cap overrules would cost GETs of bytes nobody here reads)
+            early = storageorder.speculative(plan, md, comm.size, comm.rank, SPECULATIVE_PREFETCH)
+            for name in sorted({s.exact_file or s.reads[0].file for s in early}):
+                reader.file(name)  # opened here: two threads must not both open one file
+            if early:
+                ahead.submit(_prefetch_region, reader, early)
+    elif md.world_size == comm.size and not moved:
+        pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
+
+
 def _contiguous(it) -> bool:
     """Whether a ReadItem's box is one contiguous range of its stored chunk."""
     if not it.nbytes:
@@ -492,18 +510,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                                       *mesh_groups(plan.meshes if plan is not None else meshes_of(leaves))])
                 if collective and not private_only else {})
     moved = plan is not None and resharded(plan.shards)  # (its own file was written for another layout)
-    pool, ahead = workers  # (the read worker, the thread of early requests)
-    if not problems and ckpt.by_position:
-        if (collective and not private_only and not storage.is_url(directory)
-                and storageorder.applies(md, comm.size)):
-            # (objects: a guess the balance cap overrules would cost GETs of bytes nobody here reads)
-            early = storageorder.speculative(plan, md, comm.size, comm.rank, SPECULATIVE_PREFETCH)
-            for name in sorted({s.exact_file or s.reads[0].file for s in early}):
-                reader.file(name)  # opened here: two threads must not both open one file
-            if early:
-                ahead.submit(_prefetch_region, reader, early)
-    elif not problems and md.world_size == comm.size and not moved:
-        pool.submit(_prefetch_own_file, reader, plan, data_file_name(md.save_id, comm.rank))
+    if not problems:
+        _request_early(workers, reader, plan, md, ckpt, comm, directory, collective and not private_only, moved)
     clock.lap("plan")
 
     # 2-3. exchange and global plan
