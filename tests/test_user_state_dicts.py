@@ -1,5 +1,5 @@
 """What trainers pass: ``nn.Module.state_dict()`` (an ``OrderedDict``), modules parallelised with
-``parallelize_module`` and ``fully_shard``, ``get_state_dict(model, optimizer)``, and nested state dicts
+``parallelize_module`` and ``fully_shard`` (each, and FSDP2 over TP), ``get_state_dict(model, optimizer)``, and nested state dicts
 mixing ``dict`` subclasses at every depth — saved and loaded (first and reused plan) on a real world.
 
 One world of 4 gloo ranks (separate hosts emulated, so replicated shards are broadcast) runs every
@@ -155,6 +155,58 @@ def _fsdp_module(root: str) -> dict:
     return {}
 
 
+def _two_d_module(root: str, mesh) -> dict:
+    """FSDP2 over TP (``fully_shard`` on a ``parallelize_module``d model): the column-parallel weights are
+    ``(_StridedShard(0, sf=2), Shard(0))``, optimizer state alike. Saved and loaded 2D, resharded to whole
+    tensors, loaded from the TP-only checkpoint of :func:`_tp_module` and from a torch DCP checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def trained(seed: int):
+        model = parallelize_module(MLP(seed), mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        model = fully_shard(model, mesh=mesh["dp"])
+        optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for p in model.parameters():  # (the column-parallel output is sharded: no plain forward here)
+            p.grad = torch.full_like(p, 0.01 * (seed + 1))
+        optim.step()
+        return model, optim
+
+    src, src_optim = trained(0)
+    strided = [k for k, v in src.state_dict().items()
+               if any(type(p).__name__ == "_StridedShard" for p in getattr(v, "placements", ()))]
+    assert strided, f"rank {dist.get_rank()}: no strided placement in {src.state_dict()}"
+    path = os.path.join(root, "2d")
+    pipeload.save(src.state_dict(), path)
+    dst, _ = trained(1)
+    _load_twice(dst.state_dict(), path, "2d module")
+    _same(src.state_dict(), dst.state_dict(), "2d module")
+    plain = MLP(2)
+    pipeload.load(plain.state_dict(), path)
+    _same(src.state_dict(), plain.state_dict(), "2d -> plain")
+    from_tp, _ = trained(3)
+    pipeload.load(from_tp.state_dict(), os.path.join(root, "tp"))
+    _same(MLP(0).state_dict(), from_tp.state_dict(), "tp -> 2d")
+
+    msd, osd = get_state_dict(src, src_optim)
+    both = os.path.join(root, "2d-optim")
+    pipeload.save({"model": msd, "optim": osd}, both)
+    dst2, dst2_optim = trained(4)
+    msd2, osd2 = get_state_dict(dst2, dst2_optim)
+    pipeload.load({"model": msd2, "optim": osd2}, both)
+    _same(msd, msd2, "2d get_state_dict model")
+    for fqn, state in osd["state"].items():
+        _same(state, osd2["state"][fqn], f"2d get_state_dict optim {fqn}")
+
+    dcp_path = os.path.join(root, "2d-dcp")
+    dcp.save(src.state_dict(), checkpoint_id=dcp_path)
+    dst3, _ = trained(5)
+    pipeload.load(dst3.state_dict(), dcp_path)
+    _same(src.state_dict(), dst3.state_dict(), "dcp 2d -> 2d")
+    return {"strided": len(strided)}
+
+
 def _mixed_containers(root: str, meshes) -> dict:
     """Random layouts, every dict a random subclass on save and another on load (same seed per rank)."""
     reused = 0
@@ -193,7 +245,9 @@ def user_world(rank: int, world: int, root: str) -> dict:
     meshes = L.Meshes(world)
     out: dict = {}
     out.update(_plain_module(root))
-    out.update(_tp_module(root, init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    out.update(_tp_module(root, mesh))
+    out.update(_two_d_module(root, mesh))
     out.update(_fsdp_module(root))
     out.update(_mixed_containers(root, meshes))
     out.update(_refusals(root))
@@ -209,6 +263,12 @@ def results(tmp_path_factory):
 def test_module_state_dicts_load_on_every_rank(results):
     # every sub-case asserted inside the ranks; the TP load broadcast its replicated shards
     assert sum(r["tp_received"] for r in results) > 0
+
+
+def test_fsdp_over_tp_strided_placements(results):
+    # asserted inside the ranks: saved, loaded 2D (first and reused plan), into whole tensors, from TP only,
+    # with the optimizer's state, from torch DCP
+    assert all(r["strided"] >= 2 for r in results)
 
 
 def test_mixed_dict_subclasses_reuse_plans(results):

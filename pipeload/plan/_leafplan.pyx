@@ -19,6 +19,7 @@ cdef extern from "Python.h":
 import numpy as np
 import torch
 
+from .placements import _StridedShard, mesh_box
 from .tensorkinds import adopt, problem as kind_problem
 
 try:  # DTensor moved out of the private namespace in torch 2.4
@@ -52,6 +53,8 @@ cdef tuple _placement_key(tuple placements):
             out.append(p.dim)
         elif t is Replicate:
             out.append(None)
+        elif t is _StridedShard:
+            out.append((p.dim, p.split_factor))
         else:
             return None
     return tuple(out)
@@ -108,13 +111,22 @@ def box(str fqn, value, dict cache):
         hit = cache.get(key)
     if hit is None:
         shape = tuple(size)
+        strided = False
         for p in placements:
-            if type(p) is not Shard and type(p) is not Replicate:
+            if type(p) is _StridedShard:
+                strided = True
+            elif type(p) is not Shard and type(p) is not Replicate:
                 raise ValueError(
                     f"{fqn!r}: DTensor placement {p} cannot be stored; use Shard or Replicate "
                     f"(redistribute Partial placements first)"
                 )
-        hit = (*_local_box(shape, mesh, placements), shape, mesh)
+        if strided:  # FSDP2 over TP: see pipeload.plan.placements
+            try:
+                hit = (*mesh_box(shape, mesh, placements), shape, mesh)
+            except ValueError as e:
+                raise ValueError(f"{fqn!r}: {e}") from None
+        else:
+            hit = (*_local_box(shape, mesh, placements), shape, mesh)
         if cache is not None:
             cache[key] = hit
     lengths, offsets, shape = hit[0], hit[1], hit[2]
