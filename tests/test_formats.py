@@ -309,6 +309,34 @@ def test_hf_errors(tmp_path, hf_tensors):
         pipeload.load({}, str(tmp_path / "nothing-here"))
 
 
+def test_hf_tied_weights(tmp_path):
+    """A model with tied embeddings (``lm_head.weight`` is ``embed.weight``) from a Hugging Face file that
+    stores one of them loads strictly: filling one fills both. A key that only shares memory in another
+    shape, or does not share it, is still missing."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.lm_head = torch.nn.Linear(4, 10, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+    stored = torch.arange(40.0).reshape(10, 4)
+    path = str(tmp_path / "model.safetensors")
+    save_file({"embed.weight": stored}, path)
+    model = Tied()
+    sd = model.state_dict()
+    stats = pipeload.load(sd, path)
+    assert torch.equal(model.embed.weight, stored) and torch.equal(model.lm_head.weight, stored)
+    assert not stats.missing_keys
+    seen = {"embed.weight": torch.zeros(10, 4), "head": torch.zeros(10, 4)}  # equal values, not the same memory
+    view = {"embed.weight": seen["embed.weight"], "flat": seen["embed.weight"].view(40)}
+    for bad, key in ((seen, "head"), (view, "flat")):
+        with pytest.raises(StateDictError, match=f"'{key}': missing from the checkpoint"):
+            pipeload.load(bad, path)
+        assert pipeload.load(bad, path, strict=False).missing_keys == [key]
+
+
 # -- tools -------------------------------------------------------------------------------------------
 
 

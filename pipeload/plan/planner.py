@@ -232,9 +232,26 @@ def local_plan(
     meshes = {id(m): m for m in cached_meshes(boxes)}
     meshes.update((id(m), m) for m in map(mesh_of, unboxed) if m is not None)
     plan.meshes = list(meshes.values())
+    if plan.missing:
+        plan.missing = _untied(leaves, plan.missing, [s.fqn for s in plan.shards])
     if strict and plan.missing:
         plan.problems += [f"{fqn!r}: missing from the checkpoint" for fqn in plan.missing]
     return plan
+
+
+def _untied(leaves: dict[str, Leaf], missing: list[str], loaded: list[str]) -> list[str]:
+    """``missing`` less the keys whose tensor is the very tensor of a loaded key: tied weights
+    (``lm_head.weight`` is ``embed_tokens.weight``; a Hugging Face checkpoint stores one of them), filled
+    when the other is. The same memory, offset, shape, strides and dtype, and the same global shape."""
+    def alias(value):
+        t = local_of(value)
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or not t.numel():
+            return None
+        return (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                tuple(value.shape))
+
+    filled = {alias(leaves[fqn].value) for fqn in loaded}
+    return [fqn for fqn in missing if (a := alias(leaves[fqn].value)) is None or a not in filled]
 
 
 # -- the exchange record and striped pieces -------------------------------------------------------------
