@@ -81,6 +81,24 @@ def test_affinity_is_the_region_of_the_first_byte_alike_on_replicas(hf):
     assert storageorder.key_positions(md, list(fqn_index(md)), 8) is None
 
 
+def test_positions_are_where_the_bytes_begin_also_with_several_dtypes(tmp_path):
+    # safetensors writes a file's tensors by dtype (widest first), then by name: key order is not storage
+    # order in a file of several dtypes. The positions follow each file's header.
+    names = {f"t{i:02d}": (torch.float32 if i % 3 else torch.bfloat16) for i in range(40)}
+    path = tmp_path / "model.safetensors"
+    save_file({k: torch.ones(8 + i, dtype=d) for i, (k, d) in enumerate(names.items())}, str(path))
+    md = formats.open_checkpoint(str(tmp_path)).metadata
+    pos, total = storageorder.chunk_positions(md)
+    t = md.tensors
+    start = t.index.a["chunk_start"]
+    header = formats.hf.read_header(str(path))
+    keys = [k for k in header if k != "__metadata__"]
+    by_storage = sorted(keys, key=lambda k: header[k][2])
+    assert by_storage != sorted(keys)  # (the point of the case)
+    assert sorted(keys, key=lambda k: pos[start[t.pos[k]]]) == by_storage
+    assert total == sum(header[k][3] - header[k][2] for k in keys)
+
+
 def _plan(hf, tp: int, dp: int, me: int, order=None, positions=True):
     """Rank ``me``'s global plan of a TP x DP load of ``hf`` with position affinities."""
     md = hf.metadata

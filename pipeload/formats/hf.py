@@ -227,6 +227,9 @@ def _chunked_table(raw: dict[str, Any], path: str):
                                                                           for c in md.tensors[n].chunks))
                                   for n in names}, files)
     del arrays["chunk_checksum"]
+    heads = raw["headers"]
+    arrays["chunk_pos"] = [heads[c.file][c.key][2] for n in names  # (build_arrays' row order)
+                           for c in sorted(md.tensors[n].chunks, key=lambda c: c.offsets)]
     partial = {n: [list(c.offsets) for c in md.tensors[n].chunks] for n in names
                if any(c.lengths != md.tensors[n].shape for c in md.tensors[n].chunks)}
     facts = {"layout": "hf", "single": bool(raw["single"]), "names": names,
@@ -248,12 +251,13 @@ def _whole_table(raw: dict[str, Any], path: str):
     root, weight_map, headers = _root(path, raw["single"]), raw["weight_map"], raw["headers"]
     where: dict[str, str] = {}
     entries: dict[str, tuple[str, tuple]] = {}
+    begin: dict[str, int] = {}
     known: set[str] = set()
     for name, header in headers.items():
         for key, entry in header.items():
             if key == "__metadata__" or (weight_map is not None and weight_map.get(key) != name):
                 continue
-            dtype, shape = entry[0], tuple(entry[1])
+            dtype, shape, begin[key] = entry[0], tuple(entry[1]), entry[2]
             if dtype not in known:
                 _check_dtype(os.path.join(root, name), key, dtype)
                 known.add(dtype)
@@ -271,7 +275,8 @@ def _whole_table(raw: dict[str, Any], path: str):
     arrays = {"shape": shape, "chunk_start": np.arange(len(names) + 1, dtype=np.int64),
               "max_rows": shape[:, 0].copy() if width else np.zeros(len(names), dtype=np.int64),
               "chunk_offsets": np.zeros_like(shape), "chunk_lengths": shape.copy(),
-              "chunk_file": np.array([file_ix[where[n]] for n in names], dtype=np.int32)}
+              "chunk_file": np.array([file_ix[where[n]] for n in names], dtype=np.int32),
+              "chunk_pos": np.array([begin[n] for n in names], dtype=np.int64)}
     facts = {"layout": "hf", "single": bool(raw["single"]), "names": names,
              "dtypes": [entries[n][0] for n in names], "ndims": ndims, "files": files,
              "file_metadata": {f: dict(h.get("__metadata__") or {}) for f, h in headers.items()}, "partial": {}}
@@ -296,6 +301,8 @@ def _header_columns(objects: dict, files: list[str], facts: dict) -> dict:
 
 def from_payload(path: str, blob):
     """(root, Metadata, opener, file metadata) of the table rank 0 sent, viewed in place on this rank."""
+    import numpy as np
+
     from .chunkindex import ChunkIndex, IndexedTensors
     from . import table
 
@@ -313,6 +320,9 @@ def from_payload(path: str, blob):
     md = Metadata(save_id="", world_size=0)
     md.tensors = IndexedTensors(idx, names, dtypes, ndims, files)
     md.index_file, md.data_files = INDEX_FILE, files
+    pos = arrays.get("chunk_pos")  # where each chunk's bytes begin in its file (only a preference rests on it)
+    if pos is not None and pos.dtype == np.int64 and pos.shape == idx.a["chunk_file"].shape:
+        md.storage_pos = pos
     root = _root(path, facts["single"])
     opener = None
     if is_url(root) and "objects" in facts:

@@ -7,7 +7,8 @@ thousands of scattered ranges, every range boundary that falls inside a page is 
 two ranks, and no rank can start reading before the whole plan is known.
 
 Here the checkpoint's bytes, laid end to end (data files in the order the metadata lists them, the
-chunks of a file in key order: the order ``safetensors`` writes a file of one dtype in), are cut into
+chunks of a file in the order their bytes begin in it — recorded from each file's header; key order
+where nothing is recorded, the order ``safetensors`` writes a file of one dtype in), are cut into
 ``W`` equal *regions*, one per rank of the load group, and each shard's affinity is the rank whose
 region holds its first byte. The plan honours it as it honours a named writer (only a holder, within
 11/10 of its component's mean), so each rank reads mostly one contiguous run of the files, and what a
@@ -57,7 +58,9 @@ def _order(md) -> _Order | None:
              else np.ones(n_chunks, np.int64))
     itemsize = np.fromiter((dtype_itemsize(d) for d in t.dtypes), dtype=np.int64, count=len(t.dtypes))
     nbytes = numel * itemsize[tensor_of]
-    order = np.lexsort((np.arange(n_chunks), a["chunk_file"]))  # by file, then key order inside it
+    # by file, then where each chunk begins in it (a Hugging Face file records it), else key order
+    inside = getattr(md, "storage_pos", None)
+    order = np.lexsort((inside if inside is not None else np.arange(n_chunks), a["chunk_file"]))
     pos = np.empty(n_chunks, dtype=np.int64)
     pos[order] = np.cumsum(nbytes[order]) - nbytes[order]
     whole = np.asarray(t.index.whole_rows(), dtype=np.int64)
