@@ -4,7 +4,7 @@ Each rank is an emulated host of its own (``PIPELOAD_HOST_ID``) with a tier root
 of four runs the sub-cases: placement and exact bytes of every file and copy (DTensor shards, replicated
 DTensors, strided views, objects, a ``Stateful``), a background snapshot that keeps the values at the
 call, ``keep`` and the removal of unfinished and abandoned steps, refused kinds and roots of another job
-(nothing written), a write failure on one rank (``RLIMIT_FSIZE``: every rank raises naming it, the
+(nothing written), one root given to every host (refused, naming it), a write failure on one rank (``RLIMIT_FSIZE``: every rank raises naming it, the
 previous step stays the newest), a damaged file found by ``read_rank_header``. A world of three loses
 a rank in the middle of a background snapshot.
 """
@@ -224,6 +224,19 @@ def _split_refused_case(rank: int, world: int, base: str, tier: MemoryTier, sd: 
         assert torch.equal(got["norm"], torch.full((4,), 60.0))
 
 
+def _shared_root_case(rank: int, world: int, base: str, tier: MemoryTier, sd: dict, out: dict) -> None:
+    """Four hosts given one directory (a network file system, not host memory): refused on every rank,
+    naming the root, before anything is claimed, removed or written; the hosts' own roots untouched."""
+    shared = MemoryTier(os.path.join(base, "one-for-all"), job="t")
+    for background in (False, True):
+        with pytest.raises(DistributedError, match="each host needs a root of its own") as got:
+            pipeload.save(sd, shared, step=80, background=background).wait(60)
+        assert sorted(got.value.failures) == [0, 1, 2, 3] and "one-for-all" in str(got.value)
+        dist.barrier()
+        assert os.listdir(shared.root) == []
+    assert tier.steps() == [60]
+
+
 def world4_tier(rank: int, world: int, base: str) -> dict:
     transport.CHUNK = 1 << 20  # several messages per copy
     tier = MemoryTier(_root(base, rank), job="t")
@@ -231,7 +244,7 @@ def world4_tier(rank: int, world: int, base: str) -> dict:
     out: dict = {"took": {}}
     for name, case in (("placement", _placement_cases), ("cleanup", _cleanup_cases), ("refusals", _refusal_cases),
                        ("write error", _write_error_case), ("measure", _measure_case), ("split refused", _split_refused_case),
-                       ("damage", _damage_case)):
+                       ("shared root", _shared_root_case), ("damage", _damage_case)):
         t0 = time.monotonic()
         case(rank, world, base, tier, sd, out)
         out["took"][name] = round(time.monotonic() - t0, 2)

@@ -344,14 +344,18 @@ def _work(own: Comm, tier: MemoryTier, step: int, placement: Placement, local: _
             parts = [memoryview(head)] + views
         except Exception as e:  # noqa: BLE001 - carried to the gather below
             error = f"encoding rank {me}'s file: {type(e).__name__}: {e}"
-    if lowest and error is None:
-        error = _prepare(tier, step)
-    size = sum(p.nbytes for p in parts)
-    rows = own.gather_rows(np.array([error is not None, size], dtype=np.int64), what, "gather of rank file sizes")
-    if rows[:, 0].any():
-        errors = own.all_gather_object(error, what)
-        raise DistributedError(what, {r: e for r, e in enumerate(errors) if e is not None})
-    sizes = rows[:, 1].tolist()
+    token = int.from_bytes(os.urandom(7), "little") if lowest else 0
+    marker = os.path.join(tier.root, f"{MARKER}{token:014x}") if lowest else None
+    try:  # (no marker goes before every host has looked: the second gather follows every look)
+        if marker is not None and error is None:
+            error = _touch(marker, tier.root, step)
+        tokens = _gather_or_raise(own, error, token, what, "gather of tier roots")
+        if lowest:
+            error = _shared_root(tier.root, placement, tokens, me) or _prepare(tier, step)
+        sizes = _gather_or_raise(own, error, sum(p.nbytes for p in parts), what, "gather of rank file sizes").tolist()
+    finally:
+        if marker is not None:
+            _unlink(marker)
     error = _write_and_copy(own, tier, step, placement, parts, sizes, stats, what)
     try:
         own.agree(what, error)
@@ -399,6 +403,52 @@ def _write_and_copy(own: Comm, tier: MemoryTier, step: int, placement: Placement
     stats.bytes_sent = sizes[me] * len(outs)
     stats.bytes_received = sum(n for _, _, n in ins)
     return result[0] or copy_error
+
+
+def _gather_or_raise(own: Comm, error: str | None, value: int, what: str, call: str) -> np.ndarray:
+    """Every rank's ``value``; or, when some rank has an error, the same DistributedError on every rank."""
+    rows = own.gather_rows(np.array([error is not None, value], dtype=np.int64), what, call)
+    if rows[:, 0].any():
+        errors = own.all_gather_object(error, what)
+        raise DistributedError(what, {r: e for r, e in enumerate(errors) if e is not None})
+    return rows[:, 1]
+
+
+MARKER = ".snapshot-"  # + 14 hex digits: a host's token, in its root while the snapshot checks the roots
+
+
+def _touch(marker: str, root: str, step: int) -> str | None:
+    try:
+        os.makedirs(root, exist_ok=True)
+        open(marker, "xb").close()
+    except OSError as e:
+        return f"preparing {root} for step {step}: {type(e).__name__}: {e}"
+    return None
+
+
+def _shared_root(root: str, placement: Placement, tokens: np.ndarray, me: int) -> str | None:
+    """Why ``root`` is not this host's own, or None.
+
+    A tier root must be host-local memory: hosts sharing one directory (a network file system) would
+    remove each other's unfinished steps and overwrite each other's completion records. Each host's lowest
+    rank puts an empty file named by a random token in its root before the gather of the tokens, and
+    removes it only after the next gather, so when every host looks, every host's file exists: a root
+    holding another host's token of this snapshot is shared, refused on every rank before anything is
+    removed or written. Files of earlier snapshots carry other tokens and prove nothing.
+    """
+    lowest = {f"{MARKER}{int(tokens[ranks[0]]):014x}": ranks[0] for ranks in placement.hosts if ranks[0] != me}
+    shared = sorted(lowest[n] for n in _listdir(root) if n in lowest)
+    if not shared:
+        return None
+    return (f"the memory tier root {root} is also the root of the host of rank(s) {', '.join(map(str, shared))}: "
+            f"each host needs a root of its own, in its own memory (a tmpfs such as /dev/shm)")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def _prepare(tier: MemoryTier, step: int) -> str | None:
