@@ -228,8 +228,8 @@ def _chunked_table(raw: dict[str, Any], path: str):
                                   for n in names}, files)
     del arrays["chunk_checksum"]
     heads = raw["headers"]
-    arrays["chunk_pos"] = [heads[c.file][c.key][2] for n in names  # (build_arrays' row order)
-                           for c in sorted(md.tensors[n].chunks, key=lambda c: c.offsets)]
+    arrays["chunk_pos"] = np.array([heads[c.file][c.key][2] for n in names  # (build_arrays' row order)
+                                    for c in sorted(md.tensors[n].chunks, key=lambda c: c.offsets)], dtype=np.int64)
     partial = {n: [list(c.offsets) for c in md.tensors[n].chunks] for n in names
                if any(c.lengths != md.tensors[n].shape for c in md.tensors[n].chunks)}
     facts = {"layout": "hf", "single": bool(raw["single"]), "names": names,
