@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # fqn -> (global shape, dtype). Odd sizes make uneven shards; scalars and bool/int/bf16 make dtypes vary.
@@ -143,7 +144,8 @@ def build(kind: str, meshes: Meshes, fill: bool = True, keys=None) -> dict:
 
 
 def random_build(rng: random.Random, meshes: Meshes, fill: bool, layout=None):
-    """A random layout (mesh and per-tensor placements); returns (state dict, layout) to rebuild it."""
+    """A random layout (mesh and per-tensor placements, FSDP2 over TP's strided ones among them); returns
+    (state dict, layout) to rebuild it."""
     if layout is None:
         layout = {}
         for fqn, (shape, _) in TENSORS.items():
@@ -151,6 +153,10 @@ def random_build(rng: random.Random, meshes: Meshes, fill: bool, layout=None):
                 layout[fqn] = None
                 continue
             mshape = rng.choice(meshes.shapes)
+            if len(mshape) == 2 and mshape[1] > 1 and shape and rng.random() < 0.25:
+                d = rng.randrange(len(shape))  # FSDP2 over TP: the TP shard split again over dp
+                layout[fqn] = (mshape, [f"SS{d}", f"S{d}"])
+                continue
             pls = []
             for _ in mshape:
                 opts = ["R"] + [f"S{d}" for d in range(len(shape))]
@@ -164,7 +170,8 @@ def random_build(rng: random.Random, meshes: Meshes, fill: bool, layout=None):
             flat[fqn] = g.clone()
         else:
             mshape, pls = spec
-            placements = [Replicate() if p == "R" else Shard(int(p[1:])) for p in pls]
+            placements = [Replicate() if p == "R" else _StridedShard(int(p[2:]), split_factor=mshape[1])
+                          if p.startswith("SS") else Shard(int(p[1:])) for p in pls]
             flat[fqn] = make_dtensor(g, meshes.get(mshape), placements)
     for fqn, v in OBJECTS.items():
         flat[fqn] = v if fill else None
