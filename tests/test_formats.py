@@ -337,6 +337,28 @@ def test_hf_tied_weights(tmp_path):
         assert pipeload.load(bad, path, strict=False).missing_keys == [key]
 
 
+def test_missing_keys_under_a_prefix_name_the_key_map(tmp_path):
+    """A state dict whose keys are the checkpoint's with a prefix added (DDP's ``module.``) or removed (a
+    wrapper's ``model.``): the refusal names the key_map that loads it, and that key_map does."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    pipeload.save(model.state_dict(), str(tmp_path / "plain"))
+    pipeload.save({"model." + k: v for k, v in model.state_dict().items()}, str(tmp_path / "wrapped"))
+    for prefix, ckpt, key_map in (("module.", "plain", lambda k: "module." + k),
+                                  ("", "wrapped", lambda k: k.removeprefix("model."))):
+        sd = {prefix + k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+        with pytest.raises(StateDictError) as e:
+            pipeload.load(sd, str(tmp_path / ckpt))
+        hint = "'module.' + k" if prefix else "k.removeprefix('model.')"
+        assert f"pass key_map=lambda k: {hint}" in str(e.value), str(e.value)
+        pipeload.load(sd, str(tmp_path / ckpt), key_map=key_map)
+        for k, v in model.state_dict().items():
+            assert torch.equal(sd[prefix + k], v)
+    sd = {"module.0.weight": torch.zeros(4, 4), "other": torch.zeros(1)}  # no one prefix explains both
+    with pytest.raises(StateDictError) as e:
+        pipeload.load(sd, str(tmp_path / "plain"))
+    assert "key_map" not in str(e.value)
+
+
 # -- tools -------------------------------------------------------------------------------------------
 
 

@@ -236,7 +236,38 @@ def local_plan(
         plan.missing = _untied(leaves, plan.missing, [s.fqn for s in plan.shards])
     if strict and plan.missing:
         plan.problems += [f"{fqn!r}: missing from the checkpoint" for fqn in plan.missing]
+        hint = rename_hint(plan.missing, index)
+        if hint:
+            plan.problems.append(hint)
     return plan
+
+
+def rename_hint(missing: list[str], names) -> str | None:
+    """The ``key_map`` that would find every missing key, when the state dict's keys are the checkpoint's
+    with one prefix added (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``) or removed (a wrapper's
+    ``model.``), or None. Only on a failed load: ``O(keys x depth)``."""
+    have = set(names)
+    added = None  # prefixes that, removed from every missing key, give a checkpoint key
+    for k in missing:
+        found = {k[: i + 1] for i, ch in enumerate(k) if ch == "." and k[i + 1 :] in have}
+        added = found if added is None else added & found
+        if not added:
+            break
+    if added:
+        p = min(added, key=len)
+        return f"every missing key is a checkpoint key with {p!r} in front: pass key_map=lambda k: {p!r} + k"
+    prefix_of: dict[str, set[str]] = {}  # checkpoint key less a leading prefix -> those prefixes
+    for c in have:
+        for i, ch in enumerate(c):
+            if ch == ".":
+                prefix_of.setdefault(c[i + 1 :], set()).add(c[: i + 1])
+    removed = None
+    for k in missing:
+        removed = set(prefix_of.get(k, ())) if removed is None else removed & prefix_of.get(k, set())
+        if not removed:
+            return None
+    p = min(removed, key=len)
+    return f"every missing key is a checkpoint key without {p!r} in front: pass key_map=lambda k: k.removeprefix({p!r})"
 
 
 def _untied(leaves: dict[str, Leaf], missing: list[str], loaded: list[str]) -> list[str]:
