@@ -260,6 +260,24 @@ def test_throttle_cgroup_roundtrip(tmp_path):
     assert not os.path.exists(info["dir"])
 
 
+def test_disk_reads_span():
+    # samples every 10 ms: nothing for 50 ms, then 2 MiB every 10 ms up to 20 MiB, then idle
+    MiB = bench.MiB
+    disk = bench.DiskReads((0, 0), interval=0.01)
+    for i in range(30):
+        disk.times.append(100 + i * 0.01)
+        disk.bytes.append(5 * MiB + min(max(0, i - 5), 10) * 2 * MiB)
+    span = disk.span(100.0, 100.25)
+    assert span["first_s"] == pytest.approx(0.06) and span["last_s"] == pytest.approx(0.15)
+    assert span["mib"] == pytest.approx(20)
+    assert disk.span(99.0, 99.5) is None  # before the first sample
+    rows = bench.summarize([{"mode": "cold", "loader": "floor", "wall": 0.2, "read_bytes": 1, "requested_bytes": 1,
+                             "resident_before": 0.0, "peak_rss_mib": 1.0, "peak_rss_delta_mib": 0.0, "disk": span}],
+                           unique=1)
+    assert rows[0]["disk"]["after_s"] == pytest.approx(0.05)
+    assert "after last" in bench.format_table({"summary": rows})
+
+
 @pytest.mark.timeout(120)
 def test_tiny_bench_end_to_end(tmp_path, capsys):
     out = tmp_path / "r.json"
@@ -287,6 +305,11 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     on_block = bench.block_device(str(tmp_path)) is not None
     for mode in ("cold1", "cold"):
         assert all(by[(mode, l)]["resident_before"] == 0.0 for l in ("floor", *bench.LOADERS)) or not on_block
+    if on_block:  # separate nodes: the disk's own timeline of every load (the floor's reads end when it does)
+        disk = by[("cold", "floor")]["disk"]
+        assert disk["mib"] > 0 and disk["last_s"] <= by[("cold", "floor")]["wall"] + 0.05, disk
+        assert all("disk" in by[("cold", l)] for l in bench.LOADERS) and "disk" not in by[("warm", "floor")]
+        assert "after last" in text
     # one host (warm, cold1): the default policy reads replicas from the page cache; separate nodes broadcast
     assert by[("warm", "pipeload")]["broadcasts"] == 0 and by[("cold1", "pipeload")]["broadcasts"] == 0
     assert by[("cold", "pipeload")]["broadcasts"] > 0 and by[("cold", "pipeload-nobcast")]["broadcasts"] == 0

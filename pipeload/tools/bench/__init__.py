@@ -27,11 +27,15 @@ The floor of a mode is the time to read the unique checkpoint bytes once: the ra
 contiguous slices of the pipeload checkpoint's files in parallel, with plain ``read`` calls, in the
 same mode. Bytes read from storage come from ``/proc/self/io`` ``read_bytes`` (what the block layer
 fetched, readahead included); requested bytes from ``LoadStats.bytes_read`` (pipeload only: DCP does
-not count what it asks for).
+not count what it asks for). In the separate-nodes modes the parent also samples the disk's own count
+of bytes read (:class:`.system.DiskReads`): when each load's first MiB and last byte came from storage,
+so a loader's time over the floor splits into before the first byte, bytes beyond the floor's, and
+after the last byte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -47,14 +51,14 @@ from .config import (DCP_LOADERS, VIA_DCP_LOADERS, DEFAULT_SIZE_MB, FLOOR, FORMA
                      QUICK_BASELINE_MODES, QUICK_LOADERS, QUICK_MODES, SEPARATE, TIMING_KEYS, BenchConfig, MiB)
 from .ranks import _all_ok, _Failure, experts_for, tensor_count
 from .report import check_targets, describe, format_table, headline, plot, summarize
-from .system import (_floor_read, _join_cgroup, block_device, data_files, drop_cache, residency, resident_bytes,
-                     setup_throttle, teardown_throttle, warm_files)
+from .system import (DiskReads, _floor_read, _join_cgroup, block_device, data_files, drop_cache, residency,
+                     resident_bytes, setup_throttle, teardown_throttle, warm_files)
 
 __all__ = ["BenchConfig", "run_bench", "headline", "describe", "format_table", "summarize", "check_targets",
            "plot", "LOADERS", "MODES", "QUICK_MODES", "QUICK_LOADERS", "LOADER_LABELS", "FLOOR", "SEPARATE",
            "TIMING_KEYS", "DEFAULT_SIZE_MB", "MiB", "tensor_count", "experts_for", "setup_throttle",
            "teardown_throttle", "block_device", "data_files", "drop_cache", "residency", "resident_bytes",
-           "warm_files", "_floor_read", "_join_cgroup", "_all_ok", "_Failure"]
+           "warm_files", "_floor_read", "_join_cgroup", "_all_ok", "_Failure", "DiskReads"]
 
 
 def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None = None) -> dict[str, Any]:
@@ -101,8 +105,11 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
             print(f"[bench] throttled mode SKIPPED: {cfg.throttle['reason']}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
+    device = block_device(cfg.dir) if any(m in SEPARATE for m in cfg.modes) else None
+    disk = DiskReads(device) if device else None
     try:
-        values = run_world(_rank_main, cfg.world, cfg, timeout=cfg.timeout)
+        with disk or contextlib.nullcontext():
+            values = run_world(_rank_main, cfg.world, cfg, timeout=cfg.timeout)
     finally:
         teardown_throttle(cfg.throttle)
         if own_dir:
@@ -110,6 +117,10 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
         else:
             shutil.rmtree(os.path.join(cfg.dir, "nodes"), ignore_errors=True)
     data = values[0]
+    for run in data["runs"]:  # separate nodes read from the disk: when did it serve them
+        span = run.pop("span", None)
+        if disk is not None and span is not None and run["mode"] in SEPARATE:
+            run["disk"] = disk.span(*span)
     result = {
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("throttle", "quiet")},
         "environment": _environment(cfg.dir if not own_dir else tempfile.gettempdir()),

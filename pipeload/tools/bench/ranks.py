@@ -335,7 +335,7 @@ def _timed_load(r: _Rank, mode: str, loader: str, directory: str, my_files: list
     wall = time.perf_counter() - t0
     io1 = proc_io()
     dist.barrier()  # nobody verifies (and takes a core) while another rank still loads
-    rec = {"wall": wall, "read_bytes": io1["read_bytes"] - io0["read_bytes"],
+    rec = {"wall": wall, "t0": t0, "read_bytes": io1["read_bytes"] - io0["read_bytes"],
            "requested_bytes": stats.bytes_read if stats is not None else requested, "resident_before": resident,
            "rss_mib": rss0 / 1024, "peak_rss_mib": status_kib("VmHWM") / 1024,  # the peak so far, no reset
            "peak_rss_reset": peak_ok, "stats": _stats_dict(stats) if stats is not None else None}
@@ -366,6 +366,7 @@ def _aggregate(mode: str, loader: str, repeat: int, per_rank: list[dict[str, Any
     run = {
         "mode": mode, "loader": loader, "repeat": repeat,
         "wall": max(x["wall"] for x in per_rank),
+        "span": (min(x["t0"] for x in per_rank), max(x["t0"] + x["wall"] for x in per_rank)),  # (perf_counter)
         "read_bytes": sum(x["read_bytes"] for x in per_rank),
         "requested_bytes": None if loader == "dcp" else sum(x["requested_bytes"] or 0 for x in per_rank),
         "resident_before": min(x["resident_before"] for x in per_rank),

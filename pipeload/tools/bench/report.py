@@ -47,9 +47,20 @@ def summarize(runs: list[dict[str, Any]], unique: int) -> list[dict[str, Any]]:
                 "timings": {k: _median([r["timings"][k] for r in rs]) for k in TIMING_KEYS}
                 if all("timings" in r for r in rs) else None,
                 "plan_exchange": _median([r.get("plan_exchange") for r in rs]),
+                "disk": _disk(rs),
             }
             rows.append(row)
     return rows
+
+
+def _disk(rs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Medians of the disk's own timeline of these runs (cold/throttled: ``system.DiskReads``), with the
+    time a load went on after the disk's last byte (its drain); None where it was not sampled."""
+    spans = [(r["disk"], r["wall"]) for r in rs if r.get("disk")]
+    if not spans or len(spans) < len(rs):
+        return None
+    return {"first_s": _median([d["first_s"] for d, _ in spans]), "last_s": _median([d["last_s"] for d, _ in spans]),
+            "after_s": _median([w - d["last_s"] for d, w in spans]), "mib": _median([d["mib"] for d, _ in spans])}
 
 
 def check_targets(rows: list[dict[str, Any]], dp: int, format: str = "pipeload",
@@ -170,6 +181,7 @@ def format_table(result: dict[str, Any], targets: bool = False) -> str:
         lines.append("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(th, tw))))
         for t in tt:
             lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(t, tw))))
+    lines += _disk_lines(rows)
     pr = result.get("plan_reuse")
     if pr and pr.get("first"):
         lines.append("")
@@ -186,6 +198,23 @@ def format_table(result: dict[str, Any], targets: bool = False) -> str:
             mark = {True: "ok  ", False: "MISS", None: "    "}[t["ok"]]
             lines.append(f"  [{mark}] {t['target']}: {_fmt(t['value'], '.2f')} (want {t['want']})")
     return "\n".join(lines)
+
+
+def _disk_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The disk's timeline per separate-nodes row: where a loader's time over the floor went (before the
+    first byte, bytes beyond the floor's, after the last byte)."""
+    sampled = [r for r in rows if r.get("disk")]
+    if not sampled:
+        return []
+    out = ["", "the disk's own read counter (whole disk, sampled every 5 ms; median seconds from the load's start):"]
+    head = ["loader", "mode", "first MiB", "last byte", "returned", "after last", "MiB read"]
+    cells = [[LOADER_LABELS.get(r["loader"], r["loader"]), r["mode"], _fmt(r["disk"]["first_s"], ".3f"),
+              _fmt(r["disk"]["last_s"], ".3f"), _fmt(r["wall"], ".3f"), _fmt(r["disk"]["after_s"], ".3f"),
+              _fmt(r["disk"]["mib"], ".1f")] for r in sampled]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    for c in [head, *cells]:
+        out.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))))
+    return out
 
 
 def describe(result: dict[str, Any]) -> str:

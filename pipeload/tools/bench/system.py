@@ -3,9 +3,12 @@ RSS, the cgroup read throttle, and the floor's raw parallel read. Linux only; no
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
+import threading
+import time
 from typing import Any
 
 from .config import MiB
@@ -137,6 +140,53 @@ def block_device(path: str) -> tuple[int, int] | None:
         except OSError:
             pass
     return major, minor
+
+
+class DiskReads:
+    """The disk's own count of the bytes it has read (``/sys/dev/block/M:m/stat``, sectors read), sampled
+    every ``interval`` seconds from a thread of the bench's parent process while the ranks run: when
+    storage served a load's bytes, as against when a rank asked for them or a collective finished. The
+    count is the whole disk's: a diagnostic on a machine whose other processes read little."""
+
+    def __init__(self, device: tuple[int, int], interval: float = 0.005):
+        self.path = f"/sys/dev/block/{device[0]}:{device[1]}/stat"
+        self.interval = interval
+        self.times: list[float] = []
+        self.bytes: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-disk-reads", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with open(self.path) as f:
+                    sectors = int(f.read().split()[2])
+            except (OSError, ValueError, IndexError):
+                return
+            self.times.append(time.perf_counter())  # CLOCK_MONOTONIC: the ranks' perf_counter too
+            self.bytes.append(sectors * 512)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "DiskReads":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def span(self, t0: float, t1: float) -> dict[str, float] | None:
+        """Of the reads between ``t0`` and ``t1``: when the first MiB and the last byte had been read
+        (seconds after ``t0``) and the MiB read; None without samples around them."""
+        lo = bisect.bisect_right(self.times, t0) - 1
+        hi = bisect.bisect_right(self.times, t1 + 2 * self.interval)
+        if lo < 0 or hi - lo < 2:
+            return None
+        base, end = self.bytes[lo], self.bytes[hi - 1]
+        times, counts = self.times[lo:hi], self.bytes[lo:hi]
+        first = next((t for t, b in zip(times, counts) if b - base >= MiB), None)
+        last = next(t for t, b in zip(times, counts) if b >= end - MiB // 2)
+        return {"first_s": None if first is None else first - t0, "last_s": last - t0, "mib": (end - base) / MiB}
 
 
 def _cgroup2_root() -> str | None:
