@@ -61,11 +61,24 @@ __all__ = ["BenchConfig", "run_bench", "headline", "describe", "format_table", "
            "warm_files", "_floor_read", "_join_cgroup", "_all_ok", "_Failure", "DiskReads"]
 
 
-def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None = None) -> dict[str, Any]:
-    """Run the benchmark; return the result dict (also written to ``out`` as JSON when given)."""
+def _run_ranks(cfg: BenchConfig) -> list[Any]:
+    """The world's results, each separate-nodes run with the disk's timeline of it (``run["disk"]``)."""
     from .._world import run_world
     from .ranks import _rank_main
 
+    device = block_device(cfg.dir) if any(m in SEPARATE for m in cfg.modes) else None
+    disk = DiskReads(device) if device else None
+    with disk or contextlib.nullcontext():
+        values = run_world(_rank_main, cfg.world, cfg, timeout=cfg.timeout)
+    for run in values[0]["runs"]:  # separate nodes read from the disk: when did it serve them
+        span = run.pop("span", None)
+        if disk is not None and span is not None and run["mode"] in SEPARATE:
+            run["disk"] = disk.span(*span)
+    return values
+
+
+def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None = None) -> dict[str, Any]:
+    """Run the benchmark; return the result dict (also written to ``out`` as JSON when given)."""
     for m in cfg.modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}: choose from {', '.join(MODES)}")
@@ -105,11 +118,8 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
             print(f"[bench] throttled mode SKIPPED: {cfg.throttle['reason']}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
-    device = block_device(cfg.dir) if any(m in SEPARATE for m in cfg.modes) else None
-    disk = DiskReads(device) if device else None
     try:
-        with disk or contextlib.nullcontext():
-            values = run_world(_rank_main, cfg.world, cfg, timeout=cfg.timeout)
+        values = _run_ranks(cfg)
     finally:
         teardown_throttle(cfg.throttle)
         if own_dir:
@@ -117,10 +127,6 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
         else:
             shutil.rmtree(os.path.join(cfg.dir, "nodes"), ignore_errors=True)
     data = values[0]
-    for run in data["runs"]:  # separate nodes read from the disk: when did it serve them
-        span = run.pop("span", None)
-        if disk is not None and span is not None and run["mode"] in SEPARATE:
-            run["disk"] = disk.span(*span)
     result = {
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("throttle", "quiet")},
         "environment": _environment(cfg.dir if not own_dir else tempfile.gettempdir()),
