@@ -221,7 +221,9 @@ def test_read_once_by_one_rank(world):
             assert size <= r["io"] <= size + (8 << 20), r["io"]  # from the device (readahead at most)
         else:
             assert s.bytes_read == 0 and s.bytes_received == size
-            assert r["io"] == 0, (rank, r["io"])
+            # none of the file's ~2 MiB from the device (a few pages of whatever else the process touched
+            # first — a module's code, a directory block — may count: once seen, 8 KiB in a fresh clone)
+            assert r["io"] <= 64 << 10 < size, (rank, r["io"])
 
 
 def test_refusals_are_torch_loads_on_every_rank(world):
