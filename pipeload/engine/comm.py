@@ -340,11 +340,19 @@ class Comm:
         that every rank takes, since every rank saw the same words). A successful load or save thus costs
         ``W`` words per rank here, not ``W`` pickled objects to unpickle.
         """
-        failed = self.gather_rows(np.array([error is not None], dtype=np.int64), what, "final agreement")[:, 0]
-        if not failed.any():
-            return
-        errors = self.all_gather_object(error, what)
-        raise DistributedError(what, {r: e for r, e in enumerate(errors) if e is not None})
+        self._agree(np.array([error is not None], dtype=np.int64), error, what, "final agreement")
+
+    def agree_on(self, value: int, error: str | None, what: str, call: str) -> np.ndarray:
+        """:meth:`agree`, carrying one int per rank in the same gather: every rank's ``value`` (one
+        collective when no rank failed)."""
+        return self._agree(np.array([error is not None, value], dtype=np.int64), error, what, call)[:, 1]
+
+    def _agree(self, row: np.ndarray, error: str | None, what: str, call: str) -> np.ndarray:
+        rows = self.gather_rows(row, what, call)
+        if rows[:, 0].any():
+            errors = self.all_gather_object(error, what)
+            raise DistributedError(what, {r: e for r, e in enumerate(errors) if e is not None})
+        return rows
 
     def broadcastable(self, tensor: torch.Tensor) -> bool:
         """Whether this rank can take part in a broadcast of ``tensor``'s data through the group's backend.

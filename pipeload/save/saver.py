@@ -625,13 +625,12 @@ def commit_phase(plan: SavePlan, directory: str, comm: Comm, error: str | None, 
     """
     what = "pipeload.save"
     mine = _file_rows(plan, sums) if error is None else b""
-    words = comm.gather_rows(np.array([error is not None, len(mine)], dtype=np.int64), what,
-                             "agreement on the writes")
-    if words[:, 0].any():
-        errors = comm.all_gather_object(error, what)
+    try:
+        sizes = comm.agree_on(len(mine), error, what, "agreement on the writes")
+    except DistributedError:
         _remove_own_file(plan, directory)
-        raise DistributedError(what, {r: e for r, e in enumerate(errors) if e is not None})
-    gathered = comm.gather_to_first(mine, words[:, 1], what)
+        raise
+    gathered = comm.gather_to_first(mine, sizes, what)
     error = None
     if comm.rank == 0:
         try:

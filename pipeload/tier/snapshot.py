@@ -349,10 +349,10 @@ def _work(own: Comm, tier: MemoryTier, step: int, placement: Placement, local: _
     try:  # (no marker goes before every host has looked: the second gather follows every look)
         if marker is not None and error is None:
             error = _touch(marker, tier.root, step)
-        tokens = _gather_or_raise(own, error, token, what, "gather of tier roots")
+        tokens = own.agree_on(token, error, what, "gather of tier roots")
         if lowest:
             error = _shared_root(tier.root, placement, tokens, me) or _prepare(tier, step)
-        sizes = _gather_or_raise(own, error, sum(p.nbytes for p in parts), what, "gather of rank file sizes").tolist()
+        sizes = own.agree_on(sum(p.nbytes for p in parts), error, what, "gather of rank file sizes").tolist()
     finally:
         if marker is not None:
             _unlink(marker)
@@ -403,15 +403,6 @@ def _write_and_copy(own: Comm, tier: MemoryTier, step: int, placement: Placement
     stats.bytes_sent = sizes[me] * len(outs)
     stats.bytes_received = sum(n for _, _, n in ins)
     return result[0] or copy_error
-
-
-def _gather_or_raise(own: Comm, error: str | None, value: int, what: str, call: str) -> np.ndarray:
-    """Every rank's ``value``; or, when some rank has an error, the same DistributedError on every rank."""
-    rows = own.gather_rows(np.array([error is not None, value], dtype=np.int64), what, call)
-    if rows[:, 0].any():
-        errors = own.all_gather_object(error, what)
-        raise DistributedError(what, {r: e for r, e in enumerate(errors) if e is not None})
-    return rows[:, 1]
 
 
 MARKER = ".snapshot-"  # + 14 hex digits: a host's token, in its root while the snapshot checks the roots
