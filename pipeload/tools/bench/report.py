@@ -164,23 +164,14 @@ def format_table(result: dict[str, Any], targets: bool = False) -> str:
             f"{r['peak_rss_mib']:.0f} (+{r['peak_rss_delta_mib']:.0f})" if r["loader"] != FLOOR else "-",
             f"{r['resident_before'] * 100:.0f}%",
         ])
-    widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(head)]
-    fmt_row = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    lines.append(fmt_row(head))
-    lines.append("  ".join("-" * w for w in widths))
-    for t in table:
-        lines.append(fmt_row(t))
+    lines += _aligned(head, table, rule=True)
     timed = [r for r in rows if r.get("timings")]
     if timed:
         lines.append("")
         lines.append("pipeload LoadStats timings (median of the per-run max over ranks, seconds):")
-        th = ["loader", "mode", *TIMING_KEYS, "wall"]
-        tt = [[LOADER_LABELS[r["loader"]], r["mode"], *(_fmt(r["timings"][k], ".3f") for k in TIMING_KEYS),
-               _fmt(r["wall"], ".3f")] for r in timed]
-        tw = [max(len(h), *(len(t[i]) for t in tt)) for i, h in enumerate(th)]
-        lines.append("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(th, tw))))
-        for t in tt:
-            lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(t, tw))))
+        lines += _aligned(["loader", "mode", *TIMING_KEYS, "wall"],
+                          [[LOADER_LABELS[r["loader"]], r["mode"], *(_fmt(r["timings"][k], ".3f") for k in TIMING_KEYS),
+                            _fmt(r["wall"], ".3f")] for r in timed])
     lines += _disk_lines(rows)
     pr = result.get("plan_reuse")
     if pr and pr.get("first"):
@@ -206,15 +197,20 @@ def _disk_lines(rows: list[dict[str, Any]]) -> list[str]:
     sampled = [r for r in rows if r.get("disk")]
     if not sampled:
         return []
-    out = ["", "the disk's own read counter (whole disk, sampled every 5 ms; median seconds from the load's start):"]
     head = ["loader", "mode", "first MiB", "last byte", "returned", "after last", "MiB read"]
     cells = [[LOADER_LABELS.get(r["loader"], r["loader"]), r["mode"], _fmt(r["disk"]["first_s"], ".3f"),
               _fmt(r["disk"]["last_s"], ".3f"), _fmt(r["wall"], ".3f"), _fmt(r["disk"]["after_s"], ".3f"),
               _fmt(r["disk"]["mib"], ".1f")] for r in sampled]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
-    for c in [head, *cells]:
-        out.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))))
-    return out
+    return ["", "the disk's own read counter (whole disk, sampled every 5 ms; median seconds from the load's start):",
+            *_aligned(head, cells)]
+
+
+def _aligned(head: list[str], cells: list[list[str]], rule: bool = False) -> list[str]:
+    """A table's lines: the first two columns (loader, mode) left-aligned, the numbers right-aligned;
+    ``rule``: a line of dashes under the head."""
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)]
+    row = lambda c: "  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths)))
+    return [row(head), *(["  ".join("-" * w for w in widths)] if rule else []), *(row(c) for c in cells)]
 
 
 def describe(result: dict[str, Any]) -> str:
