@@ -11,7 +11,14 @@ from typing import Mapping
 
 
 class PipeloadError(Exception):
-    """Base class of every error pipeload raises on purpose."""
+    """Base class of every error pipeload raises on purpose.
+
+    ``planning`` is True on an error a load raised alike on every rank while planning, before anything
+    was read or any destination written (the state dict or the checkpoint refused); a caller may then
+    take another path with the same state dict (the DCP switch does).
+    """
+
+    planning: bool = False
 
 
 class CheckpointFormatError(PipeloadError):

@@ -20,6 +20,7 @@ The switch itself (identity restored, idempotent, nested) is checked in this pro
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -162,6 +163,39 @@ def _read_once(stats, world: int, *, tensors_only: bool = False) -> dict:
     return {"read": len(reads), "received": sum(r[1] for r in got)}
 
 
+def _unique_bytes(path: str, readers: int, prefixes: tuple = ("",)) -> int:
+    """The bytes a load of every key under ``prefixes`` reads: each tensor box once, each stored object
+    by each of ``readers`` ranks (objects are read by the ranks that load them, in the private phase)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = dcp.FileSystemReader(path).read_metadata()
+    n = 0
+    for fqn, meta in md.state_dict_metadata.items():
+        if not fqn.startswith(prefixes):
+            continue
+        if isinstance(meta, BytesStorageMetadata):
+            n += readers * sum(info.length for idx, info in md.storage_data.items() if idx.fqn == fqn)
+        else:
+            n += meta.properties.dtype.itemsize * math.prod(meta.size)
+    return n
+
+
+def _on_engine(world: int, unique: int | None = None) -> dict:
+    """The last ``dcp.load`` ran on pipeload's engine on every rank; with ``unique``, the bytes the ranks
+    read from storage add up to it (each box read once)."""
+    import pipeload.dcp as pd
+
+    last = pd.last_load()
+    assert last is not None and last.path == "engine", last
+    got: list = [None] * world
+    dist.all_gather_object(got, (last.load.bytes_read, last.load.bytes_received, last.load.plan_reused))
+    read = sum(g[0] for g in got)
+    if unique is not None:
+        assert read == unique, (read, unique)
+    return {"read": read, "received": sum(g[1] for g in got), "reused": all(g[2] for g in got)}
+
+
 def _switch_case(rank: int, world: int, root: str, out: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -180,13 +214,13 @@ def _switch_case(rank: int, world: int, root: str, out: dict) -> None:
     with pd.installed():
         by_id = _tp_dp_state(mesh, 3, 0)
         dcp.load(by_id, checkpoint_id=path)
-        out["by_id"] = _read_once(pd.last_stats(), world)
+        out["by_id"] = _on_engine(world, _unique_bytes(path, world))
         _same(_plain(by_id), _plain(ref), "install(), checkpoint_id=")
         reader = dcp.FileSystemReader(path)
         assert type(reader) is pd.FileSystemReader and isinstance(reader, DCP_FILE_SYSTEM_READER)
         explicit = _tp_dp_state(mesh, 4, 0)
         dcp.load(explicit, storage_reader=reader)
-        out["explicit"] = _read_once(reader.stats, world)
+        out["explicit"] = _on_engine(world, _unique_bytes(path, world))
         _same(_plain(explicit), _plain(ref), "install(), FileSystemReader(path)")
     out["tp_dp_tensors"] = out["stock_tensors"]
     _dcp_to_torch_save_alone(rank, path, out)
@@ -235,10 +269,12 @@ def _subgroup_and_planner(rank: int, world: int, path: str, out: dict) -> None:
     with pd.installed():
         ours = {"extra": {"plain": torch.zeros(5), "step": 0}}
         dcp.load(ours, checkpoint_id=path, process_group=pairs[rank // 2])
-        out["pair"] = (pd.last_stats().items_received, len(pd.last_stats().items_read))
+        last = pd.last_load()
+        out["pair"] = (last.path, last.load.bytes_received, last.load.bytes_read)
         _same(ours, stock, "install(), a subgroup")
         renamed = {"renamed": torch.zeros(5), "absent": torch.ones(2)}
         dcp.load(renamed, checkpoint_id=path, planner=_Rename())
+        assert pd.last_load().path == "dcp" and "Rename" in pd.last_load().why, pd.last_load()
         out["renamed"] = _read_once(pd.last_stats(), world)
     assert torch.equal(renamed["renamed"], stock["extra"]["plain"]) and torch.equal(renamed["absent"], torch.ones(2))
 
@@ -263,7 +299,9 @@ def _zstd_and_hf_case(rank: int, world: int, root: str, out: dict) -> None:
     with pd.installed():
         ours = _tp_dp_state(mesh, 7, 0)["extra"]
         dcp.load(ours, checkpoint_id=path)
-        # a compressed object's size is not in the metadata: each rank reads it through DCP's code
+        # refused by the engine at planning (transforms): DCP's planning, pipeload's reader; a compressed
+        # object's size is not in the metadata: each rank reads it through DCP's code
+        assert pd.last_load().path == "dcp" and "transforms" in pd.last_load().why, pd.last_load()
         out["zstd"] = _read_once(pd.last_stats(), world, tensors_only=True)
         _same(ours, ref, "install(), ZStandard")
     hf = os.path.join(root, "hf")
@@ -279,7 +317,7 @@ def _zstd_and_hf_case(rank: int, world: int, root: str, out: dict) -> None:
         assert type(reader) is pd.HuggingFaceStorageReader and isinstance(reader, DCP_HF_READER)
         ours = {"w": torch.zeros(6, 4), "v": torch.zeros(3, dtype=torch.bfloat16)}
         dcp.load(ours, storage_reader=reader)
-        out["hf"] = _read_once(reader.stats, world)
+        out["hf"] = _on_engine(world)
     out["hf_tensors"] = _same(ours, stock, "install(), HuggingFaceStorageReader")
 
 
@@ -330,7 +368,8 @@ def _resharding_case(rank: int, world: int, root: str, out: dict) -> None:
             with pd.installed():
                 dcp.load(dest, checkpoint_id=path)
             assert torch.equal(dest["t"].full_tensor(), full), (placements, placements2)
-            received += pd.last_stats().items_received
+            assert pd.last_load().path == "engine", pd.last_load()
+            received += pd.last_load().load.bytes_received
     out["reshard_received"] = received
 
 
@@ -361,11 +400,75 @@ def _failed_read_case(rank: int, world: int, root: str, out: dict) -> None:
             out["cut_raised"] = False
 
 
+class _Hostile:
+    """Unpickling it would create ``path`` (a stand-in for any command a checkpoint could run)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _semantics_case(rank: int, world: int, root: str, out: dict) -> None:
+    """DCP's rules under the switch, on the engine: missing keys (DCP's error; none with
+    ``allow_partial_load``), ``no_dist``, a second load reusing the plan; and no code from a checkpoint
+    runs, neither from a hostile ``.metadata`` nor from a saved object, unless ``allow_pickle=True``."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    import pipeload.dcp as pd
+
+    path = os.path.join(root, "tpdp")
+    with pd.installed():
+        again = {"extra": {"plain": torch.zeros(5), "step": 0}}
+        for _ in range(2):
+            dcp.load(again, checkpoint_id=path)
+        out["reused"] = _on_engine(world)["reused"]
+        try:
+            dcp.load({"extra": {"plain": torch.zeros(5)}, "nope": torch.zeros(2)}, checkpoint_id=path)
+        except CheckpointException as e:
+            out["missing"] = "Missing key" in str(e) and "nope" in str(e)
+        partial = {"extra": {"plain": torch.zeros(5)}, "nope": torch.ones(2)}
+        dcp.load(partial, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        out["partial"] = (pd.last_load().path, torch.equal(partial["nope"], torch.ones(2)),
+                          torch.equal(partial["extra"]["plain"], again["extra"]["plain"]))
+        own, values = _own_checkpoint(rank, root)
+        mine = _load_own(dcp.FileSystemReader(own), no_dist=True)
+        out["no_dist"] = (pd.last_load().path, _same(mine, values, "no_dist under install()"))
+    marker = os.path.join(root, f"ran{rank}")
+    hostile = os.path.join(root, f"hostile{rank}")
+    dcp.save({"t": torch.ones(3), "obj": _Hostile(marker)}, checkpoint_id=hostile, no_dist=True)
+    refusals = []
+    with pd.installed():
+        try:
+            dcp.load({"t": torch.zeros(3), "obj": None}, checkpoint_id=hostile, no_dist=True)
+        except CheckpointException as e:
+            refusals.append("'obj'" in str(e))
+        with open(os.path.join(hostile, ".metadata"), "wb") as f:
+            pickle.dump(_Hostile(marker), f)
+        try:
+            dcp.load({"t": torch.zeros(3)}, checkpoint_id=hostile, no_dist=True)
+        except CheckpointException as e:
+            refusals.append("refusing to unpickle" in str(e))
+        out["refused"], out["ran"] = refusals, os.path.exists(marker)
+    with pd.installed(allow_pickle=True):
+        try:
+            dcp.load({"t": torch.zeros(3)}, checkpoint_id=hostile, no_dist=True)
+        except BaseException:  # noqa: BLE001 - what the trusted pickle returns is no Metadata
+            pass
+    out["ran_when_allowed"] = os.path.exists(marker)
+
+
 def world(rank: int, size: int, root: str) -> dict:
     warnings.filterwarnings("ignore")
     out: dict = {}
     _off_the_world_case(rank, size, root, out)
     _switch_case(rank, size, root, out)
+    _semantics_case(rank, size, root, out)
     _zstd_and_hf_case(rank, size, root, out)
     _sharded_optimizer_case(rank, size, root, out)
     _resharding_case(rank, size, root, out)
@@ -395,8 +498,8 @@ def test_install_loads_a_tp_dp_checkpoint_as_stock_dcp_and_reads_each_box_once(r
 def test_install_no_dist_subgroup_and_planners(results):
     assert results[0]["to_torch_save_tensors"] >= 10
     # each pair shares its two boxes (the tensor and the int): each read by one rank, received by the other
-    for pair in (results[:2], results[2:]):
-        assert [sum(r["pair"][i] for r in pair) for i in (0, 1)] == [2, 2]
+    for pair in (results[:2], results[2:]):  # the tensor (5 float32) read by one, received by the other
+        assert all(r["pair"][0] == "engine" for r in pair) and sum(r["pair"][1] for r in pair) == 20, pair
     assert results[0]["renamed"]["received"] == 3 and results[0]["renamed"]["read"] == 1
 
 
@@ -415,7 +518,21 @@ def test_install_load_sharded_optimizer_state_dict(results):
 def test_install_zstandard_and_hugging_face(results):
     zstd = results[0]["zstd"]
     assert zstd["received"] > 0  # compressed tensors shared too (read by DCP's code on one rank)
-    assert results[0]["hf"] == {"read": 2, "received": 6} and all(r["hf_tensors"] == 2 for r in results)
+    # 96 + 6 bytes, read once, received by the three other ranks
+    assert results[0]["hf"]["read"] == 102 and results[0]["hf"]["received"] == 306, results[0]["hf"]
+    assert all(r["hf_tensors"] == 2 for r in results)
+
+
+def test_install_keeps_dcps_rules_on_the_engine(results):
+    for r in results:
+        assert r["reused"] and r["missing"] is True, r
+        assert r["partial"] == ("engine", True, True) and r["no_dist"] == ("engine", 2), r
+
+
+def test_install_runs_no_code_from_a_checkpoint_unless_allowed(results):
+    for r in results:
+        assert r["refused"] == [True, True] and r["ran"] is False, r
+        assert r["ran_when_allowed"] is True, r
 
 
 def test_uninstall_restores_dcps_objects_exactly():
@@ -429,12 +546,15 @@ def test_uninstall_restores_dcps_objects_exactly():
 
     import pipeload.dcp as pd
 
+    import torch.distributed.checkpoint.state_dict_loader as sdl
+
     names = [(dcp, "FileSystemReader"), (su, "FileSystemReader"), (fs, "FileSystemReader"),
-             (dcp, "HuggingFaceStorageReader"), (hfs, "HuggingFaceStorageReader")]
+             (dcp, "HuggingFaceStorageReader"), (hfs, "HuggingFaceStorageReader"), (sdl, "_load_state_dict")]
     before = [getattr(m, n) for m, n in names]
     pd.install()
     pd.install()  # idempotent
     assert pd.is_installed() and dcp.FileSystemReader is su.FileSystemReader is fs.FileSystemReader is pd.FileSystemReader
+    assert sdl._load_state_dict is not before[5] and sdl._load_state_dict.__wrapped__ is before[5]
     assert dcp.HuggingFaceStorageReader is hfs.HuggingFaceStorageReader is pd.HuggingFaceStorageReader
     assert issubclass(pd.FileSystemReader, before[0]) and issubclass(pd.HuggingFaceStorageReader, before[3])
     sys.modules.pop("torch.distributed.checkpoint.format_utils", None)  # imported while installed

@@ -1,38 +1,35 @@
-"""pipeload inside ``torch.distributed.checkpoint``: DCP's API, planners and results, with each stored
-box several ranks read fetched from storage by one of them and sent to the others.
+"""pipeload inside ``torch.distributed.checkpoint``: DCP's API and results, on pipeload's engine.
 
 Two ways in:
 
-- ``pipeload.dcp.install()`` (or ``with pipeload.dcp.installed():``) — a process-wide switch that rebinds
-  DCP's default readers (``FileSystemReader`` wherever DCP binds it, ``HuggingFaceStorageReader``) to
-  pipeload's subclasses, so that code which never lets a user pass a reader — ``dcp.load(sd,
-  checkpoint_id=path)`` in torchtitan and Lightning, ``FileSystemReader(dir)`` in Accelerate — reads each
-  replicated box once. ``uninstall()`` restores DCP's classes (the same objects). See :mod:`.switch`.
-- ``dcp.load(sd, storage_reader=pipeload.dcp.StorageReader(path))`` — the same reader, passed explicitly.
+- ``pipeload.dcp.install()`` (or ``with pipeload.dcp.installed():``) — a process-wide switch. Every
+  ``dcp.load`` (``state_dict_loader.load``, the deprecated ``load_state_dict``) that pipeload can serve
+  exactly runs :func:`pipeload.load`'s planning and pipeline: one compact exchange instead of DCP's
+  gather of every rank's plan on a coordinator, each box several ranks need read once and broadcast
+  while the next are read (small boxes batched), the plan kept for the next load. The rest stays on
+  DCP's planning with pipeload's readers, which DCP's default ``FileSystemReader`` and
+  ``HuggingFaceStorageReader`` are rebound to (each shared box read once and sent). Which calls take
+  which path: :mod:`.load`; which path the last one took: :func:`last_load`. ``uninstall()`` restores
+  DCP's objects (the same objects). See :mod:`.switch`.
+- ``dcp.load(sd, storage_reader=pipeload.dcp.StorageReader(path))`` — the reader alone, passed
+  explicitly: DCP's planning, each shared box read once (:mod:`.readonce`, :mod:`.reader`).
 
-What stays DCP's: any ``LoadPlanner`` (the default, ``_EmptyStateDictLoadPlanner`` of
-``dcp_to_torch_save``, planners that rename or skip keys), ``process_group=`` and ``no_dist=True``,
-stream transforms (``ZStandard``, any registered ``StreamTransformExtension``: read by DCP's own code),
-rank-local metadata, the checkpoint layout. Where pipeload cannot serve a call, DCP's reader (the parent
-class) serves it. The readers issue no collective: sends go only between ranks that DCP's coordinator
-reported as loading together, and only when there are two or more (:mod:`.readonce`). In place:
-a tensor box of a plain ``.distcp`` blob is viewed in the mapped file and copied once into DCP's
-destination (:mod:`.reader`).
+Safety, on both: nothing from a checkpoint is unpickled by code that runs what the pickle names — the
+``.metadata`` through an allow-list of DCP's classes, saved objects only if ``torch.load(weights_only=True)``
+accepts them — unless ``install(allow_pickle=True)`` trusts the files.
 
-What no reader can change, because ``dcp.load`` does it around the reader: every rank unpickles the
-whole ``.metadata`` (O(total chunks) per rank: about a minute per rank for 1.9 M chunks, FSDP at 4,096
-ranks) and its planner walks it into ``ReadItem`` objects; the coordinator gathers every rank's pickled
-plan (O(W x S) Python objects on one rank, W ranks of S boxes), plans centrally — pipeload's read-once
-planning runs there too, O(W x S) — and scatters the plans back. ``pipeload.load(state_dict, path)``
-does none of these (one rank decodes the metadata into a chunk table, plans are exchanged as compact
-rows, see :mod:`pipeload.formats.dcpmeta`); use it where the caller can.
+What DCP's path cannot avoid (calls that stay there): every rank unpickles the whole ``.metadata``
+(O(total chunks) per rank), the coordinator gathers every rank's pickled plan (O(W x S) objects on one
+rank) and scatters the plans back. On the engine one rank decodes the metadata into a chunk table the
+others receive, and plans travel as compact rows (:mod:`pipeload.formats.dcpmeta`).
 """
 
 from __future__ import annotations
 
 from .reader import FileSystemReader, HuggingFaceStorageReader, StorageReader
+from .load import DCPLoadError, SwitchStats, last_load
 from .readonce import ReadStats, last_stats
 from .switch import install, installed, is_installed, uninstall
 
 __all__ = ["install", "uninstall", "installed", "is_installed", "StorageReader", "FileSystemReader",
-           "HuggingFaceStorageReader", "ReadStats", "last_stats"]
+           "HuggingFaceStorageReader", "ReadStats", "last_stats", "last_load", "SwitchStats", "DCPLoadError"]

@@ -45,7 +45,9 @@ class StorageReader(ReadOnce, DCP_FILE_SYSTEM_READER):
     ``process_group``: the group the sends go over (default: the world; it must hold every rank of the
     ``dcp.load``); ``share``: ``"auto"`` (default: when a box's readers span hosts), ``True``, ``False``."""
 
-    _dcp_metadata_fallback = False  # a .metadata the allow-list refuses: raise (True: DCP's unpickling)
+    # what the allow-lists refuse (a .metadata of other classes, a saved object torch.load(weights_only=True)
+    # refuses): raised, naming the file, key and class; True (install(allow_pickle=True)): DCP's unpickling
+    _allow_pickle = False
 
     def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *, process_group: Any = None,
                  share: bool | str = "auto"):
@@ -66,7 +68,7 @@ class StorageReader(ReadOnce, DCP_FILE_SYSTEM_READER):
         try:
             md = load_dcp_metadata(read_metadata_bytes(directory), os.path.join(directory, METADATA_FILE))
         except CheckpointFormatError:
-            if not self._dcp_metadata_fallback:
+            if not self._allow_pickle:
                 raise
             return super().read_metadata()
         if getattr(md, "storage_meta", None) is None:
@@ -148,10 +150,8 @@ class StorageReader(ReadOnce, DCP_FILE_SYSTEM_READER):
 
 class FileSystemReader(StorageReader):
     """What :func:`pipeload.dcp.install` binds as ``torch.distributed.checkpoint.FileSystemReader``:
-    :class:`StorageReader` with DCP's constructor, and a ``.metadata`` outside pipeload's allow-list
-    unpickled by DCP's reader, as it would be without ``install()``."""
-
-    _dcp_metadata_fallback = True
+    :class:`StorageReader` with DCP's constructor; what the allow-lists refuse is unpickled by DCP's
+    code only under ``install(allow_pickle=True)``."""
 
 
 class HuggingFaceStorageReader(ReadOnce, DCP_HF_READER):

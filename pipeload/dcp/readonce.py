@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from ..io.reader import decode_object
 from ..plan.exchange import host_id
 
 SHARE_POLICIES = (True, False, "auto")
@@ -177,6 +179,23 @@ class _Capture:
         self.value = torch.frombuffer(bytearray(value.getvalue()), dtype=torch.uint8)
 
 
+class _SafeBytes:
+    """A planner whose ``load_bytes`` first checks that the object unpickles under
+    ``torch.load(weights_only=True)`` (DCP's default planner then unpickles it with
+    ``weights_only=False``: with only allowed globals in the pickle, that runs no code of the file)."""
+
+    def __init__(self, planner: LoadPlanner, directory: str):
+        self._planner, self._directory = planner, directory
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, item: ReadItem, value: io.BytesIO) -> None:
+        decode_object(value.getvalue(), f"{self._directory}: object {item.storage_index.fqn!r}")
+        value.seek(0)
+        self._planner.load_bytes(item, value)
+
+
 class ReadOnce:
     """Mixin in front of one of DCP's readers (the next class in the MRO): the hooks above. Subclasses
     give :meth:`_nbytes`, :meth:`_shareable` and may give faster :meth:`_read_box` / :meth:`_read_private`.
@@ -221,6 +240,8 @@ class ReadOnce:
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """The shared boxes (read and sent, or received), then this rank's own boxes."""
         global _last
+        if not getattr(self, "_allow_pickle", True):
+            planner = _SafeBytes(planner, os.fspath(getattr(self, "path", "")))
         tag = plan.storage_data if isinstance(plan.storage_data, _Tag) else None
         if tag is not None:
             plan = dataclasses.replace(plan, storage_data=tag.inner)

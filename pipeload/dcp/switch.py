@@ -1,4 +1,8 @@
-"""The process-wide switch: DCP's default readers rebound to pipeload's.
+"""The process-wide switch: ``dcp.load`` on pipeload's engine, DCP's default readers rebound to pipeload's.
+
+``dcp.load`` calls ``state_dict_loader._load_state_dict`` through that module's global at call time:
+:func:`install` puts :func:`pipeload.dcp.load.engine_load_state_dict`'s function there (and
+:func:`uninstall` DCP's own back), so every ``dcp.load`` / ``load_state_dict`` reaches the engine.
 
 DCP has no registry of readers. ``dcp.load(sd, checkpoint_id=path)`` picks its reader in
 ``torch.distributed.checkpoint._storage_utils._storage_setup``, which looks up that module's global
@@ -19,7 +23,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
-from .reader import DCP_FILE_SYSTEM_READER, DCP_HF_READER, FileSystemReader, HuggingFaceStorageReader
+from .reader import DCP_FILE_SYSTEM_READER, DCP_HF_READER, FileSystemReader, HuggingFaceStorageReader, StorageReader
 
 _PACKAGE = "torch.distributed.checkpoint"
 # where DCP binds the readers (imported by install() so that each is rebound now, not missed later)
@@ -27,9 +31,13 @@ _MODULES = ("", ".filesystem", "._storage_utils", ".format_utils", ".hf_storage"
 _NAMES = ("FileSystemReader", "HuggingFaceStorageReader")
 _OURS = ((DCP_FILE_SYSTEM_READER, FileSystemReader), (DCP_HF_READER, HuggingFaceStorageReader))
 
+# DCP's functions run on pipeload's engine: (module, name, factory of the replacement from DCP's function)
+_FUNCTIONS = ((".state_dict_loader", "_load_state_dict", "pipeload.dcp.load:engine_load_state_dict"),)
+
 _lock = threading.RLock()
 _replaced: dict[tuple[str, str], Any] = {}  # (module, name) -> the object install() found there
 _on = False
+_allow_pickle = False
 
 
 def _dcp_modules() -> list[tuple[str, Any]]:
@@ -37,16 +45,23 @@ def _dcp_modules() -> list[tuple[str, Any]]:
             if m is not None and (n == _PACKAGE or n.startswith(_PACKAGE + "."))]
 
 
-def install() -> None:
-    """Rebind DCP's default file-system and Hugging Face readers, process-wide, to pipeload's subclasses
-    (:class:`~pipeload.dcp.FileSystemReader`, :class:`~pipeload.dcp.HuggingFaceStorageReader`).
+def install(*, allow_pickle: bool = False) -> None:
+    """Put pipeload's engine under ``dcp.load``, process-wide: DCP's ``_load_state_dict`` (what
+    ``dcp.load``, ``state_dict_loader.load`` and ``load_state_dict`` call) runs :func:`pipeload.load` for
+    the calls it can serve exactly (:mod:`pipeload.dcp.load` says which), and DCP's default
+    file-system and Hugging Face readers are rebound to pipeload's subclasses
+    (:class:`~pipeload.dcp.FileSystemReader`, :class:`~pipeload.dcp.HuggingFaceStorageReader`), which
+    read each box several ranks need once on the calls that stay on DCP's planning. ``isinstance``
+    checks against DCP's classes hold.
 
-    After it, ``dcp.load(sd, checkpoint_id=path)`` and ``dcp.load(sd, storage_reader=FileSystemReader(path))``
-    read each box several ranks of the load need once and send it; ``isinstance`` checks against DCP's
-    classes hold. Idempotent. Every rank should install (a rank without it reads for itself, which is
-    correct but its boxes are not shared)."""
-    global _on
+    ``allow_pickle``: ``False`` (default): no code from a checkpoint runs — a ``.metadata`` outside the
+    allow-list of DCP's classes, or a saved object ``torch.load(weights_only=True)`` refuses, is refused
+    naming the file, the key and the class. ``True`` restores DCP's unpickling of them (for checkpoints
+    you trust). Idempotent (a second call sets ``allow_pickle``). Every rank must install alike: the
+    engine and DCP's planning issue different collectives."""
+    global _on, _allow_pickle
     with _lock:
+        _allow_pickle = StorageReader._allow_pickle = bool(allow_pickle)
         if _on:
             return
         for suffix in _MODULES:
@@ -61,13 +76,29 @@ def install() -> None:
                     if found is dcp_class:
                         _replaced[(modname, name)] = found
                         setattr(mod, name, ours)
+        _rebind_functions()
+        StorageReader._allow_pickle = _allow_pickle
         _on = True
+
+
+def _rebind_functions() -> None:
+    for suffix, name, factory in _FUNCTIONS:
+        mod = importlib.import_module(_PACKAGE + suffix)
+        original = mod.__dict__[name]
+        where, _, attr = factory.partition(":")
+        _replaced[(mod.__name__, name)] = original
+        setattr(mod, name, getattr(importlib.import_module(where), attr)(original))
+
+
+def allows_pickle() -> bool:
+    """Whether :func:`install` was told ``allow_pickle=True`` (and is in effect)."""
+    return _on and _allow_pickle
 
 
 def uninstall() -> None:
     """Put back, in every module of DCP, exactly the objects :func:`install` replaced (DCP modules first
     imported while installed, which bound pipeload's classes, get DCP's). A no-op when not installed."""
-    global _on
+    global _on, _allow_pickle
     with _lock:
         for (modname, name), original in _replaced.items():
             mod = sys.modules.get(modname)
@@ -80,7 +111,7 @@ def uninstall() -> None:
                     if found is ours:
                         setattr(mod, name, dcp_class)
         _replaced.clear()
-        _on = False
+        _on = _allow_pickle = StorageReader._allow_pickle = False
 
 
 def is_installed() -> bool:
@@ -89,12 +120,12 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed() -> Iterator[None]:
+def installed(*, allow_pickle: bool = False) -> Iterator[None]:
     """``with installed():`` — :func:`install` for the block. A block entered while the switch was already
     on leaves it on at exit (nested blocks and an outer ``install()`` keep theirs)."""
     with _lock:
         was_on = _on
-        install()
+        install(allow_pickle=allow_pickle)
     try:
         yield
     finally:

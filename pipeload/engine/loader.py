@@ -234,7 +234,7 @@ class _Options:
     broadcast_groups: Sequence[Any] | None = None
     broadcast_batch_bytes: int = DEFAULT_BATCH_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
-    strict: bool = True
+    strict: bool | str = True
     verify_checksums: bool = False
     timeout: timedelta | float | None = None
     progress: bool = False
@@ -243,6 +243,9 @@ class _Options:
     key_map: formats.KeyMap = None
     cast: bool = False
     storage_options: dict | None = None
+    # a caller's reason to refuse this rank's part, raised at planning like a problem of the state dict
+    # (the DCP switch's: what the engine would serve differently from DCP; see pipeload.dcp.load)
+    _refusal: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -254,11 +257,15 @@ class _Options:
                              f"not {self.broadcast_replicated_tensors!r}")
         if self.broadcast_batch_bytes < 0:
             raise ValueError("broadcast_batch_bytes must be non-negative")
+        if self.strict != "missing":
+            if self.strict not in (True, False):
+                raise ValueError(f"strict must be True, False or 'missing', not {self.strict!r}")
+            object.__setattr__(self, "strict", bool(self.strict))
 
     @property
     def agreed(self) -> tuple:
         """What every rank must pass alike: these decide which collectives the load issues."""
-        return (self.broadcast_replicated_tensors, self.broadcast_batch_bytes, bool(self.strict))
+        return (self.broadcast_replicated_tensors, self.broadcast_batch_bytes, self.strict)
 
     @property
     def planned(self) -> tuple:
@@ -326,7 +333,7 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
             state_dict, run.directory, comm, run.collective, opts.strict, opts.broadcast_replicated_tensors,
             opts.broadcast_batch_bytes, opts.broadcast_groups, reader, (pool, ahead), run.clock,
             (opts.format, opts.key_map, opts.cast), keepable=start.cache_key is not None,
-            private_only=start.private_only, sent=start.sent, host=run.host)
+            private_only=start.private_only, sent=start.sent, host=run.host, refusal=opts._refusal)
         _count_plan(run.stats, prep, reader)
         counters = Counters()
         decoded = await _execute_and_agree(run, opts, prep, reader, pool, counters, start.cache_key)
@@ -496,7 +503,8 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
 
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
              broadcast_groups, reader, workers, clock, request, keepable: bool = False,
-             private_only: bool = False, sent: tuple = (-1, None), host: int | None = None) -> _Prepared:
+             private_only: bool = False, sent: tuple = (-1, None), host: int | None = None,
+             refusal: str | None = None) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
 
     ``private_only`` (every rank decided it alike from the first gather): no shard will be broadcast,
@@ -506,6 +514,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     # 1. local plan: problems are carried to the exchange, never raised on this rank alone
     md, leaves, plan, problems, ckpt = _local_plan(state_dict, directory, comm, collective, strict, reader, request,
                                                    sent)
+    if refusal:
+        problems = [*problems, refusal]
     reusable = (comm.reusable_groups([*(broadcast_groups or ()),
                                       *mesh_groups(plan.meshes if plan is not None else meshes_of(leaves))])
                 if collective and not private_only else {})
@@ -533,10 +543,10 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
         unasked = np.ones(len(names), dtype=bool)
         unasked[gp.requested] = False  # (np.setdiff1d sorts both: 0.7 ms on 3,230 keys)
         unexpected = [names[i] for i in np.flatnonzero(unasked).tolist()]
-    if strict and unexpected:
-        raise StateDictError(
+    if strict is True and unexpected:
+        raise _refused(StateDictError(
             f"pipeload.load from {directory}: keys in the checkpoint that no rank loads (strict=True)", unexpected
-        )
+        ))
     shared, private, cut = {}, [], []
     pieces_of = gp.pieces
     units, skip, spanned = unit_pieces(plan.shards, pieces_of, names, lambda i: stored_dtype(md, names[i]))
@@ -660,8 +670,8 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
         gathered = ex.all_gather_object(problems, what) if ex is not None else [problems]
         failures = {r: "\n".join(p) for r, p in enumerate(gathered) if p}
         if len(gathered) == 1:
-            raise StateDictError(f"{what}: cannot load", gathered[0])
-        raise DistributedError(f"{what}: validation", failures)
+            raise _refused(StateDictError(f"{what}: cannot load", gathered[0]))
+        raise _refused(DistributedError(f"{what}: validation", failures))
     if len(np.unique(rows[:, F_SAVE])) > 1:
         raise PipeloadError(
             f"pipeload.load: ranks read different checkpoints from {directory} (it was overwritten during the load)"
@@ -705,6 +715,12 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
                        batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
                        on_phase=on_phase, same_host_private=same_host_private, everything=everything,
                        chunks=chunks, positions=positions)
+
+
+def _refused(error: PipeloadError) -> PipeloadError:
+    """``error``, marked as raised alike on every rank at planning, before any read or write."""
+    error.planning = True
+    return error
 
 
 def _key_arrays(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -33,6 +33,7 @@ import struct
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..io.storage import is_url, open_raw, read_bytes
@@ -128,8 +129,27 @@ def from_payload(path: str, data):
     from .dcpmeta import open_table
 
     md, opener = open_table(data, os.path.join(path, METADATA_FILE))
+    transformed = _transformed(opener)
+    if transformed:
+        # refused at planning, on every rank alike (a read would fail after destinations were written)
+        raise CheckpointFormatError(
+            f"{os.path.join(path, METADATA_FILE)}: {transformed} uses stream transforms (e.g. ZStandard), "
+            "which pipeload does not decode; load it with torch.distributed.checkpoint")
     opener.file_class = DistcpFile
     return path, md, opener, {}
+
+
+def _transformed(opener) -> str | None:
+    """A name for what the checkpoint stores through transforms (the first found), or None."""
+    if opener.transforms:
+        row = min(int(r) for r in opener.transforms)
+        tensor = int(np.searchsorted(opener.a["chunk_start"], row, side="right")) - 1
+        return f"tensor {opener.tensors.names[tensor]!r}"
+    for items in opener.objects.values():
+        for fqn, item in items.items():
+            if item[5]:
+                return f"object {fqn!r}"
+    return None
 
 
 _WRITER = re.compile(r"__(\d+)_\d+\.distcp")
