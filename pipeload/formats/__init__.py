@@ -17,12 +17,14 @@ by rank 0 and broadcast)::
 
 from __future__ import annotations
 
+import copy
 import os
 import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import CheckpointFormatError
+from .chunkindex import IndexedTensors
 from .metadata import METADATA_FILE, Metadata, TensorMeta, dtype_name
 from ..io import storage
 from . import dcp, hf, native
@@ -193,26 +195,50 @@ def cast_metadata(md: Metadata, leaves: dict) -> Metadata:
 
     The plan then sizes shards, staging buffers and broadcasts in the destination dtype; the reader
     views the stored bytes in their own dtype and converts while copying. Every rank must hold the
-    same dtype for a key (true of any state dict built from one model).
+    same dtype for a key (true of any state dict built from one model). Only dtypes are compared (no
+    chunk is decoded), so a load whose dtypes all match pays one lookup per tensor leaf.
     """
     from ..plan.statedict import is_tensor
 
-    tensors = None
+    changed = {}
     for fqn, leaf in leaves.items():
-        t = md.tensors.get(fqn)
-        if t is None or not is_tensor(leaf.value):
+        if not is_tensor(leaf.value):
+            continue
+        stored = _stored_dtype(md.tensors, fqn)
+        if stored is None:
             continue
         try:
             want = dtype_name(leaf.value.dtype)
         except KeyError:
             continue  # the planner reports the unsupported dtype
-        if want != t.dtype:
-            if tensors is None:
-                tensors = dict(md.tensors)
-            tensors[fqn] = TensorMeta(want, t.shape, t.chunks)
-    if tensors is None:
+        if want != stored:
+            changed[fqn] = want
+    if not changed:
         return md
-    return Metadata(md.save_id, md.world_size, tensors, md.objects, md.version)
+    return Metadata(md.save_id, md.world_size, _with_dtypes(md.tensors, changed), md.objects, md.version)
+
+
+def _stored_dtype(tensors: Mapping, fqn: str) -> str | None:
+    if isinstance(tensors, IndexedTensors):
+        i = tensors.pos.get(fqn)
+        return None if i is None else tensors.dtypes[i]
+    t = tensors.get(fqn)
+    return None if t is None else t.dtype
+
+
+def _with_dtypes(tensors: Mapping, changed: dict[str, str]) -> Mapping:
+    """``tensors`` with the dtypes of ``changed``; an indexed table stays one (its chunks undecoded)."""
+    if isinstance(tensors, IndexedTensors):
+        out = copy.copy(tensors)
+        out.dtypes = list(tensors.dtypes)
+        for fqn, dtype in changed.items():
+            out.dtypes[tensors.pos[fqn]] = dtype
+        return out
+    out = dict(tensors)
+    for fqn, dtype in changed.items():
+        t = out[fqn]
+        out[fqn] = TensorMeta(dtype, t.shape, t.chunks)
+    return out
 
 
 __all__ = [

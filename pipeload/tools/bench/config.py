@@ -10,8 +10,8 @@ LOADERS = ("pipeload", "pipeload-nobcast", "safetensors", "dcp")
 FORMATS = ("pipeload", "dcp", "hf")
 HF_LOADERS = ("pipeload", "pipeload-nobcast", "safetensors")
 DCP_LOADERS = ("pipeload", "pipeload-nobcast", "dcp", "dcp-install")  # --format dcp: every loader reads DCP's files
-# --via dcp.load: DCP's own load, stock and with pipeload.dcp.install() (no pipeload.load)
-VIA_DCP_LOADERS = ("dcp", "dcp-install")
+# --via dcp.load: DCP's own load, stock and with pipeload.dcp.install(), beside pipeload.load on the same files
+VIA_DCP_LOADERS = ("pipeload", "dcp", "dcp-install")
 FLOOR = "floor"
 MODES = ("warm", "cold1", "cold", "throttled")
 # separate nodes emulated: each rank its own copy of every checkpoint and a host identity of its own

@@ -327,9 +327,7 @@ def _timed_load(r: _Rank, mode: str, loader: str, directory: str, my_files: list
     elif loader == "dcp":
         dcp.load(r.dest, checkpoint_id=directory)
     elif loader == "dcp-install":
-        with pipeload.dcp.installed():
-            dcp.load(r.dest, checkpoint_id=directory)
-        requested = pipeload.dcp.last_stats().bytes_read
+        stats, requested = _dcp_installed(r.dest, directory)
     elif loader == "safetensors":
         requested = _plain_safetensors_load(r.dest, directory)
     wall = time.perf_counter() - t0
@@ -343,6 +341,20 @@ def _timed_load(r: _Rank, mode: str, loader: str, directory: str, my_files: list
         # This rank's copy was dropped before the run: what is cached now is what it read.
         rec["read_by_file_mib"] = {os.path.basename(p): round(resident_bytes(p)[0] / MiB, 2) for p in my_files}
     return rec
+
+
+def _dcp_installed(dest: dict, directory: str):
+    """``dcp.load`` under the switch, a first load as the pipeload row's (no plan kept from a repeat):
+    (the engine's LoadStats, None) or, where it took DCP's path, (None, the bytes its reader read)."""
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload
+
+    pipeload.clear_plan_cache()
+    with pipeload.dcp.installed():
+        dcp.load(dest, checkpoint_id=directory)
+    last = pipeload.dcp.last_load()
+    return (last.load, None) if last.path == "engine" else (None, last.read.bytes_read)
 
 
 def _verify(r: _Rank, mode: str, loader: str, repeat: int) -> None:
