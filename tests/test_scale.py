@@ -219,3 +219,7 @@ def test_simulate_foreign_checkpoints_small_world(fmt, capsys):
     assert res["rank0_decode_s"] > 0 and res["rank0_peak_mb"] > 0 and res["per_rank_cpu_s"] > 0
     if fmt == "dcp":
         assert res["rank0_pickle_loads_s"] > 0 and res["rank0_sidecar_s"] < res["rank0_decode_s"]
+        # stock dcp.load's central planning beside it: one read item per box of every rank, all on one
+        assert res["dcp_read_items"] == res["world"] * res["shards_per_rank"] or res["layout"] != "dense"
+        assert res["dcp_read_items"] >= res["world"] and res["dcp_coordinator_cpu_s"] > 0
+        assert res["dcp_coordinator_peak_mb"] > 0 and res["dcp_gathered_bytes"] > 0

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from ..engine._gcpause import paused_gc
 from ._measure import timed
+from .simdcp import coordinator_cost
 
 BLOB_OVERHEAD = 1100  # bytes of a torch.save zip around one tensor's data (headers, data.pkl, directory)
 HF_FILE_BYTES = 5 << 30
@@ -184,7 +185,9 @@ def _prepare_dcp(lay, directory: str, memory: bool, log) -> dict[str, Any]:
         peak = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
     _, side_cpu, _ = timed(lambda: formats.read_payload(directory, "dcp")[1], False)
-    return {"rank0_pickle_loads_s": plain, "rank0_decode_s": cpu, "rank0_peak_mb": peak, "rank0_rss_mb": rss,
+    central = _forked(lambda: coordinator_cost(lay, memory))  # what stock dcp.load's planning costs instead
+    log(f"DCP's coordinator: {central['dcp_coordinator_cpu_s']:.2f} s CPU")
+    return {**central, "rank0_pickle_loads_s": plain, "rank0_decode_s": cpu, "rank0_peak_mb": peak, "rank0_rss_mb": rss,
             "rank0_sidecar_s": side_cpu, "chunks": n_chunks, "blob": blob, "metadata_bytes": md_bytes}
 
 

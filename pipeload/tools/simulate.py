@@ -679,4 +679,10 @@ def format_result(res: dict[str, Any]) -> str:
                         f"{res['rank0_pickle_loads_s']:.3f} s)"
                         + (f"; with the sidecar {res['rank0_sidecar_s']:.3f} s" if "rank0_sidecar_s" in res else "")
                         + f"; broadcast {res['broadcast_bytes'] / 2**20:.1f} MiB")
+    if "dcp_coordinator_cpu_s" in res:  # stock dcp.load's central planning, for comparison
+        peak = res["dcp_coordinator_peak_mb"]
+        lines.insert(2, f"  DCP's coordinator   {res['dcp_coordinator_cpu_s']:.2f} s, peak "
+                        f"{'-' if peak is None else f'{peak:.0f} MB'}, gathers {res['dcp_gathered_bytes'] / 1e6:.1f} MB "
+                        f"({res['dcp_read_items']} read items; measured on {res['dcp_plans_measured']} plans, "
+                        f"scaled to {res['world']})")
     return "\n".join(lines)
