@@ -157,10 +157,10 @@ def _read_once(stats, world: int, *, tensors_only: bool = False) -> dict:
     from torch.distributed.checkpoint.planner import LoadItemType
 
     got: list = [None] * world
-    dist.all_gather_object(got, (stats.items_read, stats.items_received))
+    dist.all_gather_object(got, (stats.items_read, stats.items_received, stats.messages_received))
     reads = [k for r in got for k in r[0] if not (tensors_only and k[4] == LoadItemType.BYTE_IO.value)]
     assert len(reads) == len(set(reads)), "a box was read by two ranks"
-    return {"read": len(reads), "received": sum(r[1] for r in got)}
+    return {"read": len(reads), "received": sum(r[1] for r in got), "messages": sum(r[2] for r in got)}
 
 
 def _unique_bytes(path: str, readers: int, prefixes: tuple = ("",)) -> int:
@@ -277,6 +277,25 @@ def _subgroup_and_planner(rank: int, world: int, path: str, out: dict) -> None:
         assert pd.last_load().path == "dcp" and "Rename" in pd.last_load().why, pd.last_load()
         out["renamed"] = _read_once(pd.last_stats(), world)
     assert torch.equal(renamed["renamed"], stock["extra"]["plain"]) and torch.equal(renamed["absent"], torch.ones(2))
+
+
+def _batched_case(rank: int, world: int, root: str, out: dict) -> None:
+    """Many small replicated tensors through a planner of the user's (DCP's planning, pipeload's reader):
+    each read by one rank, and what a receiver gets from one reader comes in one message."""
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload.dcp as pd
+
+    path = os.path.join(root, "small")
+    torch.manual_seed(11)
+    saved = {f"t{i}": torch.randn(3, i + 1) for i in range(24)}
+    dcp.save(saved, checkpoint_id=path)
+    dest = {k: torch.zeros_like(v) for k, v in saved.items()}
+    with pd.installed():
+        dcp.load(dest, checkpoint_id=path, planner=_Rename())
+    assert pd.last_load().path == "dcp"
+    _same(dest, saved, "small boxes, batched")
+    out["batched"] = _read_once(pd.last_stats(), world)
 
 
 def _zstd_and_hf_case(rank: int, world: int, root: str, out: dict) -> None:
@@ -469,6 +488,7 @@ def world(rank: int, size: int, root: str) -> dict:
     _off_the_world_case(rank, size, root, out)
     _switch_case(rank, size, root, out)
     _semantics_case(rank, size, root, out)
+    _batched_case(rank, size, root, out)
     _zstd_and_hf_case(rank, size, root, out)
     _sharded_optimizer_case(rank, size, root, out)
     _resharding_case(rank, size, root, out)
@@ -503,6 +523,12 @@ def test_install_no_dist_subgroup_and_planners(results):
     assert results[0]["renamed"]["received"] == 3 and results[0]["renamed"]["read"] == 1
 
 
+def test_the_reader_sends_small_boxes_in_one_message_per_pair(results):
+    got = results[0]["batched"]
+    assert got["read"] == 24 and got["received"] == 24 * 3, got
+    assert got["messages"] <= 4 * 3, got  # at most one per (reader, receiver) pair
+
+
 def test_install_reshards_as_dcp_does(results):
     assert sum(r["reshard_received"] for r in results) > 0
 
@@ -518,6 +544,7 @@ def test_install_load_sharded_optimizer_state_dict(results):
 def test_install_zstandard_and_hugging_face(results):
     zstd = results[0]["zstd"]
     assert zstd["received"] > 0  # compressed tensors shared too (read by DCP's code on one rank)
+
     # 96 + 6 bytes, read once, received by the three other ranks
     assert results[0]["hf"]["read"] == 102 and results[0]["hf"]["received"] == 306, results[0]["hf"]
     assert all(r["hf_tensors"] == 2 for r in results)

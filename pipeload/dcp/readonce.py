@@ -58,6 +58,7 @@ class ReadStats:
     items_received: int = 0
     bytes_read: int = 0
     bytes_received: int = 0
+    messages_received: int = 0  # point-to-point messages those boxes came in (small ones share one per reader)
 
 
 _last: ReadStats | None = None
@@ -179,6 +180,72 @@ class _Capture:
         self.value = torch.frombuffer(bytearray(value.getvalue()), dtype=torch.uint8)
 
 
+BATCH_BYTES = 6 << 20  # shared boxes under this go in one message per (reader, receiver)
+BATCH_TAG = 1 << 30  # the tag of those messages (one per pair; box messages are tagged by box number)
+_ALIGN = 16  # each box's offset in a batch: any dtype's view of it is aligned
+
+
+class _Exchange:
+    """One ``read_data``'s messages: the works to await, what lands where, and the batches of small
+    boxes. Both ends lay a batch out alike — its boxes in box-number order (the coordinator's), each at
+    an aligned offset — from the plan alone, so a receiver slices what its reader packed."""
+
+    def __init__(self):
+        self.works: list = []
+        self.landed: list = []  # (items, buffer, resolved target)
+        self.error: BaseException | None = None
+        self.inbound: dict[int, list] = {}  # reader -> [(offset, nbytes, items, target)]
+        self.outbound: dict[int, list] = {}  # receiver -> [[box number, offset, nbytes, box bytes]]
+        self._size: dict[tuple[str, int], int] = {}
+        self._parts: dict[tuple[int, int], list] = {}  # (receiver, box number) -> its part of the batch
+
+    def _place(self, side: str, peer: int, nbytes: int) -> int:
+        at = -(-self._size.get((side, peer), 0) // _ALIGN) * _ALIGN
+        self._size[(side, peer)] = at + nbytes
+        return at
+
+    def expect(self, reader: int, n: int, items: list, nbytes: int, target) -> None:
+        self.inbound.setdefault(reader, []).append((self._place("in", reader, nbytes), nbytes, items, target))
+
+    def reserve(self, to: list[int], n: int, nbytes: int) -> None:
+        """A small box this rank reads, placed in each receiver's batch (in box-number order, as there)."""
+        for h in to:
+            part = [n, self._place("out", h, nbytes), nbytes, None]
+            self.outbound.setdefault(h, []).append(part)
+            self._parts[(h, n)] = part
+
+    def pack(self, to: list[int], n: int, box: torch.Tensor) -> None:
+        data = box.reshape(-1).view(torch.uint8)
+        for h in to:
+            part = self._parts[(h, n)]
+            if data.numel() != part[2]:
+                raise AssertionError(f"box {n}: {data.numel()} bytes read, {part[2]} planned")
+            part[3] = data
+
+    def post_batches(self, pg: Any) -> dict[int, torch.Tensor]:
+        bufs = {r: torch.empty(self._size[("in", r)], dtype=torch.uint8) for r in self.inbound}
+        self.works += [dist.irecv(b, src=r, group=pg, tag=BATCH_TAG) for r, b in bufs.items()]
+        return bufs
+
+    def send_batches(self, pg: Any) -> None:
+        for h, parts in self.outbound.items():
+            buf = torch.zeros(self._size[("out", h)], dtype=torch.uint8)
+            for _, at, nbytes, data in parts:
+                if data is not None:  # (zeros where the read failed: the error is raised after the waits)
+                    buf[at:at + nbytes] = data
+            self.works.append(dist.isend(buf, dst=h, group=pg, tag=BATCH_TAG))
+
+    def unpack(self, bufs: dict[int, torch.Tensor], dtype_of: Callable[[ReadItem], torch.dtype]) -> list:
+        out = []
+        for r, parts in self.inbound.items():
+            for at, nbytes, items, target in parts:
+                raw = bufs[r][at:at + nbytes]
+                item = items[0]
+                value = raw if item.type == LoadItemType.BYTE_IO else raw.view(dtype_of(item)).reshape(tuple(item.lengths))
+                out.append((items, value, target))
+        return out
+
+
 class _SafeBytes:
     """A planner whose ``load_bytes`` first checks that the object unpickles under
     ``torch.load(weights_only=True)`` (DCP's default planner then unpickles it with
@@ -257,53 +324,79 @@ class ReadOnce:
         return done
 
     def _shared_phase(self, plan: LoadPlan, planner: LoadPlanner, ops: tuple) -> list[ReadItem]:
-        """Every receive posted first; then this rank's shared boxes read in storage order, each sent to its
-        holders as soon as it is read; all awaited before any value is committed or any error raised
-        (messages match by tag, so no rank waits on one another has not been able to post). A message
-        lands in, and is sent from, the planner's destination where that is a dense host tensor of the
-        box's shape and dtype; otherwise in a buffer copied over at the end. Returns the items no op covers."""
+        """Every receive posted first; then this rank's shared boxes read in storage order, each large box
+        sent to its holders as soon as it is read, the small ones (under ``BATCH_BYTES``) packed into one
+        message per receiver sent after the last read; all awaited before any value is committed or any
+        error raised (messages match by tag, so no rank waits on one another has not been able to post).
+        A large box lands in, and is sent from, the planner's destination where that is a dense host
+        tensor of the box's shape and dtype; otherwise in a buffer copied over at the end. Returns the
+        items no op covers."""
         by_key: dict[tuple, list[ReadItem]] = {}
         for item in plan.items:
             by_key.setdefault(_key(item), []).append(item)
-        me, error = dist.get_rank(), None
-        works, landed, to_read = [], [], []
+        me, run = dist.get_rank(), _Exchange()
+        to_read = []
         for n, k, reader, holders in ops:
             items = by_key.pop(k)
+            small = self._nbytes(items[0]) < BATCH_BYTES
             if me != reader:
-                try:
-                    target = self._resolve(items[0], planner)
-                except Exception as e:  # noqa: BLE001 - the receive is still posted: its sender waits on it
-                    error, target = error or e, None
-                buf = target if _dense(target, items[0], self) else self._empty(items[0])
-                works.append(dist.irecv(buf, src=reader, group=self.pg, tag=n))
-                self.stats.items_received += 1
-                self.stats.bytes_received += buf.numel() * buf.element_size()
-                landed.append((items, buf, target))
+                self._post_receive(run, n, items, reader, small, planner)
             else:
-                to_read.append((n, items, holders))
-        for n, items, holders in sorted(to_read, key=lambda x: self._storage_order(x[1][0])):
-            target = None
-            try:
-                target = self._resolve(items[0], planner)
-                box = self._read_box(items[0])
-                if _dense(target, items[0], self):
-                    buf = target.copy_(box)
-                else:
-                    buf = box.contiguous()  # a send needs a dense buffer
-            except Exception as e:  # noqa: BLE001 - the holders still get their message
-                error = error or e
-                buf = self._empty(items[0])
-            works += [dist.isend(buf, dst=h, group=self.pg, tag=n) for h in holders if h != me]
-            landed.append((items, buf, target))
-        for w in works:
+                to_read.append((n, items, [h for h in holders if h != me], small))
+                if small:
+                    run.reserve(to_read[-1][2], n, self._nbytes(items[0]))
+        receives = run.post_batches(self.pg)
+        self.stats.messages_received = len(run.works)
+        for n, items, holders, small in sorted(to_read, key=lambda x: self._storage_order(x[1][0])):
+            self._read_and_send(run, n, items, holders, small, planner)
+        run.send_batches(self.pg)
+        for w in run.works:
             w.wait()
-        if error is not None:
-            raise error
-        for items, buf, target in landed:
+        if run.error is not None:
+            raise run.error
+        for items, buf, target in run.landed + run.unpack(receives, self._dtype):
             self._deliver(items[0], buf, planner, target)
             for item in items[1:]:
                 self._deliver(item, buf, planner)
         return [item for items in by_key.values() for item in items]
+
+    def _post_receive(self, run: "_Exchange", n: int, items: list, reader: int, small: bool,
+                      planner: LoadPlanner) -> None:
+        target = None
+        try:
+            target = self._resolve(items[0], planner)
+        except Exception as e:  # noqa: BLE001 - the receive is still posted: its sender waits on it
+            run.error = run.error or e
+        self.stats.items_received += 1
+        self.stats.bytes_received += self._nbytes(items[0])
+        if small:
+            run.expect(reader, n, items, self._nbytes(items[0]), target)
+            return
+        buf = target if _dense(target, items[0], self) else self._empty(items[0])
+        run.works.append(dist.irecv(buf, src=reader, group=self.pg, tag=n))
+        run.landed.append((items, buf, target))
+
+    def _read_and_send(self, run: "_Exchange", n: int, items: list, to: list[int], small: bool,
+                       planner: LoadPlanner) -> None:
+        target = None
+        try:
+            target = self._resolve(items[0], planner)
+            box = self._read_box(items[0])
+            if _dense(target, items[0], self):
+                buf = target.copy_(box)
+            else:
+                buf = box.contiguous()  # a send needs a dense buffer
+        except Exception as e:  # noqa: BLE001 - the holders still get their message
+            run.error = run.error or e
+            buf = self._empty(items[0])
+        if small:
+            try:
+                run.pack(to, n, buf)
+            except AssertionError as e:
+                run.error = run.error or e
+        else:
+            run.works += [dist.isend(buf, dst=h, group=self.pg, tag=n) for h in to]
+        run.landed.append((items, buf, target))
 
     def _resolve(self, item: ReadItem, planner: LoadPlanner) -> torch.Tensor | None:
         """The planner's destination of a tensor box (resolved once; committed in :meth:`_deliver`)."""
