@@ -2,8 +2,8 @@
 
 A world of one: pipeload's own checkpoints, a ``dcp.save`` checkpoint read by ``pipeload.load``, the
 memory tier, and records rewritten with an object array or a hostile pickle (refused on load, naming
-the key and the class, with nothing filled and no code run). torch's process-wide allow-list is the
-same before and after every one of them.
+the key and the class; the object is not placed and no code runs). torch's process-wide allow-list
+is the same before and after every one of them.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class Hostile:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_records_the_unpickler_refuses_fill_nothing_and_run_nothing(tmp_path, allow_list):
+def test_records_the_unpickler_refuses_are_never_placed_and_run_nothing(tmp_path, allow_list):
     marker = tmp_path / "ran"
     cases = {"objarr": (np.array([1, None], dtype=object), "numpy.dtypes.ObjectDType", "add_safe_globals"),
              "hostile": ((np.arange(3), Hostile(str(marker))), "posix.system", "is blocked")}

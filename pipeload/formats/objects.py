@@ -29,6 +29,7 @@ and what a load refuses are one rule with one message (:func:`refusal`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import pickle
 import threading
@@ -88,7 +89,8 @@ def _scalar(dtype, data=None):
     return _multiarray.scalar(dtype, data)
 
 
-def _numpy_globals() -> list:
+@functools.lru_cache(maxsize=1)
+def _numpy_globals() -> tuple:
     """The (callable, pickled name) pairs torch's unpickler needs for plain numpy values."""
     pairs: list = [(_dtype, "numpy.dtype"), (np.ndarray, "numpy.ndarray")]
     for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):  # numpy 2's name, numpy 1's
@@ -96,7 +98,7 @@ def _numpy_globals() -> list:
     for c in PLAIN_DTYPE_CHARS:
         cls = type(np.dtype(c))
         pairs.append((cls, f"{cls.__module__}.{cls.__qualname__}"))
-    return pairs
+    return tuple(pairs)
 
 
 def _name(entry) -> str:
