@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from typing import Any, Sequence
 
@@ -400,14 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _stdout_closed() -> bool:
     """Whether standard output is a pipe whose reader has gone; if so, it is pointed at /dev/null so that
     the interpreter's last flush at exit has nowhere to fail."""
-    import os
-    import select
-
     try:
         fd = sys.stdout.fileno()
         poll = select.poll()
         poll.register(fd, select.POLLOUT)
-        if not any(ev & select.POLLERR for _, ev in poll.poll(0)):
+        if not any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0)):
             return False
         os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
     except (OSError, ValueError, AttributeError):  # no real file behind stdout (captured, closed)
