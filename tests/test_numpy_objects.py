@@ -125,6 +125,7 @@ def test_object_arrays_load_when_the_user_allows_them(tmp_path, allow_list):
         pipeload.save(sd, tmp_path)
         got = {"cfg": {"names": None}}
         pipeload.load(got, tmp_path)
+        assert {np.dtype, np.dtypes.ObjectDType} <= set(torch.serialization.get_safe_globals())  # still the user's
     assert got["cfg"]["names"].tolist() == ["a", None, 3]
 
 
