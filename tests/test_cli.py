@@ -163,6 +163,22 @@ def test_python_dash_m(saved):
     assert r.returncode == 1 and "not a pipeload checkpoint" in r.stderr
 
 
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path, capsys):
+    """``pipeload inspect CKPT | head -1``: the reader goes after one line of far more than the pipe holds;
+    the command ends quietly with 141 (as if ended by SIGPIPE), for both ways of starting it."""
+    path = str(tmp_path / "many")
+    pipeload.save({f"objects.{'x' * 1000}.{i}": i for i in range(160)}, path)
+    assert main(["inspect", "--objects", path]) == 0
+    assert len(capsys.readouterr().out) > 2 * 65536  # more than a Linux pipe buffers
+    script = os.path.join(os.path.dirname(sys.executable), "pipeload")  # the installed entry point
+    for cmd in [[sys.executable, "-m", "pipeload"]] + ([[script]] if os.path.exists(script) else []):
+        p = subprocess.Popen(cmd + ["inspect", "--objects", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert p.stdout.readline().startswith(b"checkpoint")
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 141 and err == "", err
+
+
 # -- bench machinery -----------------------------------------------------------------------------------
 
 

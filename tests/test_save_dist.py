@@ -25,9 +25,10 @@ WORLD_TIMEOUT = 240
 
 def _ep(rank: int, world: int, fill: bool = True) -> dict:
     """Expert parallel: expert e lives whole on rank e % world only (ranks hold different keys); the
-    router and the norm are replicated everywhere."""
+    router and the norm are replicated everywhere, and so is a trainer's numpy RNG state."""
     sd: dict = {"router": L.global_value("router", (16, 8), torch.float32) if fill else torch.zeros(16, 8),
-                "norm": L.global_value("norm", (8,), torch.float32) if fill else torch.zeros(8), "step": 3}
+                "norm": L.global_value("norm", (8,), torch.float32) if fill else torch.zeros(8), "step": 3,
+                "np_rng": np.random.RandomState(3).get_state() if fill else None}
     for e in range(2 * world):
         if e % world == rank:
             g = L.global_value(f"experts.{e}.w", (12, 8), torch.bfloat16)
@@ -36,6 +37,10 @@ def _ep(rank: int, world: int, fill: bool = True) -> dict:
 
 
 def _ep_check(sd: dict) -> None:
+    if "np_rng" in sd:
+        want = np.random.RandomState(3).get_state()
+        assert sd["np_rng"][0] == want[0] and sd["np_rng"][1].dtype == np.uint32, f"rank {dist.get_rank()}"
+        assert np.array_equal(sd["np_rng"][1], want[1]) and sd["np_rng"][2:] == want[2:], f"rank {dist.get_rank()}"
     for fqn, v in sd.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(v, L.global_value(fqn, tuple(v.shape), v.dtype)), f"rank {dist.get_rank()}: {fqn}"

@@ -22,6 +22,7 @@ from ..errors import ChecksumError, CheckpointFormatError, ReadError
 from ..formats.metadata import _DTYPE_NAMES as _STORED  # safetensors dtype name -> torch dtype
 from ..formats.chunks import box_span
 from ..formats.metadata import ObjectMeta, dtype_name, resolve_inside
+from ..formats.objects import load_object, refusal
 from ..plan.planner import ReadItem
 from . import storage
 
@@ -127,14 +128,13 @@ def check_object_archive(data: bytes | bytearray, where: str) -> None:
 
 
 def decode_object(data: bytes | bytearray, where: str) -> Any:
-    """``torch.load(weights_only=True)`` of an object record after :func:`check_object_archive`."""
+    """An object record after :func:`check_object_archive`, decoded by torch's ``weights_only`` unpickler
+    with plain numpy values allowed (:func:`pipeload.formats.objects.load_object`): no code runs."""
     check_object_archive(data, where)
     try:
-        return torch.load(io.BytesIO(data), weights_only=True)
+        return load_object(data)
     except Exception as e:  # noqa: BLE001 - any refusal of the unpickler is a format problem
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointFormatError(f"{where}: does not load with torch.load(weights_only=True): "
-                                    f"{type(e).__name__}: {first}") from None
+        raise CheckpointFormatError(f"{where}: does not load with torch.load(weights_only=True): {refusal(e)}") from None
 
 
 class ChunkReader:
@@ -286,7 +286,7 @@ class ChunkReader:
         self.bytes_read += item.nbytes
 
     def read_object(self, meta: ObjectMeta) -> Any:
-        """A Python object, decoded with ``torch.load(weights_only=True)``: it cannot execute code."""
+        """A Python object, decoded by :func:`decode_object` (``weights_only=True``): it cannot execute code."""
         f = self.file(meta.file)
         stored_dtype, _, start, end = f.entry(meta.key)
         if stored_dtype != "U8":

@@ -26,8 +26,9 @@ def save(state_dict: dict, checkpoint_dir: str | os.PathLike | MemoryTier, *, pr
     """Save ``state_dict`` as a pipeload checkpoint; every rank of ``process_group`` must call it.
 
     Values may be ``torch.Tensor`` (whole on this rank), ``DTensor`` (Shard/Replicate placements on any
-    mesh, uneven shards included) and Python objects that ``torch.load(weights_only=True)`` accepts
-    (Python objects are assumed equal on every rank: one copy is stored). Replicated chunks are written
+    mesh, uneven shards included) and Python objects that ``torch.load(weights_only=True)`` accepts, numpy
+    values of plain dtypes included (:mod:`pipeload.formats.objects`; Python objects are assumed equal on
+    every rank: one copy is stored). Replicated chunks are written
     once. Bad input raises :class:`StateDictError` on every rank, naming the key, before anything is
     written; a failed write raises :class:`DistributedError` on every rank and leaves no new loadable
     checkpoint (a checkpoint previously saved in ``checkpoint_dir`` still loads). A later save of a state

@@ -37,7 +37,6 @@ tables of ``K`` keys): receive ``16 W`` bytes of plan-reuse words, ``8 W x ROW_W
 from __future__ import annotations
 
 import dataclasses
-import io
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
@@ -49,6 +48,7 @@ from ..plan._greedy import assign_readers
 from ..io.checksum import checksum
 from ..plan.exchange import Classes, classes, hash64, key_owner_threshold, record_digest, record_transfer
 from ..plan.globalplan import _mix, _row_groups, _unique_rows
+from ..formats.objects import encode_object  # noqa: F401 - the save's rule for objects, importable here
 from ..formats.metadata import NAMES_OF_DTYPES, dtype_itemsize, dtype_name, storable_dtype, tiling_problem
 from ..plan.statedict import is_tensor, tensor_box
 from ..plan.tensorkinds import source_refusal
@@ -61,30 +61,6 @@ KIND_TENSOR, KIND_OBJECT = 0, 1
 DTYPES = tuple(sorted(NAMES_OF_DTYPES.values()))  # dtype code -> safetensors name
 _CODE = {n: i for i, n in enumerate(DTYPES)}
 _I32_MAX = 2**31 - 1
-
-
-def encode_object(value: Any) -> bytes:
-    """Serialise a Python object so that loading it cannot execute code.
-
-    The bytes are ``torch.save``'s; they are accepted only if ``torch.load(weights_only=True)`` restores
-    them, which is exactly what load will do. ``ValueError`` otherwise.
-    """
-    buf = io.BytesIO()
-    try:
-        torch.save(value, buf)
-    except Exception as e:  # noqa: BLE001 - unpicklable values
-        raise ValueError(f"value of type {type(value).__name__} cannot be serialised ({e})") from None
-    data = buf.getvalue()
-    try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:  # noqa: BLE001 - the unpickler's refusal is the user's answer
-        lines = [ln.strip() for ln in str(e).splitlines() if "WeightsUnpickler error" in ln]
-        why = lines[0].split("error:", 1)[-1].strip() if lines else type(e).__name__
-        raise ValueError(
-            f"value of type {type(value).__name__} cannot be restored with torch.load(weights_only=True) "
-            f"({why}); store plain Python types and tensors, or convert it first"
-        ) from None
-    return data
 
 
 @dataclass

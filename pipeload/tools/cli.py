@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from typing import Any, Sequence
 
@@ -378,11 +380,38 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_CLOSED_PIPE = 128 + 13  # what a shell reports for a command ended by SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    handler = {"bench": _bench, "inspect": _inspect, "verify": _verify, "convert": _convert,
-               "simulate": _simulate}[args.command]
-    return handler(args)
+    """Run one command; its exit status. A reader that closes the output early (``pipeload inspect CKPT |
+    head -1``) ends the command quietly with status 141, as a command ended by SIGPIPE would."""
+    try:
+        args = _parser().parse_args(argv)
+        handler = {"bench": _bench, "inspect": _inspect, "verify": _verify, "convert": _convert,
+                   "simulate": _simulate}[args.command]
+        rc = handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit where it would print a traceback
+        return rc
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a pipe of the command's own work (a bench world): a real error
+        return EXIT_CLOSED_PIPE
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone; if so, it is pointed at /dev/null so that
+    the interpreter's last flush at exit has nowhere to fail."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0)):
+            return False
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    except (OSError, ValueError, AttributeError):  # no real file behind stdout (captured, closed)
+        return False
+    return True
 
 
 if __name__ == "__main__":  # pragma: no cover
