@@ -298,6 +298,51 @@ def _batched_case(rank: int, world: int, root: str, out: dict) -> None:
     out["batched"] = _read_once(pd.last_stats(), world)
 
 
+class _Recording(dict):
+    """A dict subclass whose ``__setitem__`` records the keys DCP's ``load`` assigns back."""
+
+    def __setitem__(self, key, value):
+        self.__dict__.setdefault("assigned", []).append(key)
+        super().__setitem__(key, value)
+
+
+def _other_destinations_case(rank: int, world: int, root: str, out: dict) -> None:
+    """What the engine hands to DCP's path under the switch, each loaded as stock DCP loads it: a
+    ``ShardedTensor`` destination, a nested dict under ``flatten_state_dict=False``; and the top-level
+    re-assignment through a dict subclass's ``__setitem__`` on the engine."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import empty as sharded_empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    import pipeload.dcp as pd
+
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
+    st = sharded_empty(spec, 8, 3)
+    st.local_shards()[0].tensor.copy_(torch.full((2, 3), float(rank)))
+    path = os.path.join(root, "sharded")
+    dcp.save({"st": st, "step": 5}, checkpoint_id=path)
+    dest = sharded_empty(spec, 8, 3)
+    dest.local_shards()[0].tensor.zero_()
+    with pd.installed():
+        dcp.load({"st": dest}, checkpoint_id=path)
+        got = [pd.last_load().path, torch.equal(dest.local_shards()[0].tensor, torch.full((2, 3), float(rank)))]
+        nested = os.path.join(root, "unflat")
+        dcp.save({"n": {"a": torch.arange(4.0)}}, checkpoint_id=nested,
+                 planner=DefaultSavePlanner(flatten_state_dict=False))
+        sd = {"n": {"a": torch.zeros(4)}}
+        dcp.load(sd, checkpoint_id=nested, planner=DefaultLoadPlanner(flatten_state_dict=False))
+        got.append(pd.last_load().path)
+    stock = {"n": {"a": torch.zeros(4)}}  # (DCP's planner leaves this one as it was: so must the switch)
+    dcp.load(stock, checkpoint_id=nested, planner=DefaultLoadPlanner(flatten_state_dict=False))
+    got.append(torch.equal(sd["n"]["a"], stock["n"]["a"]))
+    with pd.installed():
+        rec = _Recording(step=0)
+        dcp.load(rec, checkpoint_id=path)
+        got += [pd.last_load().path, rec["step"], rec.__dict__.get("assigned")]
+    out["other_destinations"] = got
+
+
 def _zstd_and_hf_case(rank: int, world: int, root: str, out: dict) -> None:
     """A ZStandard checkpoint and a safetensors directory, under install(), against DCP's readers."""
     import torch.distributed.checkpoint as dcp
@@ -489,6 +534,7 @@ def world(rank: int, size: int, root: str) -> dict:
     _switch_case(rank, size, root, out)
     _semantics_case(rank, size, root, out)
     _batched_case(rank, size, root, out)
+    _other_destinations_case(rank, size, root, out)
     _zstd_and_hf_case(rank, size, root, out)
     _sharded_optimizer_case(rank, size, root, out)
     _resharding_case(rank, size, root, out)
@@ -527,6 +573,11 @@ def test_the_reader_sends_small_boxes_in_one_message_per_pair(results):
     got = results[0]["batched"]
     assert got["read"] == 24 and got["received"] == 24 * 3, got
     assert got["messages"] <= 4 * 3, got  # at most one per (reader, receiver) pair
+
+
+def test_install_hands_what_the_engine_would_load_otherwise_to_dcps_path(results):
+    for r in results:
+        assert r["other_destinations"] == ["dcp", True, "dcp", True, "engine", 5, ["step"]], r
 
 
 def test_install_reshards_as_dcp_does(results):
