@@ -646,9 +646,10 @@ def test_uninstall_restores_dcps_objects_exactly():
     assert [getattr(m, n) for m, n in names] == before and all(getattr(m, n) is b for (m, n), b in zip(names, before))
     assert fu.FileSystemReader is before[0] and not pd.is_installed()
     with pd.installed():
-        with pd.installed():
-            assert dcp.FileSystemReader is pd.FileSystemReader
+        with pd.installed(allow_pickle=True):
+            assert dcp.FileSystemReader is pd.FileSystemReader and pd.FileSystemReader._allow_pickle
         assert dcp.FileSystemReader is pd.FileSystemReader  # the inner block left the outer's switch on
+        assert not pd.FileSystemReader._allow_pickle  # and its allow_pickle
     assert dcp.FileSystemReader is before[0] and su.FileSystemReader is before[0]
 
 

@@ -90,11 +90,6 @@ def _rebind_functions() -> None:
         setattr(mod, name, getattr(importlib.import_module(where), attr)(original))
 
 
-def allows_pickle() -> bool:
-    """Whether :func:`install` was told ``allow_pickle=True`` (and is in effect)."""
-    return _on and _allow_pickle
-
-
 def uninstall() -> None:
     """Put back, in every module of DCP, exactly the objects :func:`install` replaced (DCP modules first
     imported while installed, which bound pipeload's classes, get DCP's). A no-op when not installed."""
@@ -122,12 +117,15 @@ def is_installed() -> bool:
 @contextlib.contextmanager
 def installed(*, allow_pickle: bool = False) -> Iterator[None]:
     """``with installed():`` — :func:`install` for the block. A block entered while the switch was already
-    on leaves it on at exit (nested blocks and an outer ``install()`` keep theirs)."""
+    on leaves it on at exit, with the ``allow_pickle`` it had (nested blocks and an outer ``install()``
+    keep theirs)."""
     with _lock:
-        was_on = _on
+        was_on, was_allowed = _on, _allow_pickle
         install(allow_pickle=allow_pickle)
     try:
         yield
     finally:
-        if not was_on:
+        if was_on:
+            install(allow_pickle=was_allowed)
+        else:
             uninstall()

@@ -780,7 +780,8 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
         broadcast_batch_bytes: shards smaller than this are packed into one broadcast (6 MiB).
         max_inflight: broadcasts outstanding at once (8).
         strict: raise listing every state dict key missing from the checkpoint and every checkpoint key
-            no rank loads (``False``: report them in the stats).
+            no rank loads (``False``: report them in the stats; ``"missing"``: raise on the missing keys
+            only, as ``dcp.load`` does).
         verify_checksums: check each stored chunk's xxh3 checksum before using it.
         timeout: for groups the load creates (default: the process group's own timeout).
         progress: a progress bar of loaded bytes on rank 0 (needs tqdm).
