@@ -34,6 +34,7 @@ HOST_BACKENDS = ("gloo", "mpi", "ucc", "")  # bare names whose collectives run o
 DEFAULT_H2D_RING_BYTES = 64 << 20  # load(h2d_ring_bytes=...): page-locked bytes per load and device
 H2D_SLOTS = 4  # slots of the ring: while the device copies one, the CPU fills the next
 MIN_SLOT_BYTES = 1 << 20
+_ALIGN = 64  # pieces sharing a slot start at multiples of this (any dtype's view stays aligned)
 
 _fillable: dict[str, bool] = {}
 _present: list[str | None] = []  # accelerator(), once known
@@ -233,7 +234,8 @@ class H2DRing:
     :meth:`copy` fills a slot on the CPU (the caller's ``fill``: a guarded copy out of a file mapping,
     a copy out of a broadcast's staging buffer), queues its copy into the destination with
     ``non_blocking=True`` on a side stream and records an event behind it; the slot is filled again
-    only once that event completed, so the CPU fills slot k + 1 while the device copies slot k.
+    only once that event completed, so the CPU fills slot k + 1 while the device copies slot k. Pieces
+    smaller than a slot's rest share it (its marker is then its newest copy's event).
 
     Ordering: the side stream first waits for the stream that was current where the ring was made (the
     work that produced the destinations); :meth:`join` makes that stream wait for every copy queued so
@@ -256,6 +258,8 @@ class H2DRing:
         self.copies = 0  # slot copies queued
         self.bytes = 0
         self._unjoined = False
+        self._current: int | None = None  # the slot being filled, and its first free byte
+        self._at = 0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor,
              fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
@@ -267,17 +271,29 @@ class H2DRing:
                 n = d.numel() * d.element_size()
                 if n == 0:
                     continue
-                i, marker = self.slots.take()
-                if marker is not None:
-                    marker.synchronize()  # the slot's last copy has completed: the CPU may rewrite it
+                i, at = self._space(n)
                 buf = self.buffers[i]
                 if buf is None:
                     buf = self.buffers[i] = host_buffer(self.slot_bytes, self.pinned)
-                host = buf[:n].view(d.dtype).view(d.shape)
+                host = buf[at:at + n].view(d.dtype).view(d.shape)
                 fill(host, s)
+                # the slot's marker is its newest copy: copies on one stream complete in order
                 self.slots.submitted(i, self._queue(d, host))
                 self.copies += 1
                 self.bytes += n
+
+    def _space(self, n: int) -> tuple[int, int]:
+        """(slot, offset) for ``n`` bytes: the rest of the slot being filled when they fit (small pieces
+        share a slot), else the next slot, once its last copy completed."""
+        if self._current is not None and self._at + n <= self.slot_bytes:
+            at = self._at
+            self._at += -(-n // _ALIGN) * _ALIGN
+            return self._current, at
+        i, marker = self.slots.take()
+        if marker is not None:
+            marker.synchronize()  # the slot's last copy has completed: the CPU may rewrite it
+        self._current, self._at = i, -(-n // _ALIGN) * _ALIGN
+        return i, 0
 
     def _queue(self, d: torch.Tensor, host: torch.Tensor) -> Any:
         """Queue ``d.copy_(host)`` behind the ring's ordering; the event of its completion (None: done)."""
@@ -310,6 +326,7 @@ class H2DRing:
             for marker in self.slots.outstanding():
                 marker.synchronize()
             self.buffers = [None] * len(self.buffers)
+            self._current = None
 
 
 def ring_for(kind: str | None, ring_bytes: int = DEFAULT_H2D_RING_BYTES) -> H2DRing | None:

@@ -131,6 +131,20 @@ def test_ring_on_host_memory_copies_strided_boxes_through_its_slots():
     assert all(b is None for b in ring.buffers)
 
 
+def test_small_pieces_share_a_slot():
+    ring = devices.H2DRing("cpu", ring_bytes=2 << 20, slots=2)
+    srcs = [torch.randn(100 + i) for i in range(300)]  # ~150 KiB in all
+    dsts = [torch.zeros_like(t) for t in srcs]
+    for d, t in zip(dsts, srcs):
+        ring.copy(d, t)
+    assert all(torch.equal(d, t) for d, t in zip(dsts, srcs))
+    assert ring.copies == 300 and sum(b is not None for b in ring.buffers) == 1 and ring.slots.waits == 0
+    big = torch.randn(300_000)  # 1.1 MiB: past the first slot's rest, then the next slot
+    out = torch.zeros_like(big)
+    ring.copy(out, big)
+    assert torch.equal(out, big) and sum(b is not None for b in ring.buffers) == 2
+
+
 def test_guarded_copy_and_unpack_go_through_a_ring(tmp_path):
     ring = devices.H2DRing("cpu", ring_bytes=2 << 20, slots=2)
     src = torch.arange(3 << 18, dtype=torch.float32).reshape(768, 1024)  # 3 MiB
