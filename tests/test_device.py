@@ -222,3 +222,20 @@ def test_loads_into_accelerator_tensors_through_the_ring(tmp_path):
     (tmp_path / "f.pt").write_bytes(buf.getvalue())
     got = pipeload.load_file(tmp_path / "f.pt", map_location=str(dev))
     assert all(got[k].device == dev and torch.equal(got[k].cpu(), v) for k, v in sd.items())
+    from safetensors.torch import save_file
+
+    save_file(sd, tmp_path / "f.safetensors")
+    got = pipeload.load_file(tmp_path / "f.safetensors", map_location=str(dev))  # through a ring
+    assert all(got[k].device == dev and torch.equal(got[k].cpu(), v) for k, v in sd.items())
+
+
+@needs_accelerator
+def test_the_ring_on_an_accelerator_waits_for_a_slot_before_reusing_it():
+    dev = torch.device(devices.accelerator(), torch.accelerator.current_device_index())
+    ring = devices.H2DRing(dev, ring_bytes=4 << 20, slots=4)
+    assert ring.pinned
+    src = torch.randn(4096, 1024)  # 16 MiB through 1 MiB slots: each slot reused four times
+    dst = torch.zeros(1024, 4096, device=dev).t()
+    ring.copy(dst, src)
+    ring.close()
+    assert torch.equal(dst.cpu(), src) and ring.slots.waits >= 12
