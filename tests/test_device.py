@@ -158,6 +158,22 @@ def test_guarded_copy_and_unpack_go_through_a_ring(tmp_path):
     assert torch.equal(conj.resolve_conj(), torch.ones(4, dtype=torch.complex64))
 
 
+def test_tier_restore_copies_go_through_a_ring():
+    from pipeload.tier.restorexfer import staged_into, unpack_into
+
+    ring = devices.H2DRing("cpu", ring_bytes=2 << 20, slots=2)
+    dst = torch.zeros(64, 32).t()  # not one block: staged, then copied
+    buf, then = staged_into(dst, ring)
+    want = torch.randn(32, 64)
+    buf.copy_(want.contiguous().view(-1).view(torch.uint8))
+    then()
+    assert torch.equal(dst, want) and ring.copies == 1
+    packed = torch.arange(12, dtype=torch.float32)
+    a, b = torch.zeros(4, 2).t(), torch.zeros(4)  # a strided (through the ring), b one block (memmove)
+    unpack_into(packed.view(torch.uint8), [a, b], ring)()
+    assert torch.equal(a, packed[:8].view(2, 4)) and torch.equal(b, packed[8:]) and ring.copies == 2
+
+
 def test_load_file_storages_through_a_ring_keep_sharing(tmp_path):
     a = torch.arange(20000.0).reshape(100, 200)
     sd = {"a": a, "view": a[10:20], "i": torch.arange(7, dtype=torch.int16)}
