@@ -16,7 +16,8 @@ time against a floor, and a final summary line. Cases:
   broadcast to every rank.
 
 Without an accelerator it says so and runs nothing. Every case runs in its own ``try``: a failure is
-printed and the next case runs; past the time budget the remaining cases are skipped, said so.
+printed and the next case runs; past the time budget the remaining cases are skipped, said so, and a
+case still running 30 s past it (a hung collective) ends the process after the summary line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from ... import device as devices
 
 DEFAULT_SIZE_MB = 512
 BUDGET_SECONDS = 280.0
+GRACE_SECONDS = 30.0  # past the budget by this much, a case still running is stuck: the process ends
 FORMATS = ("pipeload", "dcp", "hf")
 
 
@@ -57,6 +60,7 @@ class _Bench:
     t0: float = field(default_factory=time.perf_counter)
     rows: list[Row] = field(default_factory=list)
     h2d_bps: float = 0.0  # page-locked copy_ bandwidth, bytes/s (the floor of every case)
+    running: str = ""  # the case in progress (the watchdog names it)
 
     def left(self) -> float:
         return self.budget - (time.perf_counter() - self.t0)
@@ -69,6 +73,7 @@ class _Bench:
         if self.left() < 15:
             self._add(Row(name, None, note="skipped: time budget spent"))
             return
+        self.running = name
         try:
             got = fn()
         except Exception as e:  # noqa: BLE001 - one failed case must not stop the others
@@ -392,6 +397,9 @@ def run(size_mb: int = DEFAULT_SIZE_MB, budget: float = BUDGET_SECONDS, world: i
           f"{world}, budget {budget:.0f} s; floor = the bytes at the page-locked copy_ rate of the first case",
           flush=True)
     root = tempfile.mkdtemp(prefix="pipeload-bench-device-", dir=dir)
+    watchdog = threading.Timer(budget + GRACE_SECONDS, _stuck, (b, root))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         b.case("ring H2D", lambda: case_ring(b))
         sd = state(size_mb)
@@ -406,9 +414,21 @@ def run(size_mb: int = DEFAULT_SIZE_MB, budget: float = BUDGET_SECONDS, world: i
         if world > 1:
             b.case(f"gloo world of {world} holding device tensors", lambda: case_gloo_world(b, sd, dirs, root))
     finally:
+        watchdog.cancel()
         shutil.rmtree(root, ignore_errors=True)
     print(summary(b.rows, time.perf_counter() - b.t0), flush=True)
     return 0 if all(r.ok is not False for r in b.rows) else 1
+
+
+def _stuck(b: _Bench, root: str) -> None:
+    """The total time guard: a case still running past the budget (a hung collective) ends the process,
+    after printing what ran and the summary."""
+    print(f"  {b.running:<60} FAILED    still running {time.perf_counter() - b.t0:.0f} s after the start "
+          f"(budget {b.budget:.0f} s): stopped", flush=True)
+    b.rows.append(Row(b.running, False, note="FAILED: stuck"))
+    print(summary(b.rows, time.perf_counter() - b.t0), flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    os._exit(1)
 
 
 def _device_name(device: torch.device) -> str:
