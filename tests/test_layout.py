@@ -147,3 +147,16 @@ def test_no_function_over_80_lines():
 def test_the_cycle_check_finds_cycles(graph):
     assert _cycle(graph) is not None
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_only_the_device_layer_names_an_accelerator_api():
+    """``torch.cuda`` (and any accelerator's own module) is asked for only through ``pipeload.device``,
+    so that every accelerator with streams and events takes the same paths."""
+    named = []
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith((".py", ".pyx")):
+                path = os.path.join(dirpath, f)
+                if "torch.cuda" in open(path).read():
+                    named.append(os.path.relpath(path, ROOT))
+    assert set(named) <= {"device.py"}, named

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import device as devices
 from ..errors import DistributedError, PipeloadError
 from ..plan.exchange import Classes, Transfer, group_digest
 from ..plan.globalplan import contains
@@ -32,11 +33,18 @@ from ..plan.globalplan import contains
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _backends_by_device(pg) -> dict[str, str]:
-    """Device type -> backend name of a group, e.g. {"cpu": "gloo", "cuda": "nccl"}."""
-    config = dist.get_backend_config(pg)  # "cpu:gloo,cuda:nccl", or a bare backend name
+def backend_config(pg) -> str:
+    """A group's backend config: ``"cpu:gloo,cuda:nccl"``, ``"cpu:gloo,npu:hccl"``, or a bare name."""
+    try:
+        return str(dist.get_backend_config(pg))
+    except Exception:  # noqa: BLE001 - a backend registered without a config: its name
+        return str(pg._get_backend_name())
+
+
+def _backends_by_device(config: str) -> dict[str, str]:
+    """Device type -> backend name of a group's ``config``, e.g. {"cpu": "gloo", "cuda": "nccl"}."""
     if ":" not in config:
-        return {"cuda": config} if config in ("nccl", "xccl") else {"cpu": config}
+        return {devices.device_moving(config) or "cpu": config}
     return dict(part.split(":", 1) for part in config.split(",") if ":" in part)
 
 
@@ -109,13 +117,12 @@ class Comm:
         self.size = dist.get_world_size(self.pg)
         self.global_ranks = list(dist.get_process_group_ranks(self.pg))
         self.is_world = self.global_ranks == list(range(dist.get_world_size()))
-        backends = _backends_by_device(self.pg)
-        # One device type for every broadcast of the load, the same on every rank: the accelerator when
-        # the group has an accelerator backend (NCCL), host memory otherwise (gloo stages through host).
-        if backends.get("cuda", "gloo") != "gloo" and torch.cuda.is_available():
-            self.broadcast_device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.broadcast_device = torch.device("cpu")
+        config = backend_config(self.pg)
+        backends = _backends_by_device(config)
+        # One device type for every broadcast of the load: the accelerator when the group has a backend
+        # that moves its tensors (NCCL, HCCL, XCCL...), host memory otherwise (gloo stages through the
+        # host). The loader's first gather checks that every rank chose the same type.
+        self.broadcast_device = devices.broadcast_device(config)
         if timeout is None:
             try:
                 timeout = self.pg._get_backend(self.broadcast_device).options._timeout
@@ -455,8 +462,7 @@ def destroy_groups(groups: list[Any]) -> None:
     """
     if not groups:
         return
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    devices.synchronize()
     for g in groups:
         try:
             dist.destroy_process_group(g)

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .. import device as devices
 from ..plan import plancache
 from . import stateful
 from ._busy import CONTENDED, Guard, refuse_contended_or_disagreeing
@@ -243,6 +244,7 @@ class _Options:
     key_map: formats.KeyMap = None
     cast: bool = False
     storage_options: dict | None = None
+    h2d_ring_bytes: int = devices.DEFAULT_H2D_RING_BYTES
     # a caller's reason to refuse this rank's part, raised at planning like a problem of the state dict
     # (the DCP switch's: what the engine would serve differently from DCP; see pipeload.dcp.load)
     _refusal: str | None = None
@@ -250,6 +252,8 @@ class _Options:
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
             raise ValueError("max_inflight must be at least 1")
+        if self.h2d_ring_bytes < 0:
+            raise ValueError("h2d_ring_bytes must be non-negative")
         if self.format is not None and self.format not in formats.FORMATS:
             raise ValueError(f"format must be one of {', '.join(formats.FORMATS)} or None, got {self.format!r}")
         if self.broadcast_replicated_tensors not in (True, False, "auto"):
@@ -320,13 +324,15 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
     contended = await guard.enter(comm, run.collective, run.what)  # see _busy.py
     # Every read runs in one worker thread (it copies onto the broadcast device: make it current).
     device = comm.broadcast_device
-    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+    init = (lambda: devices.set_current(device)) if device.type != "cpu" else None
     # Early requests of a rank's region go from a thread of their own (under a throttled device queueing
     # them blocks, and the first read of the shared phase must not wait for that); those of its own file
     # from the read worker, before its first read (as measured, and one thread opens the file).
     with ChunkReader(run.directory, verify_checksums=opts.verify_checksums) as reader, ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="pipeload-read", initializer=init
     ) as pool, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeload-ahead") as ahead:
+        # host -> accelerator copies through page-locked slots (none unless the accelerator is in use)
+        reader.ring = devices.ring_for(devices.in_use(), opts.h2d_ring_bytes)
         start = await _first_gather(run, opts, state_dict, reader, contended) if run.collective else _Start(
             private_only=opts.broadcast_replicated_tensors is False)
         prep = start.prep or _prepare(
@@ -367,7 +373,8 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
     early = _metadata_bytes(run.directory, opts.format) if comm.rank == 0 and offer == 0 else None
     tokens, reuse = None, False
     try:
-        gathered = comm.start_gather_rows(np.array([offer, run.host, hash64(repr(opts.agreed).encode()),
+        agreed = repr((opts.agreed, comm.broadcast_device.type)).encode()  # the device decides collectives too
+        gathered = comm.start_gather_rows(np.array([offer, run.host, hash64(agreed),
                                                     len(early) if early is not None else -1], dtype=np.int64),
                                           run.what)
         if entry is not None:  # while the other ranks' words arrive
@@ -380,7 +387,8 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
         if entry is not None and not reuse:
             _strip(entry.state)  # replaced by this load's plan, or dropped: never holds our tensors
     refuse_contended_or_disagreeing(run.what, first[:, 0] == CONTENDED, first[:, 2], contended,
-                                    "broadcast_replicated_tensors, broadcast_batch_bytes or strict options")
+                                    "broadcast_replicated_tensors, broadcast_batch_bytes or strict options (or "
+                                    "broadcast device: the group's backend and accelerator)")
     if reuse:
         start.prep = entry.state
         reader.attach(start.prep.ckpt, cast=opts.cast)
@@ -744,6 +752,8 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
         clock.lap("private")
         return decoded
     finally:
+        if reader.ring is not None:  # the last copies into the accelerator done, the slots freed
+            reader.ring.close()
         if bar is not None:
             bar.close()
 
@@ -780,8 +790,7 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
         broadcast_batch_bytes: shards smaller than this are packed into one broadcast (6 MiB).
         max_inflight: broadcasts outstanding at once (8).
         strict: raise listing every state dict key missing from the checkpoint and every checkpoint key
-            no rank loads (``False``: report them in the stats; ``"missing"``: raise on the missing keys
-            only, as ``dcp.load`` does).
+            no rank loads (``False``: report them in the stats; ``"missing"``: only the former, as DCP).
         verify_checksums: check each stored chunk's xxh3 checksum before using it.
         timeout: for groups the load creates (default: the process group's own timeout).
         progress: a progress bar of loaded bytes on rank 0 (needs tqdm).
@@ -799,6 +808,8 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
             ``retries`` (8), ``retry_base`` / ``retry_max`` (backoff seconds), ``retry_timeout``.
         cast: convert tensors whose stored dtype differs from the destination's while copying
             (default ``False``: a dtype mismatch is an error listing every such tensor).
+        h2d_ring_bytes: page-locked bytes (64 MiB, 4 slots) host bytes reach accelerator tensors through,
+            non-blocking on a side stream (:class:`pipeload.device.H2DRing`); 0: synchronous copies.
 
     Runs the load on uvloop when it is installed. Inside a running event loop use
     ``await pipeload.load_async(...)`` instead.

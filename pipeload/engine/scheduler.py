@@ -150,6 +150,8 @@ class SharedPhase:
                     self.counters.fail(shard.fqn, item.file, e)
                     break
             unpack += _unpacks(shard, view)
+        if self.reader.ring is not None:  # the broadcast (queued on the current stream) sees the copies
+            self.reader.ring.join()
         return _Prepared(op, buffer, unpack)
 
     def _recv_op(self, op: Op) -> _Prepared:
@@ -215,7 +217,7 @@ class SharedPhase:
                 f"{self.comm.silent_peers()}"
             ) from e
         if prepared.unpack:
-            unpack(prepared.unpack)
+            unpack(prepared.unpack, self.reader.ring)
         n = sum(self.shards[k].nbytes for k in op.shards)
         self.counters.broadcasts += 1
         if op.reader != self.comm.rank:
@@ -223,9 +225,19 @@ class SharedPhase:
         self.on_bytes(n)
 
 
-def unpack(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def unpack(pairs: list[tuple[torch.Tensor, torch.Tensor]], ring=None) -> None:
     """Copy each staging view into its destination: one grouped copy, but a conjugate or negative view
-    (which ``_foreach_copy_`` refuses as a destination) by its own ``copy_``."""
+    (which ``_foreach_copy_`` refuses as a destination) by its own ``copy_``, and a host view into an
+    accelerator destination through ``ring`` (a :class:`pipeload.device.H2DRing`: page-locked slots, the
+    copies queued on its side stream, the current stream ordered after them)."""
+    if ring is not None:
+        ringed = [_ringed(ring, d, s) for d, s in pairs]
+        if any(ringed):
+            for (d, s), r in zip(pairs, ringed):
+                if r:
+                    ring.copy(d, s)
+            ring.join()
+            pairs = [pair for pair, r in zip(pairs, ringed) if not r]
     lazy = [(d, s) for d, s in pairs if d.is_conj() or d.is_neg()]
     if lazy:
         for d, s in lazy:
@@ -233,6 +245,11 @@ def unpack(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         pairs = [(d, s) for d, s in pairs if not (d.is_conj() or d.is_neg())]
     if pairs:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+def _ringed(ring, d: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether the copy ``d`` <- ``s`` goes through ``ring``: host bytes into its device, as they are."""
+    return d.device == ring.device and s.device.type == "cpu" and d.dtype == s.dtype and not (d.is_conj() or d.is_neg())
 
 
 def _ranks(members: tuple[int, ...]) -> str:

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import device as devices
 from ..errors import CheckpointFormatError, DistributedError, PipeloadError, ReadError, UnpicklingError
 from ..io import storage
 from ..plan.exchange import hash64, host_id
@@ -166,12 +167,14 @@ def _check_options(path: str, map_location, broadcast, chunk_bytes: int, max_inf
 def _first_gather(run: _Run, agreed: tuple, contended: str | None) -> int:
     """The first collective: the reading rank, or -1 when every rank reads the file itself."""
     comm = run.comm
-    row = np.array([contended is not None, host_id(), hash64(repr(agreed).encode()), hash64(run.path.encode())],
+    agreed_words = repr((agreed, comm.broadcast_device.type)).encode()  # the device decides collectives too
+    row = np.array([contended is not None, host_id(), hash64(agreed_words), hash64(run.path.encode())],
                    dtype=np.int64)
     first = comm.gather_rows(row, run.what, "first gather of load_file")
     run.lap("exchange")
     refuse_contended_or_disagreeing(run.what, first[:, 0] != 0, first[:, 2], contended,
-                                    "broadcast, chunk_bytes or max_inflight")
+                                    "broadcast, chunk_bytes or max_inflight (or broadcast device: the group's "
+                                    "backend and accelerator)")
     broadcast = agreed[0]
     one_host = len(np.unique(first[:, 1])) == 1
     if broadcast is False or (broadcast == "auto" and one_host and comm.broadcast_device.type == "cpu"):
@@ -221,13 +224,20 @@ def _deserialize(run: _Run, where: str, is_zip: bool, mapped: bool = True) -> An
             from safetensors.torch import load_file as safetensors_load
 
             device = "cpu" if run.map_location is None else run.map_location
+            target = _ring_target(device)
+            if target is not None:  # read on the host, then through the ring
+                return _tensors_via_ring(safetensors_load(where, device="cpu"), target)
             return safetensors_load(where, device=str(device) if isinstance(device, torch.device) else device)
         if not (mapped and is_zip):
             return torch.load(where, map_location=run.map_location, weights_only=run.weights_only)
         # MAP_SHARED: the buffer is this rank's alone, and a tensor written in place (an optimizer's
         # state) then writes its pages instead of copying them (a private mapping would keep both)
+        target = _ring_target(run.map_location)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-            return torch.load(where, map_location=run.map_location, weights_only=run.weights_only, mmap=True)
+            if target is None:
+                return torch.load(where, map_location=run.map_location, weights_only=run.weights_only, mmap=True)
+            with _StorageRing(target) as place:  # each storage once, through the ring (views keep sharing)
+                return torch.load(where, map_location=place, weights_only=run.weights_only, mmap=True)
     except pickle.UnpicklingError as e:
         raise UnpicklingError(f"{run.path}: torch.load(weights_only={run.weights_only}) refused it on rank "
                               f"{run.comm.rank}: {_text(e, where, run.path)}") from e
@@ -240,6 +250,54 @@ def _deserialize(run: _Run, where: str, is_zip: bool, mapped: bool = True) -> An
     finally:
         run.stats.timings["deserialize"] = time.perf_counter() - t0
         run.last = time.perf_counter()
+
+
+def _ring_target(map_location) -> torch.device | None:
+    """The accelerator device ``map_location`` names alone (a string or a device of the accelerator in
+    use), which the received bytes reach through a :class:`pipeload.device.H2DRing`; None otherwise."""
+    if not isinstance(map_location, (str, torch.device)):
+        return None
+    try:
+        dev = torch.device(map_location)
+    except (RuntimeError, ValueError):
+        return None
+    if dev.type == "cpu" or dev.type != devices.accelerator():
+        return None
+    return dev if dev.index is not None else torch.device(dev.type, torch.accelerator.current_device_index())
+
+
+class _StorageRing:
+    """``torch.load``'s ``map_location`` callable: each storage copied to ``device`` through one ring,
+    whose last copies are waited for when the block ends."""
+
+    def __init__(self, device: torch.device):
+        self.ring = devices.H2DRing(device)
+
+    def __enter__(self) -> "_StorageRing":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ring.close()
+
+    def __call__(self, storage, location: str):
+        n = storage.nbytes()
+        out = torch.empty(n, dtype=torch.uint8, device=self.ring.device)
+        if n:
+            self.ring.copy(out, torch.empty(0, dtype=torch.uint8).set_(storage))
+        return out.untyped_storage()
+
+
+def _tensors_via_ring(tensors: dict, device: torch.device) -> dict:
+    """safetensors' host tensors as tensors on ``device``, copied through one ring."""
+    ring = devices.H2DRing(device)
+    try:
+        out = {}
+        for name, t in tensors.items():
+            out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+            ring.copy(out[name], t)
+        return out
+    finally:
+        ring.close()
 
 
 def _text(e: BaseException, where: str, path: str) -> str:
@@ -371,9 +429,8 @@ class _Ring:
     or write it)."""
 
     def __init__(self, device: torch.device, chunk: int, slots: int):
-        cuda = device.type == "cuda"
         self.device = device
-        self.host = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(slots)]
+        self.host = [devices.host_buffer(chunk, devices.pinnable(device.type)) for _ in range(slots)]
         staged = device.type != "cpu" or _STAGE_ON_HOST
         self.dev = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(slots)] if staged else None
 
@@ -402,8 +459,8 @@ class _Ring:
         mem.write(view, a)
 
     def close(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        if self.device.type != "cpu":
+            devices.current_stream(self.device).synchronize()
         self.host, self.dev = [], None
 
 

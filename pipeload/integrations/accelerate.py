@@ -45,6 +45,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without accelerate installed
     raise ImportError("pipeload.integrations.accelerate needs the `accelerate` package") from e
 
+from ..device import accelerator
 from ._agree import load_once, weights_only_of
 
 __all__ = ["enable", "disable", "reading_once", "ReadOnce", "SHARED_FILES"]
@@ -165,7 +166,8 @@ def _routed_load_file(filename: Any, device: Any = "cpu", **kwargs: Any) -> Any:
     scope = getattr(_local, "scope", None)
     if scope is None or not scope.takes(filename, {k: v for k, v in kwargs.items() if k != "backend"}):
         return original(filename, device=device, **kwargs)
-    where = f"cuda:{device}" if isinstance(device, int) else device
+    # an int is an accelerator index (safetensors: a CUDA one; here whichever accelerator is present)
+    where = f"{accelerator() or 'cuda'}:{device}" if isinstance(device, int) else device
     return scope.load(filename, lambda: original(filename, device=device, **kwargs), map_location=where)
 
 

@@ -39,7 +39,7 @@ _MERGE_GAP = 1 << 20  # prefetch ranges closer than this are requested as one
 _OBJECTS_OPEN = 64  # objects of a checkpoint in object storage kept open (and their staged bytes)
 
 
-def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str) -> None:
+def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str, ring=None) -> None:
     """``dst.copy_(src)`` for a ``src`` that views a file mapping, safe against the file changing.
 
     Host destinations get one guarded strided copy (memcpy per contiguous run, without the GIL): a
@@ -47,9 +47,15 @@ def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str) -> None:
     SIGBUS — raises :class:`ReadError` for this copy instead of killing the process. Other devices,
     and a destination of another dtype (converted on the copy), go through a host buffer filled the
     same way (a device copy or a conversion cannot be guarded), and so does a conjugate or negative view.
+    ``ring`` (a :class:`pipeload.device.H2DRing`): a destination on its device of the same dtype is
+    filled through its page-locked slots, each slot by the same guarded copy.
     """
     if dst.shape != src.shape:
         raise ValueError(f"copy_box: {dst.dtype} {list(dst.shape)} <- {src.dtype} {list(src.shape)}")
+    if (ring is not None and dst.device == ring.device and dst.dtype == src.dtype and not dst.is_conj()
+            and not dst.is_neg()):
+        ring.copy(dst, src, lambda host, part: copy_box(host, part, source))
+        return
     if dst.device.type != "cpu" or dst.dtype != src.dtype or dst.is_conj() or dst.is_neg():
         # (another dtype: load(cast=True) converts; a conjugate or negative view holds other values than
         # its memory: torch's copy_ writes them)
@@ -150,6 +156,7 @@ class ChunkReader:
         self.cast = False  # view chunks in their stored dtype and convert while copying
         self.format = ""  # the attached checkpoint's layout
         self.merge_gap = _MERGE_GAP  # prefetch ranges of one file closer than this are requested as one
+        self.ring = None  # a pipeload.device.H2DRing: how bytes reach accelerator destinations
 
     def attach(self, ckpt, *, cast: bool = False) -> None:
         """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).
@@ -278,7 +285,8 @@ class ChunkReader:
                                   out.data_ptr(), item.dest_offsets, out.stride(), tuple(out.shape), advise)
             if done is NotImplemented:
                 src = narrow(self.chunk(item, out.dtype, advise), item.src_offsets, item.lengths)
-                copy_box(narrow(out, item.dest_offsets, item.lengths), src, os.path.join(self.directory, item.file))
+                copy_box(narrow(out, item.dest_offsets, item.lengths), src, os.path.join(self.directory, item.file),
+                         self.ring)
         except (CheckpointFormatError, ReadError):
             raise
         except OSError as e:

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from ..device import fillable
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor  # type: ignore
 
-_COPIED_DEVICES = ("cpu", "cuda")
 _PYTHON_KEY = torch._C.DispatchKey.Python
 
 
@@ -61,9 +62,10 @@ def refusal(t: torch.Tensor, *, load: bool) -> str | None:
     device = t.device.type
     if device == "meta" and not load:
         return "a tensor on the meta device has no data to store"
-    if device not in _COPIED_DEVICES and device != "meta":
-        return (f"a tensor on device {t.device}: pipeload copies into host and CUDA memory only; move it "
-                f"to the CPU or a CUDA device first")
+    if device != "meta" and not fillable(device):
+        return (f"a tensor on device {t.device}: pipeload copies into host memory and into "
+                f"accelerators whose device module has streams and events (CUDA, XPU, NPU...) only; move "
+                f"it to the CPU or such a device first")
     if type(t) not in _PLAIN and _is_wrapper(t):
         return (f"a {name}, a tensor subclass without memory of its own: pipeload copies bytes into a "
                 f"tensor's memory and cannot {'fill' if load else 'read'} it; use a plain tensor or a DTensor "

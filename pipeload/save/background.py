@@ -44,6 +44,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .. import device as devices
 from ..engine.comm import Comm
 from . import saver
 from ._stage import gather_host
@@ -192,8 +193,8 @@ def pool_for(comm: Comm) -> StagingPool:
 
 
 def _pinned(t: torch.Tensor) -> bool:
-    """Whether ``t`` is staged in page-locked memory (a CUDA tensor, with CUDA usable here)."""
-    return t.is_cuda and _cuda_usable()
+    """Whether ``t`` is staged in page-locked memory (a tensor of the accelerator usable here)."""
+    return devices.pinnable(t.device.type)
 
 
 def sizes_of(items: list[tuple]) -> list[int]:
@@ -230,18 +231,19 @@ class Layout:
 
     ``spans``: ``(pinned, device, dtype, item indices, start, nbytes)``; ``ends``: bytes per memory kind;
     ``host``: (item index, offset, length) arrays of the plain-memory items, for :func:`gather_host`;
-    ``cuda``: whether any item of the plan (head included) is a CUDA tensor staged in page-locked memory.
+    ``accel``: whether any item of the plan (head included) is an accelerator tensor staged in page-locked
+    memory.
     """
 
     def __init__(self, items: list[tuple], sizes: list[int], first: int):
-        cuda = _cuda_usable()
+        present = devices.accelerator()
         groups: dict[tuple, list[int]] = {}
-        self.cuda = False
+        self.accel = False
         for i, n in enumerate(sizes):
             if n:
                 value = items[i][3]
-                kind = cuda and value.is_cuda
-                self.cuda = self.cuda or kind
+                kind = present is not None and value.device.type == present
+                self.accel = self.accel or kind
                 if i >= first:
                     groups.setdefault((True, value.device, value.dtype) if kind else (False, None, value.dtype),
                                       []).append(i)
@@ -316,10 +318,6 @@ def stage(items: list[tuple], sizes: list[int], layout: Layout, pool: StagingPoo
     return views
 
 
-def _cuda_usable() -> bool:
-    return torch.cuda.is_available()
-
-
 def _copy_slow(items: list[tuple], sizes: list[int], layout: Layout, buffers: dict, slow: set[int]) -> None:
     """The host tensors :func:`gather_host` left (``slow``, item indices: strided, conjugate or negative
     views), copied by torch into their staged views (torch raises on anything else it left)."""
@@ -334,7 +332,8 @@ def _copy_slow(items: list[tuple], sizes: list[int], layout: Layout, buffers: di
 
 
 def _device_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], dev, streams: dict[Any, Any]) -> None:
-    """``dsts`` (page-locked host) <- ``srcs`` (CUDA tensors of ``dev``), queued on the device's side stream.
+    """``dsts`` (page-locked host) <- ``srcs`` (accelerator tensors of ``dev``), queued on the device's side
+    stream.
 
     The side stream waits for the device's current stream once per save, so the copies see every
     write already queued there (the training step that produced the values).
@@ -343,21 +342,19 @@ def _device_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], dev, stream
     if s is None:
         s = _side_streams.get(dev)
         if s is None:
-            s = _side_streams[dev] = torch.cuda.Stream(device=dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
+            s = _side_streams[dev] = devices.new_stream(dev)
+        s.wait_stream(devices.current_stream(dev))
         streams[dev] = s
-    with torch.cuda.stream(s):
+    with devices.on_stream(s):
         torch._foreach_copy_(dsts, [t.reshape(-1) for t in srcs], non_blocking=True)
 
 
 def device_ready(items: list[tuple]) -> dict[Any, Any]:
-    """{device: event recorded on its current stream} for the CUDA tensors among ``items``."""
+    """{device: event recorded on its current stream} for the accelerator tensors among ``items``."""
     events = {}
     for _, _, _, value in items:
         if not isinstance(value, bytes) and _pinned(value) and value.device not in events:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(value.device))
-            events[value.device] = ev
+            events[value.device] = devices.record(value.device)
     return events
 
 
@@ -366,9 +363,9 @@ def ordered_after(events: dict[Any, Any]):
     """In the worker: device copies (the unstaged head's) on side streams waiting for ``events``."""
     with contextlib.ExitStack() as stack:
         for dev, ev in events.items():
-            s = torch.cuda.Stream(device=dev)
+            s = devices.new_stream(dev)
             s.wait_event(ev)
-            stack.enter_context(torch.cuda.stream(s))
+            stack.enter_context(devices.on_stream(s))
         yield
 
 
@@ -478,7 +475,7 @@ class _Snapshot:
         self.plan = plan
         self.layout, self.sizes, self.first = Layout.of(plan, staging_bytes)
         self.owned = sum(self.sizes)
-        self.head_ready = device_ready(plan.items[:self.first]) if self.layout.cuda and self.first else {}
+        self.head_ready = device_ready(plan.items[:self.first]) if self.layout.accel and self.first else {}
         self.head_written, self.tail_staged = threading.Event(), threading.Event()
         self.staged = 0
         self.views: Callable[[], list[tuple]] = lambda: plan.items

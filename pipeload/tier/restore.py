@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import device as devices
 from ..engine import stateful
 from ..engine._busy import CONTENDED, Guard, refuse_contended_or_disagreeing
 from ..engine._gcpause import paused_gc
@@ -168,7 +169,12 @@ def _restore(comm: Comm, guard: Guard, contended: str | None, state_dict: dict, 
                 planned = _retake(comm, planned, bad, files, what)
                 continue
         stats.step = planned.choice.step
-        decoded, error, bad = job.run(comm, files, want, stats, what)
+        job.ring = devices.ring_for(devices.in_use())  # host bytes into accelerator destinations
+        try:
+            decoded, error, bad = job.run(comm, files, want, stats, what)
+        finally:
+            if job.ring is not None:
+                job.ring.close()
         lap("transfer")
         if not _any_bad(comm, bad, what, lap, "agree"):
             break

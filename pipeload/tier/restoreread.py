@@ -247,7 +247,8 @@ def chunk_view(sf: SafetensorsFile, tf: TierFile, fqn: str) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch_dtype(dtype)).view(lengths)
 
 
-def copy_region(sf: SafetensorsFile, tf: TierFile, fqn: str, offsets, lengths, dst: torch.Tensor) -> None:
+def copy_region(sf: SafetensorsFile, tf: TierFile, fqn: str, offsets, lengths, dst: torch.Tensor,
+                ring=None) -> None:
     """The box (global ``offsets``/``lengths``) of the stored chunk into ``dst`` (of the box's shape):
     one compiled call (``pread`` for a contiguous box) for a host destination, else through torch."""
     dtype, _, coff, clen, _ = tf.tensors[fqn]
@@ -256,7 +257,7 @@ def copy_region(sf: SafetensorsFile, tf: TierFile, fqn: str, offsets, lengths, d
         zero = (0,) * dst.dim()
         sf.copy_box(fqn, dtype, clen, src_off, tuple(lengths), dst.data_ptr(), zero, dst.stride(), tuple(dst.shape))
         return
-    copy_box(dst, narrow(chunk_view(sf, tf, fqn), src_off, tuple(lengths)), tf.path)
+    copy_box(dst, narrow(chunk_view(sf, tf, fqn), src_off, tuple(lengths)), tf.path, ring)
 
 
 def read_region(sf: SafetensorsFile, tf: TierFile, fqn: str, offsets, lengths) -> torch.Tensor:

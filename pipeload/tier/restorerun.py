@@ -142,6 +142,8 @@ def _slices(buf: torch.Tensor):
 class SameJob:
     """Same layout: this rank's own file (local or received) and the files it sends."""
 
+    ring = None  # a pipeload.device.H2DRing for accelerator destinations, set by the restore
+
     def __init__(self, planned, rank: int):
         self.plan, self.choice, self.rank = planned.same_plan, planned.choice, rank
         self.local = bool(self.plan.local[rank])
@@ -160,13 +162,13 @@ class SameJob:
         try:
             if self.local:  # its own file meanwhile, in a thread: a copy needs no other rank
                 tf, fd = opened.files[(step, self.rank)], opened.fd(self.rank)
-                mine = _pool().submit(_copy_file, tf, fd, want, own_errors, stats, own_hashes)
+                mine = _pool().submit(_copy_file, tf, fd, want, own_errors, stats, own_hashes, self.ring)
             ops = [(f, True) for f in self.plan.sends(self.rank)] + ([] if self.local else [(self.rank, False)])
             for f, sending in sorted(ops):
                 if sending:
                     _send_file(x, opened.files[(step, f)], opened.fd(f), f, errors, hashes)
                 else:
-                    decoded = _recv_file(x, self.plan.source[self.rank], want, errors, what)
+                    decoded = _recv_file(x, self.plan.source[self.rank], want, errors, what, self.ring)
             x.drain()
         finally:
             if mine is not None:
@@ -210,14 +212,14 @@ def _send_file(x: Transfers, tf, fd: int, peer: int, errors: _Errors, hashes: _H
         x.send(peer, data.numel(), _slices(data))
 
 
-def _recv_file(x: Transfers, peer: int, want, errors: _Errors, what: str) -> list:
+def _recv_file(x: Transfers, peer: int, want, errors: _Errors, what: str, ring=None) -> list:
     dst = {fqn: want.tensors[fqn][1].local for fqn in want.tensors}
     for batch in batches([(fqn, dst[fqn].numel() * dst[fqn].element_size()) for fqn in sorted(dst)]):
         if len(batch) == 1:
-            buf, then = staged_into(dst[batch[0][0]])
+            buf, then = staged_into(dst[batch[0][0]], ring)
         else:
             buf = x.buffer(sum(n for _, n in batch))
-            then = unpack_into(buf, [dst[fqn] for fqn, _ in batch])
+            then = unpack_into(buf, [dst[fqn] for fqn, _ in batch], ring)
         x.recv(peer, buf, then)
     names = sorted(want.objects)
     if not names:
@@ -237,12 +239,12 @@ def _recv_file(x: Transfers, peer: int, want, errors: _Errors, what: str) -> lis
     return out
 
 
-def _copy_file(tf, fd: int, want, errors: _Errors, stats, hashes: _Hashes) -> list:
+def _copy_file(tf, fd: int, want, errors: _Errors, stats, hashes: _Hashes, ring=None) -> list:
     """This rank's own file into its destinations: ``preadv`` straight into the destination tensors, many
     chunks back to back in the file a call (a large one in pieces), each hashed while it is in the cache."""
     items = []
     for fqn, (_, box, _) in want.tensors.items():
-        buf, then = staged_into(box.local)
+        buf, then = staged_into(box.local, ring)
         items.append((tf.spans[fqn][0], fqn, buf, then))
         stats.bytes_read += buf.numel()
     items.sort(key=lambda item: item[0])
@@ -368,6 +370,8 @@ def _refuse(requests: list, tables: dict, strict: bool, what: str) -> None:
 class ReshardJob:
     """Another layout: pieces of stored chunks, local or sent by each file's source."""
 
+    ring = None  # as SameJob's
+
     def __init__(self, c, rank: int, requests: list, sources: dict, missing: list):
         self.c, self.rank, self.sources, self.missing = c, rank, sources, missing
         every = [p for ps, _, _, _ in requests for p in ps]
@@ -391,10 +395,10 @@ class ReshardJob:
                 elif receiver == self.rank:
                     dsts = [dest_region(want.tensors[p.fqn][1], p.offsets, p.lengths) for p in batch]
                     if len(dsts) == 1:
-                        buf, then = staged_into(dsts[0])
+                        buf, then = staged_into(dsts[0], self.ring)
                     else:
                         buf = x.buffer(sum(d.numel() * d.element_size() for d in dsts))
-                        then = unpack_into(buf, dsts)
+                        then = unpack_into(buf, dsts, self.ring)
                     x.recv(s, buf, then)
                     stats.shared_shards += len(batch)
             decoded = self._objects(x, opened, want, errors, what)
@@ -402,7 +406,7 @@ class ReshardJob:
             for p in self.local:
                 tf, sf = opened.get(p.f)
                 dst = dest_region(want.tensors[p.fqn][1], p.offsets, p.lengths)
-                errors.guard(lambda: copy_region(sf, tf, p.fqn, p.offsets, p.lengths, dst), lambda: None)
+                errors.guard(lambda: copy_region(sf, tf, p.fqn, p.offsets, p.lengths, dst, self.ring), lambda: None)
                 stats.bytes_read += dst.numel() * dst.element_size()
                 stats.private_shards += 1
         finally:

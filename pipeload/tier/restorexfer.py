@@ -112,17 +112,26 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
     return t.reshape(-1).view(torch.uint8) if direct_ptr(t) is not None else None
 
 
-def staged_into(dst: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """(a uint8 buffer to receive ``dst``'s bytes into, the copy into ``dst`` once they arrived)."""
+def staged_into(dst: torch.Tensor, ring=None) -> tuple[torch.Tensor, Callable[[], None]]:
+    """(a uint8 buffer to receive ``dst``'s bytes into, the copy into ``dst`` once they arrived); the copy
+    into an accelerator tensor goes through ``ring`` (a :class:`pipeload.device.H2DRing`) when given."""
     direct = flat_bytes(dst)
     if direct is not None:
         return direct, lambda: None
     buf = torch.empty(dst.numel() * dst.element_size(), dtype=torch.uint8)
 
     def copy() -> None:
-        dst.copy_(buf.view(dst.dtype).view(dst.shape))
+        _copy(dst, buf.view(dst.dtype).view(dst.shape), ring)
 
     return buf, copy
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, ring) -> None:
+    """``dst.copy_(src)`` (``src`` on the host), through ``ring`` for a destination on its device."""
+    if ring is not None and dst.device == ring.device and not dst.is_conj() and not dst.is_neg():
+        ring.copy(dst, src)
+    else:
+        dst.copy_(src)
 
 
 def batches(sizes: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
@@ -165,7 +174,7 @@ def host_bytes(ptr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
 
 
-def unpack_into(buf: torch.Tensor, dsts: list[torch.Tensor]) -> Callable[[], None]:
+def unpack_into(buf: torch.Tensor, dsts: list[torch.Tensor], ring=None) -> Callable[[], None]:
     """The copy of a packed message's slices into their destinations, in order, once it arrived (one
     ``memmove`` a contiguous host destination: packed chunks are small, torch's per-call cost was most)."""
     plan, at = [], 0
@@ -181,6 +190,6 @@ def unpack_into(buf: torch.Tensor, dsts: list[torch.Tensor]) -> Callable[[], Non
             if type(dst) is int:
                 ctypes.memmove(dst, base + lo, n)
             else:
-                dst.copy_(buf[lo: lo + n].view(dst.dtype).view(dst.shape))
+                _copy(dst, buf[lo: lo + n].view(dst.dtype).view(dst.shape), ring)
 
     return unpack

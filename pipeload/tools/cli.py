@@ -95,6 +95,13 @@ def _bench_parser(sub) -> None:
                    help="benchmark the memory tier instead: snapshot against a background save, and restore with "
                    "one host lost against a load from the persistent checkpoint on throttled storage "
                    "(--world, --tp, --dp, --size, --seed, --repeats, --read-mbps, --dir, --out, --timeout apply)")
+    b.add_argument("--device", action="store_true",
+                   help="benchmark the accelerator paths instead, on real device tensors (one accelerator, a few "
+                   "minutes): ring H2D against a page-locked copy_, loads of pipeload/DCP/HF checkpoints into "
+                   "device DTensors, load_file to the device, a background save and a tier snapshot of device "
+                   "tensors, a gloo world holding device tensors; exact or not and time against its floor. "
+                   "Without an accelerator it says so and exits 0 (--world: ranks of the gloo world; --size: "
+                   "state MiB, default 512; --dir, --timeout apply)")
     b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
                    help="what pipeload loads: its own checkpoint (default), the one DCP wrote, or an HF-layout "
                    "copy; dcp/hf compare with dcp.load and a plain per-rank safetensors reader")
@@ -246,7 +253,17 @@ def _bench_tier(args: argparse.Namespace, dp: int) -> int:
     return 0
 
 
+def _bench_device(args: argparse.Namespace) -> int:
+    from .bench import DEFAULT_SIZE_MB
+    from .bench import device as bench_device
+
+    size = bench_device.DEFAULT_SIZE_MB if args.size == DEFAULT_SIZE_MB else max(1, int(args.size))
+    return bench_device.run(size, min(args.timeout, bench_device.BUDGET_SECONDS), args.world, args.dir)
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.device:
+        return _bench_device(args)
     if args.whole_file:
         return _bench_file(args)
     if args.storage == "s3":

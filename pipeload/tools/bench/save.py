@@ -108,13 +108,15 @@ def _timed(step: Callable[[], Any]) -> tuple[float, Any, Any]:
 
 
 def _dcp_stager():
-    """``DefaultStager(StagingOptions(...))`` where torch has it (None otherwise), CUDA features only with CUDA."""
+    """``DefaultStager(StagingOptions(...))`` where torch has it (None otherwise), device features only with
+    an accelerator."""
     try:
-        import torch
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return None
-    cuda = torch.cuda.is_available()
+    from ...device import accelerator
+
+    cuda = accelerator() is not None
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda,
                                         use_non_blocking_copy=cuda))
 
