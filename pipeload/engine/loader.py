@@ -717,6 +717,7 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
     """The shared phase, then the private phase, reading in ``pool``; returns decoded objects."""
     bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in [*shared.values(), *private]))
     on_bytes = bar.update if bar is not None else None
+    reader.expect(_my_reads(comm.rank, shared, private, gp.ops, skip))  # how each file is requested
     try:
         if gp.ops:
             phase = SharedPhase(comm, reader, shared, groups, pool, counters, max_inflight, on_bytes,
@@ -730,6 +731,19 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
     finally:
         if bar is not None:
             bar.close()
+
+
+def _my_reads(rank: int, shared: dict, private: list, ops: list, skip=frozenset()):
+    """Every ReadItem this rank reads in this load: those of the broadcasts it reads, then of its private
+    shards (less the stored chunks units delivered). From this rank's plan alone: no collective."""
+    for op in ops:
+        if op.reader == rank:
+            for k in op.shards:
+                yield from shared[k].reads
+    for s in private:
+        for item in s.reads:
+            if not skip or (item.file, item.key) not in skip:
+                yield item
 
 
 def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
