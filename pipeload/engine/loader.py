@@ -121,6 +121,8 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     for s in plan.shards:  # (in the worker, holding the GIL the planning thread needs: no key built in vain)
         if total >= SPECULATIVE_PREFETCH:
             break
+        if total + s.nbytes > SPECULATIVE_PREFETCH:  # a guess never asks for more than its budget: a shard
+            continue  # larger than what is left (a 110 MiB embedding) may be cut among readers by the plan
         file = s.exact_file
         if file is not None:  # the usual case: no ReadItem is built for it before it is read
             if file == own_file:
