@@ -115,8 +115,17 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     Saved and loaded on the same world with the same layout, every rank reads exactly the shards it
     wrote (save and load pick writers and readers with one greedy), so storage starts streaming while
     the ranks are still planning. Otherwise this is a guess that can only be partly wrong: only bytes
-    this rank needs, from one file.
+    this rank needs, from one file. Not made when a shard this rank holds is over half its own file's
+    bytes: the plan then cuts that shard's holder set into contiguous runs (pipeload.plan.globalplan,
+    stream cutting) which the save's writers did not follow, and the guess would read other readers' runs.
     """
+    try:
+        f = reader.file(own_file)
+        share = f.size - f.data_offset
+    except Exception:  # noqa: BLE001 - a hint only (this rank may have written no file)
+        return
+    if any(2 * s.nbytes > share for s in plan.shards):
+        return
     whole, items, total = [], [], 0
     for s in plan.shards:  # (in the worker, holding the GIL the planning thread needs: no key built in vain)
         if total >= SPECULATIVE_PREFETCH:
