@@ -13,7 +13,8 @@ unique tensor bytes. Every load is verified bitwise against the synthetic values
 counts, not times: other work on the machine does not move them.
 
 A layout is ``tpN`` (``N``-way tensor parallel, the rest data parallel: ``tp1`` is whole tensors on
-every rank) or ``dpXtpY``. A case is ``SAVE:LOAD``.
+every rank) or ``dpXtpY`` (``pipeload.tools.bench.config.layout_dims``). A case is ``SAVE:LOAD``.
+Times: ``pipeload bench --save-layout LAYOUT --modes throttled``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -32,18 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = "tp1:tp1,tp1:dp2tp2,tp1:tp4,tp4:dp2tp2,dp2tp2:tp1,dcp-tp1:dp2tp2"
 
 
-def mesh_dims(layout: str, world: int) -> tuple[int, int]:
-    """(dp, tp) of a layout name (``tpN`` or ``dpXtpY``) on ``world`` ranks."""
-    m = re.fullmatch(r"(?:dp(\d+))?tp(\d+)", layout)
-    if not m:
-        raise ValueError(f"layout {layout!r}: write tpN or dpXtpY")
-    tp = int(m.group(2))
-    dp = int(m.group(1)) if m.group(1) else world // tp
-    if dp * tp != world:
-        raise ValueError(f"layout {layout!r}: dp {dp} x tp {tp} is not the world ({world})")
-    return dp, tp
-
-
 def _save_all(rank: int, world: int, args, root: str, saves: list[str]) -> None:
     """Every save layout written once, then copied per rank (rank ``r`` reads ``root/NAME-r``)."""
     import torch.distributed as dist
@@ -51,10 +39,11 @@ def _save_all(rank: int, world: int, args, root: str, saves: list[str]) -> None:
 
     import pipeload
     from pipeload.tools import synth
+    from pipeload.tools.bench.config import layout_dims
 
     for name in saves:
         via_dcp = name.startswith("dcp-")
-        dp, tp = mesh_dims(name[4:] if via_dcp else name, world)
+        dp, tp = layout_dims(name[4:] if via_dcp else name, world)
         sd = synth.build_state_dict(synth.make_mesh(world, tp, dp), args.seed, args.size, **_shape(args))
         where = os.path.join(root, name)
         if via_dcp:
@@ -77,13 +66,14 @@ def _rank(rank: int, world: int, args, root: str) -> list[dict]:
 
     import pipeload
     from pipeload.tools import synth
+    from pipeload.tools.bench.config import layout_dims
     from pipeload.tools.bench.system import data_files, drop_cache, proc_io, resident_bytes
 
     cases = [tuple(c.split(":")) for c in args.cases.split(",")]
     _save_all(rank, world, args, root, sorted({s for s, _ in cases}))
     out = []
     for save, load in cases:
-        dp, tp = mesh_dims(load, world)
+        dp, tp = layout_dims(load, world)
         dest = synth.build_state_dict(synth.make_mesh(world, tp, dp), args.seed, args.size, fill=False,
                                       **_shape(args))
         mine = os.path.join(root, f"{rank}", save)
