@@ -116,12 +116,23 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     Saved and loaded on the same world with the same layout, every rank reads exactly the shards it
     wrote (save and load pick writers and readers with one greedy), so storage starts streaming while
     the ranks are still planning. Otherwise this is a guess that can only be partly wrong: only bytes
-    this rank needs, from one file.
+    this rank needs, from one file. Not made when a shard this rank holds is over half its own file's
+    bytes: the plan then cuts that shard's holder set into contiguous runs (pipeload.plan.globalplan,
+    stream cutting) which the save's writers did not follow, and the guess would read other readers' runs.
     """
+    try:
+        f = reader.file(own_file)
+        share = f.size - f.data_offset
+    except Exception:  # noqa: BLE001 - a hint only (this rank may have written no file)
+        return
+    if any(2 * s.nbytes > share for s in plan.shards):
+        return
     whole, items, total = [], [], 0
     for s in plan.shards:  # (in the worker, holding the GIL the planning thread needs: no key built in vain)
         if total >= SPECULATIVE_PREFETCH:
             break
+        if total + s.nbytes > SPECULATIVE_PREFETCH:  # a guess never asks for more than its budget: a shard
+            continue  # larger than what is left (a 110 MiB embedding) may be cut among readers by the plan
         file = s.exact_file
         if file is not None:  # the usual case: no ReadItem is built for it before it is read
             if file == own_file:
@@ -741,6 +752,7 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
     """The shared phase, then the private phase, reading in ``pool``; returns decoded objects."""
     bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in [*shared.values(), *private]))
     on_bytes = bar.update if bar is not None else None
+    reader.expect(_my_reads(comm.rank, shared, private, gp.ops, skip))  # how each file is requested
     try:
         if gp.ops:
             phase = SharedPhase(comm, reader, shared, groups, pool, counters, max_inflight, on_bytes,
@@ -756,6 +768,19 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
             reader.ring.close()
         if bar is not None:
             bar.close()
+
+
+def _my_reads(rank: int, shared: dict, private: list, ops: list, skip=frozenset()):
+    """Every ReadItem this rank reads in this load: those of the broadcasts it reads, then of its private
+    shards (less the stored chunks units delivered). From this rank's plan alone: no collective."""
+    for op in ops:
+        if op.reader == rank:
+            for k in op.shards:
+                yield from shared[k].reads
+    for s in private:
+        for item in s.reads:
+            if not skip or (item.file, item.key) not in skip:
+                yield item
 
 
 def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:

@@ -364,8 +364,9 @@ class DistcpFile:
     ``entry()`` touches no page of the file: the reader calls it to plan prefetches well before it
     copies, and a page fault there would be a synchronous read queued behind the prefetches already
     issued. Until an item is resolved its start is the blob's (the tensor's bytes begin a header
-    later); ``advise("willneed")`` therefore extends a range to the end of the blob its last byte lies
-    in, so a hint computed from that start still covers the tensor's bytes and the zip trailer.
+    later); ``advise("willneed")`` therefore extends a range by the largest header and asks for the
+    trailer of the blob its last byte lies in, so a hint computed from that start still covers the
+    tensor's bytes and the zip directory, and not the rest of the blob (another rank's part).
     """
 
     def __init__(self, path: str, items: dict[str, tuple]):
@@ -388,6 +389,7 @@ class DistcpFile:
         # writer and pipeload's reader assignment differ, so the blobs between two of this rank's are
         # often another rank's: merge only across one blob's headers (plus a page), never over a blob.
         self.merge_gap = slack + 4096
+        self._slack = slack
 
     @property
     def closed(self) -> bool:
@@ -404,10 +406,20 @@ class DistcpFile:
             return
         if end is None:
             end = self.raw.size
-        else:  # to the end of the blob holding the last byte: the tensor's tail and the zip trailer
+        else:
+            # A range computed from an unresolved item's blob start lies up to a header (< slack) before
+            # the tensor's bytes: extend it by that much, and ask for the blob's trailer (the zip's
+            # directory, read to locate the tensor) on its own. The rest of the blob is another part of
+            # the tensor, maybe another rank's (a load into another layout): never asked for here.
             i = bisect.bisect_right(self._blob_starts, max(start, end - 1)) - 1
             if i >= 0 and self._blobs[i][1] > end:
-                end = self._blobs[i][1]
+                blob_end = self._blobs[i][1]
+                tail = max(start, blob_end - self._slack)
+                if end + self._slack >= tail:
+                    end = blob_end
+                else:
+                    self.raw.willneed(tail, blob_end)
+                    end += self._slack
         self.raw.willneed(start, end)
 
     def _resolve(self, key: str) -> tuple:

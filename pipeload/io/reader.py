@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import mmap
 import os
 import zipfile
 from typing import Any, Iterable
@@ -35,8 +36,38 @@ def narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) 
     return t
 
 
-_MERGE_GAP = 1 << 20  # prefetch ranges closer than this are requested as one
+_MERGE_GAP = 1 << 20  # prefetch ranges closer than this are requested as one (a file this rank reads in runs)
+_PAGE = mmap.PAGESIZE
+# A file this rank reads in runs: the holes between its ranges (merged across a page) are at most 1/32 of
+# the bytes it reads there. Its requests may then run over holes (up to the merge gap): at most 1/32 more.
+_RUN_HOLES = 32
 _OBJECTS_OPEN = 64  # objects of a checkpoint in object storage kept open (and their staged bytes)
+
+
+def holes(ranges: Iterable[tuple[int, int]], page: int = _PAGE) -> tuple[int, int]:
+    """(bytes in ``ranges``, bytes of the holes between them), ranges ``[lo, hi)`` of one file merged
+    where they overlap or are at most ``page`` apart (a hole inside a page shares it: not counted)."""
+    spans = sorted((a, b) for a, b in ranges if b > a)
+    if not spans:
+        return 0, 0
+    read = hole = 0
+    lo, hi = spans[0]
+    for a, b in spans[1:]:
+        if a - hi > page:
+            read += hi - lo
+            hole += a - hi
+            lo = a
+        hi = max(hi, b)
+    return read + hi - lo, hole
+
+
+def scattered(ranges: Iterable[tuple[int, int]], page: int = _PAGE) -> bool:
+    """Whether this rank's ``ranges`` of one file are scattered: interleaved with bytes it does not read,
+    holes over 1/:data:`_RUN_HOLES` of what it reads. Such a file is requested exactly (ranges merged
+    across a page only): a request spanning a hole would read bytes another rank (another node) reads,
+    once more. A pure function of the ranges: this rank's local I/O only, never a collective decision."""
+    read, hole = holes(ranges, page)
+    return hole * _RUN_HOLES > read
 
 
 def copy_box(dst: torch.Tensor, src: torch.Tensor, source: str, ring=None) -> None:
@@ -157,6 +188,9 @@ class ChunkReader:
         self.format = ""  # the attached checkpoint's layout
         self.merge_gap = _MERGE_GAP  # prefetch ranges of one file closer than this are requested as one
         self.ring = None  # a pipeload.device.H2DRing: how bytes reach accelerator destinations
+        # the plan's reads of this rank, per file (see expect()), and each file's merge gap once decided
+        self._expected: dict[str, list[ReadItem]] = {}
+        self._gaps: dict[str, int] = {}
 
     def attach(self, ckpt, *, cast: bool = False) -> None:
         """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).
@@ -169,6 +203,7 @@ class ChunkReader:
         self.format = ckpt.format
         self.cast = cast
         self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
+        self._expected, self._gaps = {}, {}
         opener, capacity = ckpt.opener, self.cache.capacity
         if storage.is_url(ckpt.root):  # objects: reopening one drops what it staged (and may cost a header GET)
             opener = opener or storage.open_safetensors
@@ -190,6 +225,43 @@ class ChunkReader:
         f = self.cache.get(path)
         f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
         return f
+
+    def expect(self, items: Iterable[ReadItem]) -> None:
+        """Every ReadItem this rank will read in this load (its plan, once known): what decides, per file,
+        whether its prefetches may run over holes (:meth:`merge_gap_of`). Local I/O only: nothing here
+        changes which rank reads what, or any collective. Object stores are left as they are: there
+        the cost is requests, and their ranges are coalesced by parts (pipeload.io.objstore)."""
+        self._expected, self._gaps = {}, {}
+        if storage.is_url(self.directory):
+            return
+        for item in items:
+            if item.nbytes:
+                self._expected.setdefault(item.file, []).append(item)
+
+    def merge_gap_of(self, name: str, f: Any) -> int:
+        """The gap across which this rank's prefetch ranges of file ``name`` (open as ``f``) are merged.
+
+        A file the plan has this rank read scattered (:func:`scattered`: pieces interleaved with other
+        ranks' pieces, as a load into another layout than the save's reads them) is requested exactly,
+        across a page at most; a file it reads in runs (its own file, a whole file) keeps the layout's
+        gap: few large requests. Before :meth:`expect` (an early request made while the plan is
+        exchanged) the layout's gap. Decided once per file and load, on first use."""
+        default = getattr(f, "merge_gap", self.merge_gap)  # a layout may hold other ranks' items closer
+        gap = self._gaps.get(name)
+        if gap is None:
+            items = self._expected.get(name)
+            gap = default
+            if items is not None and hasattr(f, "entry"):
+                gap = min(default, _PAGE) if scattered(self._span(f, it) for it in items) else default
+            self._gaps[name] = gap
+        return gap
+
+    def _span(self, f: Any, item: ReadItem) -> tuple[int, int]:
+        """The file bytes ``[lo, hi)`` ``item`` reads (a strided box: from its first to its last byte)."""
+        start = f.entry(item.key)[2]
+        itemsize = item.nbytes // math.prod(item.lengths)
+        lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, itemsize)
+        return start + lo, start + hi
 
     def _bytes(self, f: SafetensorsFile, key: str, expect_checksum: str) -> memoryview:
         buf = f.buffer(key)
@@ -227,15 +299,12 @@ class ChunkReader:
                 if item.lengths == item.chunk_lengths and hasattr(f, "willneed_tensors"):  # a load in the saved layout
                     whole.setdefault(item.file, []).append(item.key)
                     continue
-                start = f.entry(item.key)[2]
-                itemsize = item.nbytes // math.prod(item.lengths)
-                lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, itemsize)
-                spans.setdefault(item.file, []).append((start + lo, start + hi))
+                spans.setdefault(item.file, []).append(self._span(f, item))
             for name, keys in whole.items():
-                files[name].willneed_tensors(keys, self.merge_gap)
+                files[name].willneed_tensors(keys, self.merge_gap_of(name, files[name]))
             for name, ranges in spans.items():
                 f = files[name]
-                gap = getattr(f, "merge_gap", self.merge_gap)  # a layout may hold other ranks' items closer
+                gap = self.merge_gap_of(name, f)
                 ranges.sort()
                 lo, hi = ranges[0]
                 for a, b in ranges[1:]:

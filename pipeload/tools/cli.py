@@ -105,6 +105,9 @@ def _bench_parser(sub) -> None:
     b.add_argument("--format", choices=("pipeload", "dcp", "hf"), default="pipeload",
                    help="what pipeload loads: its own checkpoint (default), the one DCP wrote, or an HF-layout "
                    "copy; dcp/hf compare with dcp.load and a plain per-rank safetensors reader")
+    b.add_argument("--save-layout", default=None, metavar="LAYOUT",
+                   help="save the checkpoints in another layout than the load's: tpN (tp1: whole tensors on "
+                   "every rank) or dpXtpY; the load reshards (default: the load's layout)")
     b.add_argument("--via", choices=("pipeload", "dcp.load"), default="pipeload",
                    help="how the checkpoint is loaded: pipeload.load (default), or dcp.load: stock against "
                    "dcp.load under pipeload.dcp.install(), in every mode (needs --format dcp)")
@@ -283,7 +286,7 @@ def _bench(args: argparse.Namespace) -> int:
         world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed, repeats=args.repeats,
         modes=tuple(modes), loaders=tuple(loaders) if loaders else None, read_mbps=args.read_mbps, dir=args.dir,
         layers=args.layers, experts=args.experts, timeout=args.timeout, quiet=args.quiet, format=args.format,
-        tensors=args.tensors, via=args.via,
+        tensors=args.tensors, via=args.via, save_layout=args.save_layout,
     )
     if args.plot:
         try:

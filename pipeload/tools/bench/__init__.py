@@ -48,7 +48,8 @@ from typing import Any
 
 # the names below are the benchmark's API (the CLI and the tests use them from here)
 from .config import (DCP_LOADERS, VIA_DCP_LOADERS, DEFAULT_SIZE_MB, FLOOR, FORMATS, HF_LOADERS, LOADER_LABELS, LOADERS, MODES,
-                     QUICK_BASELINE_MODES, QUICK_LOADERS, QUICK_MODES, SEPARATE, TIMING_KEYS, BenchConfig, MiB)
+                     QUICK_BASELINE_MODES, QUICK_LOADERS, QUICK_MODES, SEPARATE, TIMING_KEYS, BenchConfig, MiB,
+                     layout_dims)
 from .ranks import _all_ok, _Failure, experts_for, tensor_count
 from .report import check_targets, describe, format_table, headline, plot, summarize
 from .system import (DiskReads, _floor_read, _join_cgroup, block_device, data_files, drop_cache, residency,
@@ -101,6 +102,8 @@ def run_bench(cfg: BenchConfig, *, out: str | None = None, plot_path: str | None
             raise ValueError(f"unknown loader {l!r} for --format {cfg.format}: choose from {', '.join(allowed)}")
     if cfg.tp * cfg.dp != cfg.world:
         raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} must equal --world {cfg.world}")
+    if cfg.save_layout:
+        layout_dims(cfg.save_layout, cfg.world)  # a ValueError names what is wrong with it
     if cfg.repeats < 1:
         raise ValueError("--repeats must be at least 1")
     if cfg.tensors is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,19 @@ QUICK_BASELINE_MODES = ("throttled", "cold")
 QUICK_LOADERS = {"pipeload": ("pipeload", "dcp"), "dcp": ("pipeload", "dcp"), "hf": ("pipeload", "safetensors")}
 
 
+def layout_dims(layout: str, world: int) -> tuple[int, int]:
+    """(dp, tp) of a layout name on ``world`` ranks: ``tpN`` (N-way tensor parallel, the rest data
+    parallel; ``tp1`` holds every tensor whole on every rank) or ``dpXtpY``."""
+    m = re.fullmatch(r"(?:dp(\d+))?tp(\d+)", layout)
+    if not m or int(m.group(2)) < 1:
+        raise ValueError(f"layout {layout!r}: write tpN or dpXtpY")
+    tp = int(m.group(2))
+    dp = int(m.group(1)) if m.group(1) else world // tp
+    if dp * tp != world:
+        raise ValueError(f"layout {layout!r}: dp {dp} x tp {tp} is not the world ({world} ranks)")
+    return dp, tp
+
+
 @dataclass
 class BenchConfig:
     world: int = 4
@@ -60,6 +74,9 @@ class BenchConfig:
     # modes in which a baseline (DCP, the plain reader) runs; None: every mode. The quick default runs it
     # on shared storage only, where the comparison is the point (a warm DCP load takes seconds here)
     baseline_modes: tuple[str, ...] | None = None
+    # the layout the checkpoints are saved in (layout_dims; None: the load's, TP x DP): a load into
+    # another layout than the save's (resharding), every loader reading the same files
+    save_layout: str | None = None
     # filled by the parent before the world starts
     throttle: dict[str, Any] = field(default_factory=dict)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .report import _median
-from .config import FLOOR, LOADER_LABELS, SEPARATE, TIMING_KEYS, BenchConfig, MiB
+from .config import FLOOR, LOADER_LABELS, SEPARATE, TIMING_KEYS, BenchConfig, MiB, layout_dims
 from .system import (_floor_read, _join_cgroup, status_kib, data_files, drop_cache, proc_io, reset_peak_rss,
                      residency, resident_bytes, warm_files)
 
@@ -129,6 +129,7 @@ class _Rank:
     dest: Any
     unique: int
     t_build: float
+    saved: Any = None  # what the checkpoints are saved from: ``ref`` unless saved in another layout
     shared: dict[str, str] = field(default_factory=dict)
     nodes: dict[str, str] = field(default_factory=dict)
     save_times: dict[str, float] = field(default_factory=dict)
@@ -154,6 +155,7 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None
     torch.set_num_threads(1)
     r = _build(rank, world, cfg)
     _save_checkpoints(r)
+    r.saved = None  # (the save's layout, when another: not needed past the save)
     file_bytes = {k: sum(os.path.getsize(p) for p in data_files(v)) for k, v in r.shared.items()
                   if k in r.save_times}
     _copy_per_node(r)
@@ -179,7 +181,11 @@ def _build(rank: int, world: int, cfg: BenchConfig) -> _Rank:
     kw = dict(layers=cfg.layers, experts=cfg.experts)
     ref = synth.build_state_dict(mesh, cfg.seed, cfg.size_mb, **kw)
     dest = synth.build_state_dict(mesh, cfg.seed, cfg.size_mb, fill=False, **kw)
-    r = _Rank(cfg, rank, world, ref, dest, synth.unique_bytes(ref), time.perf_counter() - t0)
+    saved = ref
+    if cfg.save_layout:  # the same values in the save's layout (every element a function of its index)
+        dp, tp = layout_dims(cfg.save_layout, world)
+        saved = synth.build_state_dict(synth.make_mesh(world, tp, dp), cfg.seed, cfg.size_mb, **kw)
+    r = _Rank(cfg, rank, world, ref, dest, synth.unique_bytes(ref), time.perf_counter() - t0, saved)
     _log(cfg, rank, f"state dict built: {len(synth.flatten(ref))} leaves, {r.unique / MiB:.1f} MiB unique, "
                     f"{synth.local_bytes(ref) / MiB:.1f} MiB on each rank ({r.t_build:.1f} s)")
     root = cfg.dir
@@ -204,12 +210,12 @@ def _save_checkpoints(r: _Rank) -> None:
             shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
     t0 = time.perf_counter()
-    pipeload.save(r.ref, r.shared["pipeload"])
+    pipeload.save(r.saved, r.shared["pipeload"])
     dist.barrier()
     r.save_times["pipeload"] = time.perf_counter() - t0
     if "dcp" in r.cfg.loaders or r.cfg.format == "dcp":
         t0 = time.perf_counter()
-        dcp.save(r.ref, checkpoint_id=r.shared["dcp"])
+        dcp.save(r.saved, checkpoint_id=r.shared["dcp"])
         dist.barrier()
         r.save_times["dcp"] = time.perf_counter() - t0
     if "hf" in r.shared:

@@ -326,7 +326,9 @@ def headline(result: dict[str, Any]) -> str:
     name = "pipeload" if main == "pipeload" else LOADER_LABELS[main]
     lines = [f"pipeload bench: {cfg['world']} ranks (TP{cfg['tp']} x DP{cfg['dp']}, gloo), "
              f"{ck['unique_bytes'] / MiB:.0f} MiB checkpoint of {ck['tensors']} tensors "
-             f"({cfg.get('format', 'pipeload')} layout), every load checked bit for bit"]
+             f"({cfg.get('format', 'pipeload')} layout"
+             + (f", saved at {cfg['save_layout']}" if cfg.get("save_layout") else "")
+             + "), every load checked bit for bit"]
     mode = next((m for m in ("throttled", "cold") if (m, main) in get), None)
     pl, ot = get.get((mode, main)), get.get((mode, other))
     if pl is not None:
