@@ -10,6 +10,11 @@ Two ways in:
   replicated box once. ``uninstall()`` restores DCP's classes (the same objects). See :mod:`.switch`.
 - ``dcp.load(sd, storage_reader=pipeload.dcp.StorageReader(path))`` — the same reader, passed explicitly.
 
+The switch also rebinds ``dcp.save`` and ``dcp.async_save``: calls with the default planner and DCP's
+file-system writer are planned by pipeload's save (each replicated chunk written once, by the rank that
+will read it; ``async_save`` as ``pipeload.save(background=True)``) and written in DCP's own layout;
+every other call runs DCP's code. :func:`last_save_stats` says which path a call took (:mod:`.save`).
+
 What stays DCP's: any ``LoadPlanner`` (the default, ``_EmptyStateDictLoadPlanner`` of
 ``dcp_to_torch_save``, planners that rename or skip keys), ``process_group=`` and ``no_dist=True``,
 stream transforms (``ZStandard``, any registered ``StreamTransformExtension``: read by DCP's own code),
@@ -30,9 +35,10 @@ rows, see :mod:`pipeload.formats.dcpmeta`); use it where the caller can.
 
 from __future__ import annotations
 
+from .save import DcpSaveStats, last_save_stats
 from .reader import FileSystemReader, HuggingFaceStorageReader, StorageReader
 from .readonce import ReadStats, last_stats
 from .switch import install, installed, is_installed, uninstall
 
 __all__ = ["install", "uninstall", "installed", "is_installed", "StorageReader", "FileSystemReader",
-           "HuggingFaceStorageReader", "ReadStats", "last_stats"]
+           "HuggingFaceStorageReader", "ReadStats", "last_stats", "DcpSaveStats", "last_save_stats"]

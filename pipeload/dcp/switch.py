@@ -9,6 +9,10 @@ binds its own. :func:`install` rebinds every such name a module of ``torch.distr
 to pipeload's subclass of the same class; :func:`uninstall` puts back the very objects it replaced.
 Code that took a reference before ``install()`` (``from ... import FileSystemReader`` at import time)
 keeps DCP's class: install before such imports, or pass a reader.
+
+It also rebinds the functions of :data:`_FUNCTIONS` — ``dcp.save`` and ``dcp.async_save``, in the package
+and in ``state_dict_saver`` — to :mod:`pipeload.dcp.save`'s, and puts back the very objects it found on
+:func:`uninstall`. (``save_state_dict``, deprecated, calls DCP's internals directly and stays DCP's.)
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
+from . import save as dcp_save
 from .reader import DCP_FILE_SYSTEM_READER, DCP_HF_READER, FileSystemReader, HuggingFaceStorageReader
 
 _PACKAGE = "torch.distributed.checkpoint"
@@ -26,6 +31,11 @@ _PACKAGE = "torch.distributed.checkpoint"
 _MODULES = ("", ".filesystem", "._storage_utils", ".format_utils", ".hf_storage", "._hf_storage")
 _NAMES = ("FileSystemReader", "HuggingFaceStorageReader")
 _OURS = ((DCP_FILE_SYSTEM_READER, FileSystemReader), (DCP_HF_READER, HuggingFaceStorageReader))
+
+# (module, name, pipeload's function): DCP functions rebound while installed
+_FUNCTIONS = ((_PACKAGE, "save", dcp_save.save), (_PACKAGE, "async_save", dcp_save.async_save),
+              (_PACKAGE + ".state_dict_saver", "save", dcp_save.save),
+              (_PACKAGE + ".state_dict_saver", "async_save", dcp_save.async_save))
 
 _lock = threading.RLock()
 _replaced: dict[tuple[str, str], Any] = {}  # (module, name) -> the object install() found there
@@ -61,7 +71,17 @@ def install() -> None:
                     if found is dcp_class:
                         _replaced[(modname, name)] = found
                         setattr(mod, name, ours)
+        _rebind_functions()
         _on = True
+
+
+def _rebind_functions() -> None:
+    for modname, name, ours in _FUNCTIONS:
+        mod = importlib.import_module(modname)
+        found = mod.__dict__.get(name)
+        if found is not None and found is not ours:
+            _replaced[(modname, name)] = found
+            setattr(mod, name, ours)
 
 
 def uninstall() -> None:
