@@ -4,10 +4,11 @@
 greedy will make read them); this module writes what each rank owns the way DCP's ``FileSystemWriter``
 (default options) lays it out, so that stock ``dcp.load`` and pipeload's DCP reader read it:
 
-- rank ``r`` of the group writes ``__<r>_0.distcp``: each item appended by DCP's own ``_write_item``
-  (a tensor chunk as ``torch.save`` of a tensor whose storage is exactly the chunk's bytes, a Python
-  object as the bytes DCP's planner makes of it, ``torch.save`` into a ``BytesIO``), then fsynced when
-  the writer's ``sync_files`` says so. No collective; a failure is returned to the commit;
+- rank ``r`` of the group writes ``__<r>_0.distcp``: each item appended as DCP's ``_write_item`` appends
+  it (a tensor chunk as ``torch.save`` of a tensor of exactly the chunk's bytes — the very bytes, from
+  :mod:`.torchsave`'s templates, without ``torch.save``'s cost per call —, a Python object as the bytes
+  DCP's planner makes of it, ``torch.save`` into a ``BytesIO``), then fsynced when the writer's
+  ``sync_files`` says so. No collective; a failure is returned to the commit;
 - the commit: one agreement on the writes (two words per rank), then a gather (to rank 0 only, not an
   all-gather) of each rank's rows — per item its key index, object or tensor, offset and length in its
   file, box — and of the flattening paths of the keys it wrote. Rank 0 builds DCP's ``Metadata``
@@ -39,7 +40,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ..engine.comm import Comm
 from ..formats.chunks import torch_dtype
-from ..save.saver import _error_text, _fsync_dir, _lock_directory
+from ..save.saver import _Batch, _error_text, _fsync_dir, _host_bytes, _lock_directory
+from . import torchsave
 
 METADATA = ".metadata"
 _HEAD = 3  # words before the rows: n, width, bytes of the paths' JSON
@@ -96,25 +98,46 @@ class DcpPhases:
         return error, done
 
     def _write_file(self, path: str, plan) -> list[tuple]:
-        transforms = dcp_fs._StorageWriterTransforms(())
+        """Append every item, in plan order: a Python object as its bytes (DCP's ``BYTE_IO``), a tensor
+        as ``torch.save``'s archive of it — from :mod:`.torchsave`'s template around the tensor's own
+        memory, in ``writev`` batches, or (no template: a huge tensor) through DCP's ``_write_item``."""
         done = []
-        with open(path, "wb") as f:
+        at, opts = 0, torchsave.options()
+        with open(path, "wb", buffering=0) as f:
+            out = _Batch(f)
             for (_, _, _, value), row in zip(plan.items, plan.rows):
-                fqn, owner = plan.table.names[row[0]], None
-                if len(row) == 1:  # a Python object: DCP's bytes, as DCP writes them
-                    item = WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO)
-                    data: Any = io.BytesIO(self.objects[fqn])
+                if len(row) == 1:
+                    data = self.objects[plan.table.names[row[0]]]
+                    out.add(memoryview(data), None)
+                    done.append((row, at, len(data), True))
+                    at += len(data)
+                    continue
+                tpl = torchsave.template(value.dtype, tuple(row[2]), opts)
+                if tpl is None:
+                    out.flush()
+                    length = self._torch_save(f, plan, row, value)
                 else:
-                    item = WriteItem(MetadataIndex(fqn, row[1]), WriteItemType.SHARD)
-                    data, owner = exact(value, row[2])
-                info = dcp_fs._write_item(transforms, f, data, item, data_file(plan.rank),
-                                          dcp_fs.SerializationFormat.TORCH_SAVE).storage_data
-                done.append((row, info.offset, info.length, len(row) == 1))
-                del data, owner
-            f.flush()
+                    view, owner = _host_bytes(value)
+                    head, tail = tpl.parts(view)
+                    for part, keep in ((head, None), (view, owner), (tail, None)):
+                        out.add(part if isinstance(part, memoryview) else memoryview(part), keep)
+                    length = len(head) + view.nbytes + len(tail)
+                    del view, owner
+                done.append((row, at, length, False))
+                at += length
+            out.flush()
             if self.sync:
                 os.fsync(f.fileno())
         return done
+
+    @staticmethod
+    def _torch_save(f, plan, row, value) -> int:
+        item = WriteItem(MetadataIndex(plan.table.names[row[0]], row[1]), WriteItemType.SHARD)
+        data, owner = exact(value, row[2])
+        info = dcp_fs._write_item(dcp_fs._StorageWriterTransforms(()), f, data, item, data_file(plan.rank),
+                                  dcp_fs.SerializationFormat.TORCH_SAVE).storage_data
+        del data, owner
+        return info.length
 
     def commit_phase(self, plan, directory: str, comm: Comm, error: str | None, done: list[tuple]) -> None:
         """Agree on the writes, gather the rows to rank 0, which commits; agree on the commit and give
@@ -211,17 +234,24 @@ def build_metadata(table, per_rank, storage_meta) -> Metadata:
     found.sort(key=lambda e: (e[1][_K], e[1][4:]))
     md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
+    sizes_of: dict[tuple, torch.Size] = {}  # equal sizes and properties shared: pickled once
+    props: dict[str, TensorProperties] = {}
+    files = [data_file(r) for r in range(len(per_rank))]
+    size = lambda v: sizes_of.get(v) or sizes_of.setdefault(v, torch.Size(v))  # noqa: E731
     for r, x in found:
         k = x[_K]
-        fqn, info = table.names[k], dcp_fs._StorageInfo(data_file(r), x[_AT], x[_LEN])
+        fqn, info = table.names[k], dcp_fs._StorageInfo(files[r], x[_AT], x[_LEN])
         if x[_OBJ]:
             md[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = info
             continue
         nd, width = int(table.ndim[k]), (len(x) - 4) // 2
-        offsets, sizes = torch.Size(x[4 : 4 + nd]), torch.Size(x[4 + width : 4 + width + nd])
-        tmd = md.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=torch_dtype(table.dtype_name(k))),
-                                                       torch.Size(table.shape_of(k)), []))
+        offsets, sizes = size(tuple(x[4 : 4 + nd])), size(tuple(x[4 + width : 4 + width + nd]))
+        tmd = md.get(fqn)
+        if tmd is None:
+            name = table.dtype_name(k)
+            prop = props.get(name) or props.setdefault(name, TensorProperties(dtype=torch_dtype(name)))
+            tmd = md[fqn] = TensorStorageMetadata(prop, size(table.shape_of(k)), [])
         storage[MetadataIndex(fqn, offsets, len(tmd.chunks))] = info
         tmd.chunks.append(ChunkStorageMetadata(offsets, sizes))
     planner_data = {fqn: paths.get(fqn, (fqn,)) for fqn in md}
