@@ -183,13 +183,19 @@ def _async_refusal(kw: dict, comm: Comm) -> str | None:
 
 
 def _content_refusal(flat: dict) -> str | None:
-    """Why a tensor of the flattened state dict is one pipeload's save refuses (DCP's code saves it)."""
+    """Why a tensor of the flattened state dict is one pipeload's save refuses (DCP's code saves it).
+
+    DTensors whose placements are all ``Shard`` or ``Replicate`` need no more than their local tensor's
+    kind; other placements (``Partial``, strided shards) are resolved as the save will resolve them."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     cache: dict = {}
     for fqn, v in flat.items():
         if not isinstance(v, torch.Tensor):
             continue
         why = source_refusal(v) or (None if storable_dtype(v.dtype) else f"dtype {v.dtype}")
-        if why is None and type(v) is not torch.Tensor:
+        if why is None and type(v) is not torch.Tensor and not (
+                type(v) is DTensor and all(type(p) in (Shard, Replicate) for p in v.placements)):
             try:
                 tensor_box(fqn, v, cache)
             except ValueError as e:
