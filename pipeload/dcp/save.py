@@ -79,14 +79,20 @@ class DcpSaveStats:
 
     ``path``: ``"engine"`` (pipeload's planner, DCP's layout) or ``"dcp"`` (DCP's own code; ``reason``
     says why). ``blocked_s``: seconds the call kept the caller (for ``async_save``, planning and the
-    copy into staging); ``plan_s`` of it planning; ``items_written``: items in this rank's file;
-    ``plan_reused``: planned by an earlier save of the same layout. Engine path only but ``path``/``reason``."""
+    copy into staging); of it ``prepare_s`` at the door (``Stateful``, flattening, the path's
+    agreement), ``plan_s`` planning, and for ``save`` ``write_s`` writing this rank's file and
+    ``commit_s`` the agreements, rank 0's ``.metadata`` and its broadcast; ``items_written``: items in
+    this rank's file; ``plan_reused``: planned by an earlier save of the same layout. All but
+    ``call``, ``path`` and ``reason`` are the engine path's."""
 
     call: str
     path: str
     reason: str | None = None
     blocked_s: float = 0.0
+    prepare_s: float = 0.0
     plan_s: float = 0.0
+    write_s: float = 0.0
+    commit_s: float = 0.0
     items_written: int = 0
     staged_bytes: int = 0
     plan_reused: bool = False
@@ -272,14 +278,16 @@ def save(state_dict, *args, **kwargs):
         _record(DcpSaveStats("save", "dcp", "called by DCP's executor" if caller in _DCP_EXECUTORS else "arguments"))
         return DCP_SAVE(state_dict, *args, **kwargs)
     t0 = time.perf_counter()
-    call, state_dict, flat, objects, mappings = _prepare(kwargs, state_dict, False, "dcp.save")
+    with paused_gc():  # flattening allocates an object per key: no cycle search over the trainer's heap
+        call, state_dict, flat, objects, mappings = _prepare(kwargs, state_dict, False, "dcp.save")
     if call.reason is not None:
         _record(DcpSaveStats("save", "dcp", call.reason))
         return _stock_save(call, state_dict, kwargs)
-    stats = DcpSaveStats("save", "engine")
+    stats = DcpSaveStats("save", "engine", prepare_s=time.perf_counter() - t0)
     phases = DcpPhases(objects, mappings, call.writer)
     try:
-        _engine_save(flat, call.directory, call.comm, phases, stats, t0)
+        with paused_gc():
+            _engine_save(flat, call.directory, call.comm, phases, stats)
     except CheckpointException:
         raise
     except Exception as e:  # noqa: BLE001 - raised alike on every rank: DCP's exception type
@@ -290,8 +298,7 @@ def save(state_dict, *args, **kwargs):
     return phases.metadata
 
 
-def _engine_save(flat: dict, directory: str, comm: Comm, phases: DcpPhases, stats: DcpSaveStats,
-                 t0: float) -> None:
+def _engine_save(flat: dict, directory: str, comm: Comm, phases: DcpPhases, stats: DcpSaveStats) -> None:
     """The blocking save's phases (as ``pipeload.save``'s), the write and commit in DCP's layout."""
     what = f"dcp.save into {directory}"
     bg.wait_previous(comm)
@@ -300,12 +307,15 @@ def _engine_save(flat: dict, directory: str, comm: Comm, phases: DcpPhases, stat
         warnings.filterwarnings("ignore", message="pipeload.save: Python objects differ")  # DCP keeps one
         contended = guard.enter_sync(comm, comm.size > 1, what, comm.timeout.total_seconds())
         try:
+            t0 = time.perf_counter()
             plan = saver.plan_phase(flat, directory, comm, contended)
             plan.locks = lock
-            stats.plan_s, stats.plan_reused = time.perf_counter() - t0, plan.reused
-            stats.items_written = len(plan.items)
+            t1 = time.perf_counter()
+            stats.plan_s, stats.plan_reused, stats.items_written = t1 - t0, plan.reused, len(plan.items)
             error, done = phases.write_phase(plan, directory, comm)
+            t2 = time.perf_counter()
             phases.commit_phase(plan, directory, comm, error or guard.late(comm), done)
+            stats.write_s, stats.commit_s = t2 - t1, time.perf_counter() - t2
         finally:
             for fd in lock:
                 os.close(fd)
@@ -319,11 +329,12 @@ def async_save(state_dict, *args, **kwargs):
         _record(DcpSaveStats("async_save", "dcp", "arguments"))
         return DCP_ASYNC_SAVE(state_dict, *args, **kwargs)
     t0 = time.perf_counter()
-    call, state_dict, flat, objects, mappings = _prepare(kwargs, state_dict, True, "dcp.async_save")
+    with paused_gc():
+        call, state_dict, flat, objects, mappings = _prepare(kwargs, state_dict, True, "dcp.async_save")
     if call.reason is not None:
         _record(DcpSaveStats("async_save", "dcp", call.reason))
         return DCP_ASYNC_SAVE(state_dict, **kwargs)
-    stats = DcpSaveStats("async_save", "engine")
+    stats = DcpSaveStats("async_save", "engine", prepare_s=time.perf_counter() - t0)
     phases = DcpPhases(objects, mappings, call.writer)
     future: Future = Future()
     try:
