@@ -139,7 +139,11 @@ def _engine_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
         out["reader_tensors"] = _same(_leaves(ours), expect, "pipeload's reader")
         md2 = dcp.save(saved, checkpoint_id=path)  # a second save of the same layout reuses the plan
         out["reused"] = pd.last_save_stats().plan_reused
-    assert md.state_dict_metadata.keys() == md2.state_dict_metadata.keys()
+    # every rank returns the committed Metadata; the second (its rows unchanged) is the first's but its save id
+    assert md2.state_dict_metadata == md.state_dict_metadata and md2.storage_data == md.storage_data
+    assert md2.storage_meta.save_id != md.storage_meta.save_id
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        assert pickle.load(f).storage_meta.save_id == md2.storage_meta.save_id
     out["stock_tensors"] = _same(_stock_load(mesh, path), expect, "stock dcp.load")
     assert _chunks(path) == _chunks(stock), "the chunks differ from stock dcp.save's"
     assert md.planner_data == pickle.load(open(os.path.join(stock, ".metadata"), "rb")).planner_data

@@ -145,22 +145,42 @@ class DcpPhases:
 
         Collectives, in this order on every rank: the writes' agreement (one all-gather of two words per
         rank, the error texts only on a failure), the gather of the rows to rank 0, the commit's
-        agreement (two words), the broadcast of the pickled ``Metadata``."""
+        agreement (two words), one broadcast. A save whose plan was reused and whose rows equal the
+        last commit's has the same ``Metadata`` but for its ``storage_meta`` (:func:`_kept`): rank 0
+        then rebuilds nothing and the broadcast carries only the ``storage_meta`` (the agreement's word
+        says which, as ``-1 - size``); otherwise it carries the whole pickle."""
         what = f"dcp.save into {directory}"
         mine = encode_rows(plan, done, self.paths) if error is None else b""
         sizes = comm.agree_on(len(mine), error, what, "agreement on the writes")
         gathered = comm.gather_to_first(mine, sizes, what)
-        error, raw, md = None, b"", None
+        error, send, value, md = None, b"", 0, None
+        kept = plan.memo.get(_KEPT) if plan.reused else None
         if comm.rank == 0:
             try:
-                md = build_metadata(plan.table, gathered, self.writer.storage_meta())
+                md, same = _kept(kept, plan.table, gathered, self.writer.storage_meta())
                 raw = pickle.dumps(md)
                 self._commit(directory, raw)
+                send = pickle.dumps(md.storage_meta) if same else raw
+                value = -1 - len(send) if same else len(send)
             except Exception as e:  # noqa: BLE001
                 error = f"committing {os.path.join(directory, METADATA)}: {_error_text(e)}"
-        n = comm.agree_on(len(raw), error, what, "agreement on the commit")
-        raw = comm.broadcast_bytes(raw, int(n[0]), what)
-        self.metadata = md if md is not None else pickle.loads(raw)
+        value = int(comm.agree_on(value, error, what, "agreement on the commit")[0])
+        got = comm.broadcast_bytes(send, -1 - value if value < 0 else value, what)
+        if md is None:
+            md = self._received(kept, got, value < 0, directory)
+        plan.memo[_KEPT] = (b"".join(gathered) if comm.rank == 0 else None, _content(md))
+        self.metadata = md
+
+    @staticmethod
+    def _received(kept, got: bytes, same: bool, directory: str) -> Metadata:
+        """A rank other than 0: the ``Metadata`` from the broadcast, or the kept one with its new
+        ``storage_meta`` (read back from ``.metadata`` should this rank have kept none)."""
+        if not same:
+            return pickle.loads(got)
+        if kept is None:
+            with open(os.path.join(directory, METADATA), "rb") as f:
+                return pickle.load(f)
+        return _with_meta(kept[1], pickle.loads(got))
 
     def _commit(self, directory: str, raw: bytes) -> None:
         tmp = os.path.join(directory, METADATA + ".tmp")
@@ -172,6 +192,27 @@ class DcpPhases:
         os.replace(tmp, os.path.join(directory, METADATA))
         if self.sync:
             _fsync_dir(directory)
+
+
+_KEPT = "dcp.metadata"  # in the kept plan's memo: (rank 0's gathered rows, the Metadata's content)
+
+
+def _content(md: Metadata) -> tuple:
+    return md.state_dict_metadata, md.planner_data, md.storage_data
+
+
+def _with_meta(content: tuple, storage_meta) -> Metadata:
+    """A ``Metadata`` of kept content (its dicts copied: a caller changing one leaves the next alone)."""
+    sdm, planner_data, storage = content
+    return Metadata(dict(sdm), planner_data=dict(planner_data), storage_data=dict(storage),
+                    storage_meta=storage_meta, version=dcp_fs.CURRENT_DCP_VERSION)
+
+
+def _kept(kept, table, gathered, storage_meta) -> tuple[Metadata, bool]:
+    """Rank 0: (the ``Metadata`` of this commit, whether it is the kept one's content)."""
+    if kept is not None and kept[0] is not None and kept[0] == b"".join(gathered):
+        return _with_meta(kept[1], storage_meta), True
+    return build_metadata(table, gathered, storage_meta), False
 
 
 def exact(value: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
