@@ -365,3 +365,37 @@ def test_uninstall_restores_dcps_functions_exactly():
     pd.uninstall()
     assert all(a is b for a, b in zip((dcp.save, dcp.async_save, sds.save, sds.async_save, dcp.save_state_dict),
                                       before))
+
+
+def test_async_save_returns_what_dcp_returns_for_the_call(tmp_path):
+    """One process (no_dist): a Future by default, DCP's AsyncSaveResponse for a DefaultStager with
+    async staging — as stock DCP returns for the same calls — both through the engine."""
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    import pipeload.dcp as pd
+
+    sd = {"a": torch.arange(6.0), "n": {"k": 3}}
+    stager = DefaultStager(StagingOptions(False, False, True, False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pd.installed():
+            resp = dcp.async_save(sd, checkpoint_id=str(tmp_path / "a"), no_dist=True, async_stager=stager)
+            assert pd.last_save_stats().path == "engine" and resp.staging_completion.done()
+            sd["a"].fill_(-1.0)
+            assert isinstance(resp.upload_completion.result(timeout=60), Metadata)
+            fut = dcp.async_save(sd, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+            assert isinstance(fut, Future) and pd.last_save_stats().path == "engine"
+            fut.result(timeout=60)
+        stager.close()
+        stock = DefaultStager(StagingOptions(False, False, True, False))
+        theirs = dcp.async_save(sd, checkpoint_id=str(tmp_path / "c"), no_dist=True, async_stager=stock)
+        theirs.upload_completion.result(timeout=60)
+        stock.close()
+        assert type(theirs) is type(resp)
+        got = {"a": torch.zeros(6), "n": {"k": 0}}
+        dcp.load(got, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    assert torch.equal(got["a"], torch.arange(6.0)) and got["n"]["k"] == 3
