@@ -147,7 +147,11 @@ def _engine_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
     out["stock_tensors"] = _same(_stock_load(mesh, path), expect, "stock dcp.load")
     assert _chunks(path) == _chunks(stock), "the chunks differ from stock dcp.save's"
     assert md.planner_data == pickle.load(open(os.path.join(stock, ".metadata"), "rb")).planner_data
-    out["files"] = sorted(os.listdir(path))
+    from pipeload.save import saver
+
+    saver.wait_cleanup()  # the files the second save replaced are deleted by a thread
+    dist.barrier()
+    out["files"] = sorted(os.listdir(path))  # nothing but DCP's: no temporary or replaced file left
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # (a collective: every rank, one order)
             for k, v in _leaves_raw(saved["app"].state_dict()).items()}
     if rank == 0:  # as bytes: tensors in a result would travel as shared memory of an exited process

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ..engine.comm import Comm
 from ..formats.chunks import torch_dtype
-from ..save.saver import _Batch, _error_text, _fsync_dir, _host_bytes, _lock_directory
+from ..save.saver import _Batch, _delete_later, _error_text, _fsync_dir, _host_bytes, _lock_directory
 from . import torchsave
 
 METADATA = ".metadata"
@@ -77,8 +77,10 @@ class DcpPhases:
     def write_phase(self, plan, directory: str, comm: Comm) -> tuple[str | None, list[tuple]]:
         """Write this rank's ``__<rank>_0.distcp``; ``(error or None, [(row, offset, length, object)])``.
 
-        Rank 0 takes the directory's lock first (pipeload's: one save at a time per directory), its fd
-        in ``plan.locks`` for the caller to release. Never raises: the commit's agreement does."""
+        The file is written under a temporary name, made durable, then renamed over the old one
+        (:func:`_replace`): a write that fails leaves this rank's previous file whole. Rank 0 takes the
+        directory's lock first (pipeload's: one save at a time per directory), its fd in
+        ``plan.locks`` for the caller to release. Never raises: the commit's agreement does."""
         error, done = None, []
         if comm.rank == 0:
             fd, error = _lock_directory(directory)
@@ -89,12 +91,18 @@ class DcpPhases:
             error = error or f"creating {directory}: {_error_text(e)}"
         path = os.path.join(directory, data_file(comm.rank))
         if plan.items and error is None:
+            tmp = f"{path}.tmp-{plan.save_id}"
             try:
-                done = self._write_file(path, plan)
+                done = self._write_file(tmp, plan)
+                _replace(tmp, path, plan.save_id)
                 if self.sync:
                     _fsync_dir(directory)
             except Exception as e:  # noqa: BLE001 - carried to the commit's agreement
                 error = f"writing {path}: {_error_text(e)}"
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
         return error, done
 
     def _write_file(self, path: str, plan) -> list[tuple]:
@@ -192,6 +200,20 @@ class DcpPhases:
         os.replace(tmp, os.path.join(directory, METADATA))
         if self.sync:
             _fsync_dir(directory)
+
+
+def _replace(tmp: str, path: str, save_id: str) -> None:
+    """Rename ``tmp`` over ``path``. The replaced file keeps a second name until a thread deletes it
+    (:func:`pipeload.save.saver._delete_later`): freeing its blocks (~0.7 ms per MiB on ext4 here)
+    stays off the save's time, as ``pipeload.save`` keeps its replaced files' deletion off it."""
+    old = f"{path}.old-{save_id}"
+    try:
+        os.link(path, old)
+    except OSError:  # no old file, or no hard links here: the rename frees it
+        old = None
+    os.replace(tmp, path)
+    if old is not None:
+        _delete_later(os.path.dirname(path), [os.path.basename(old)])
 
 
 _KEPT = "dcp.metadata"  # in the kept plan's memo: (rank 0's gathered rows, the Metadata's content)
