@@ -18,6 +18,11 @@ Safety, on both: nothing from a checkpoint is unpickled by code that runs what t
 ``.metadata`` through an allow-list of DCP's classes, saved objects only if ``torch.load(weights_only=True)``
 accepts them — unless ``install(allow_pickle=True)`` trusts the files.
 
+The switch also rebinds ``dcp.save`` and ``dcp.async_save``: calls with the default planner and DCP's
+file-system writer are planned by pipeload's save (each replicated chunk written once, by the rank that
+will read it; ``async_save`` as ``pipeload.save(background=True)``) and written in DCP's own layout;
+every other call runs DCP's code. :func:`last_save_stats` says which path a call took (:mod:`.save`).
+
 What DCP's path cannot avoid (calls that stay there): every rank unpickles the whole ``.metadata``
 (O(total chunks) per rank), the coordinator gathers every rank's pickled plan (O(W x S) objects on one
 rank) and scatters the plans back. On the engine one rank decodes the metadata into a chunk table the
@@ -26,10 +31,12 @@ others receive, and plans travel as compact rows (:mod:`pipeload.formats.dcpmeta
 
 from __future__ import annotations
 
+from .save import DcpSaveStats, last_save_stats
 from .reader import FileSystemReader, HuggingFaceStorageReader, StorageReader
 from .load import DCPLoadError, SwitchStats, last_load
 from .readonce import ReadStats, last_stats
 from .switch import install, installed, is_installed, uninstall
 
 __all__ = ["install", "uninstall", "installed", "is_installed", "StorageReader", "FileSystemReader",
-           "HuggingFaceStorageReader", "ReadStats", "last_stats", "last_load", "SwitchStats", "DCPLoadError"]
+           "HuggingFaceStorageReader", "ReadStats", "last_stats", "last_load", "SwitchStats", "DCPLoadError",
+           "DcpSaveStats", "last_save_stats"]

@@ -13,6 +13,10 @@ binds its own. :func:`install` rebinds every such name a module of ``torch.distr
 to pipeload's subclass of the same class; :func:`uninstall` puts back the very objects it replaced.
 Code that took a reference before ``install()`` (``from ... import FileSystemReader`` at import time)
 keeps DCP's class: install before such imports, or pass a reader.
+
+It also rebinds the functions of :data:`_FUNCTIONS` — ``dcp.save`` and ``dcp.async_save``, in the package
+and in ``state_dict_saver`` — to :mod:`pipeload.dcp.save`'s, and puts back the very objects it found on
+:func:`uninstall`. (``save_state_dict``, deprecated, calls DCP's internals directly and stays DCP's.)
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
+from . import save as dcp_save
 from .reader import DCP_FILE_SYSTEM_READER, DCP_HF_READER, FileSystemReader, HuggingFaceStorageReader, StorageReader
 
 _PACKAGE = "torch.distributed.checkpoint"
@@ -31,8 +36,12 @@ _MODULES = ("", ".filesystem", "._storage_utils", ".format_utils", ".hf_storage"
 _NAMES = ("FileSystemReader", "HuggingFaceStorageReader")
 _OURS = ((DCP_FILE_SYSTEM_READER, FileSystemReader), (DCP_HF_READER, HuggingFaceStorageReader))
 
-# DCP's functions run on pipeload's engine: (module, name, factory of the replacement from DCP's function)
-_FUNCTIONS = ((".state_dict_loader", "_load_state_dict", "pipeload.dcp.load:engine_load_state_dict"),)
+# DCP's load runs on pipeload's engine: (module, name, factory of the replacement from DCP's function)
+_LOAD_DOORS = ((".state_dict_loader", "_load_state_dict", "pipeload.dcp.load:engine_load_state_dict"),)
+# (module, name, pipeload's function): DCP functions rebound while installed
+_FUNCTIONS = ((_PACKAGE, "save", dcp_save.save), (_PACKAGE, "async_save", dcp_save.async_save),
+              (_PACKAGE + ".state_dict_saver", "save", dcp_save.save),
+              (_PACKAGE + ".state_dict_saver", "async_save", dcp_save.async_save))
 
 _lock = threading.RLock()
 _replaced: dict[tuple[str, str], Any] = {}  # (module, name) -> the object install() found there
@@ -82,12 +91,18 @@ def install(*, allow_pickle: bool = False) -> None:
 
 
 def _rebind_functions() -> None:
-    for suffix, name, factory in _FUNCTIONS:
+    for suffix, name, factory in _LOAD_DOORS:
         mod = importlib.import_module(_PACKAGE + suffix)
         original = mod.__dict__[name]
         where, _, attr = factory.partition(":")
         _replaced[(mod.__name__, name)] = original
         setattr(mod, name, getattr(importlib.import_module(where), attr)(original))
+    for modname, name, ours in _FUNCTIONS:
+        mod = importlib.import_module(modname)
+        found = mod.__dict__.get(name)
+        if found is not None and found is not ours:
+            _replaced[(modname, name)] = found
+            setattr(mod, name, ours)
 
 
 def uninstall() -> None:

@@ -417,7 +417,7 @@ def _failures(comm: Comm, e: PipeloadError) -> dict[int, str]:
     return {comm.rank: str(e)}
 
 
-def save(state_dict: dict, directory: str, comm: Comm, staging_bytes: int | None) -> SaveHandle:
+def save(state_dict: dict, directory: str, comm: Comm, staging_bytes: int | None, phases=saver) -> SaveHandle:
     """The caller's part of a background save: plan, snapshot, start the worker; the handle.
 
     Planning raises here, on every rank alike, as a blocking save would (nothing is written). After
@@ -446,7 +446,7 @@ def save(state_dict: dict, directory: str, comm: Comm, staging_bytes: int | None
         allocations = pool.allocations
         snap = _Snapshot(plan, staging_bytes)
         if snap.first:  # the head is written from the live tensors while the tail is copied
-            start(handle, own, lambda: snap.work(saver, directory, own))
+            start(handle, own, lambda: snap.work(phases, directory, own))
         try:
             snap.stage(pool)
         except Exception as e:  # noqa: BLE001 - carried to the agreement: every rank's wait() raises
@@ -454,7 +454,7 @@ def save(state_dict: dict, directory: str, comm: Comm, staging_bytes: int | None
         snap.problem = snap.problem or guard.late(comm)  # an operation overlapped this one
         snap.tail_staged.set()
         if not snap.first:
-            start(handle, own, lambda: snap.work(saver, directory, own))
+            start(handle, own, lambda: snap.work(phases, directory, own))
         snap.head_written.wait()
     handle.owned_bytes, handle.staged_bytes = snap.owned, snap.staged
     handle.staging_allocations = pool.allocations - allocations

@@ -108,9 +108,11 @@ def _bench_parser(sub) -> None:
     b.add_argument("--save-layout", default=None, metavar="LAYOUT",
                    help="save the checkpoints in another layout than the load's: tpN (tp1: whole tensors on "
                    "every rank) or dpXtpY; the load reshards (default: the load's layout)")
-    b.add_argument("--via", choices=("pipeload", "dcp.load"), default="pipeload",
+    b.add_argument("--via", choices=("pipeload", "dcp.load", "dcp.save"), default="pipeload",
                    help="how the checkpoint is loaded: pipeload.load (default), or dcp.load: stock against "
-                   "dcp.load under pipeload.dcp.install(), in every mode (needs --format dcp)")
+                   "dcp.load under pipeload.dcp.install(), in every mode (needs --format dcp); with --save, "
+                   "dcp.save: dcp.save and dcp.async_save under install() against pipeload.save, stock DCP "
+                   "and the memcpy floor, and stock dcp.load reading the result")
 
 
 def _checkpoint_parsers(sub) -> None:
@@ -193,6 +195,8 @@ def _bench_save(args: argparse.Namespace, dp: int) -> int:
 
     from ._world import run_world_bench
     from .bench import save as bench_save
+    if args.via == "dcp.save":
+        from .bench import dcpsave as bench_save
     cfg = bench_save.SaveBenchConfig(world=args.world, tp=args.tp, dp=dp, size_mb=args.size, seed=args.seed,
                                      repeats=args.repeats, dir=args.dir, timeout=args.timeout, quiet=args.quiet)
     result, failed = run_world_bench("pipeload bench --save", lambda: bench_save.run(cfg))
@@ -278,6 +282,9 @@ def _bench(args: argparse.Namespace) -> int:
     dp = args.dp if args.dp is not None else max(1, args.world // args.tp)
     if args.save:
         return _bench_save(args, dp)
+    if args.via == "dcp.save":
+        print("pipeload bench: --via dcp.save needs --save", file=sys.stderr)
+        return 2
     if args.tier:
         return _bench_tier(args, dp)
     modes = args.modes or (MODES if args.full else QUICK_MODES)

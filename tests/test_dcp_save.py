@@ -1,0 +1,408 @@
+"""``dcp.save`` / ``dcp.async_save`` under ``pipeload.dcp.install()``: pipeload's planner, DCP's layout.
+
+One real gloo world of 4 ranks (a 2 x 2 mesh, ``dp`` x ``tp``) runs every sub-case:
+
+- ``dcp.save`` of a tensor-parallel model and its AdamW state (``get_state_dict`` inside an
+  ``AppState``-style ``Stateful``), DTensors on the mesh, a plain tensor and an int: the engine path;
+  stock ``dcp.load`` (switch off) and pipeload's DCP reader (switch on) read it bit for bit; its
+  ``.metadata`` holds the chunks stock ``dcp.save`` records for the same state, each written once;
+- ``dcp.async_save`` of the same: a ``Future`` of the ``Metadata``; tensors changed in place after the
+  call returned do not reach the checkpoint; ``no_dist=True`` on one rank alone, ``process_group=``;
+- a custom planner and a ``ZStandard`` writer go to DCP's own code and still load;
+- an unwritable directory on one rank: ``CheckpointException`` on every rank (blocking and from the
+  future), no hang.
+
+The parent process then loads the engine's checkpoint with stock ``dcp.load`` (``no_dist``, no switch)
+into whole tensors. ``uninstall()`` restoring DCP's function objects is checked in this process.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeload.formats.dcpmeta import SIDECAR
+from pipeload.tools._world import run_world
+
+WORLD_TIMEOUT = 240
+
+
+class AppState:
+    """DCP's ``Stateful`` protocol over a model and its optimizer."""
+
+    def __init__(self, model, optim):
+        self.model, self.optim = model, optim
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        m, o = get_state_dict(self.model, self.optim)
+        return {"model": m, "optim": o}
+
+    def load_state_dict(self, sd):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def _state(mesh, seed: int, steps: int) -> dict:
+    """A TP x DP model (tensor-parallel along ``tp``, replicas along ``dp``) with AdamW after ``steps``
+    steps, a plain tensor and an int (zeros / 0 with ``steps=0``: a destination)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for i in range(steps):
+        model(torch.full((2, 8), float(i + seed))).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    if not steps:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+    plain = torch.randn(5) if steps else torch.zeros(5)
+    return {"app": AppState(model, optim), "plain": plain, "step": 7 if steps else 0}
+
+
+def _leaves(sd, prefix=""):
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, AppState):
+            v = v.state_dict()
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        elif isinstance(v, list):
+            out.update(_leaves(dict(enumerate(v)), f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v.to_local().clone() if isinstance(v, DTensor) else (
+                v.clone() if isinstance(v, torch.Tensor) else v)
+    return out
+
+
+def _same(a: dict, b: dict, what: str) -> int:
+    assert a.keys() == b.keys(), f"{what}: keys {sorted(a.keys() ^ b.keys())}"
+    n = 0
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f"{what}: {k}"
+            n += 1
+        else:
+            assert x == y, f"{what}: {k}: {x!r} != {y!r}"
+    return n
+
+
+def _stock_load(mesh, path: str, **kw) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload.dcp as pd
+
+    assert not pd.is_installed()
+    dest = _state(mesh, 99, 0)
+    dcp.load(dest, checkpoint_id=path, **kw)
+    return _leaves(dest)
+
+
+def _chunks(path: str) -> dict:
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    return {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks) if hasattr(v, "chunks") else "bytes"
+            for k, v in md.state_dict_metadata.items()}, len(md.storage_data)
+
+
+def _engine_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
+    """dcp.save through the engine, read by stock dcp.load and by pipeload's reader; DCP's chunks."""
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload.dcp as pd
+
+    path, stock = os.path.join(root, "engine"), os.path.join(root, "stock")
+    saved = _state(mesh, 1, 2)
+    expect = _leaves(saved)
+    dcp.save(saved, checkpoint_id=stock)  # switch off: DCP's own, for the layout comparison
+    with pd.installed():
+        md = dcp.save(saved, checkpoint_id=path)
+        stats = pd.last_save_stats()
+        assert stats.path == "engine", stats
+        out["engine_items"] = stats.items_written
+        ours = _state(mesh, 3, 0)
+        dcp.load(ours, checkpoint_id=path)  # pipeload's DCP reader
+        out["reader_tensors"] = _same(_leaves(ours), expect, "pipeload's reader")
+        md2 = dcp.save(saved, checkpoint_id=path)  # a second save of the same layout reuses the plan
+        out["reused"] = pd.last_save_stats().plan_reused
+    # every rank returns the committed Metadata; the second (its rows unchanged) is the first's but its save id
+    assert md2.state_dict_metadata == md.state_dict_metadata and md2.storage_data == md.storage_data
+    assert md2.storage_meta.save_id != md.storage_meta.save_id
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        assert pickle.load(f).storage_meta.save_id == md2.storage_meta.save_id
+    out["stock_tensors"] = _same(_stock_load(mesh, path), expect, "stock dcp.load")
+    assert _chunks(path) == _chunks(stock), "the chunks differ from stock dcp.save's"
+    assert md.planner_data == pickle.load(open(os.path.join(stock, ".metadata"), "rb")).planner_data
+    from pipeload.save import saver
+
+    saver.wait_cleanup()  # the files the second save replaced are deleted by a thread
+    dist.barrier()
+    # nothing but DCP's (and the chunk table a load on the engine keeps beside .metadata): no temporary
+    # or replaced file left
+    out["files"] = sorted(f for f in os.listdir(path) if f != SIDECAR)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # (a collective: every rank, one order)
+            for k, v in _leaves_raw(saved["app"].state_dict()).items()}
+    if rank == 0:  # as bytes: tensors in a result would travel as shared memory of an exited process
+        buf = io.BytesIO()
+        torch.save(full, buf)
+        out["full"] = buf.getvalue()
+
+
+def _leaves_raw(sd, prefix=""):
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(_leaves_raw(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _async_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
+    """async_save: a Future; in-place writes after it returned do not reach the checkpoint."""
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload.dcp as pd
+
+    path = os.path.join(root, "async")
+    saved = _state(mesh, 2, 2)
+    expect = _leaves(saved)
+    with pd.installed():
+        fut = dcp.async_save(saved, checkpoint_id=path)
+        assert isinstance(fut, Future) and pd.last_save_stats().path == "engine"
+        with torch.no_grad():  # the trainer goes on: the checkpoint keeps the values at the call
+            for p in saved["app"].model.parameters():
+                p.add_(1.0)
+            saved["plain"].fill_(-1.0)
+        md = fut.result(timeout=60)
+        out["async_blocked_s"] = pd.last_save_stats().blocked_s
+    assert "plain" in md.state_dict_metadata
+    out["async_tensors"] = _same(_stock_load(mesh, path), expect, "async_save, stock dcp.load")
+    alone = os.path.join(root, f"alone{rank}")
+    if rank == 0:  # no_dist=True on one rank, while the others go on
+        with pd.installed():
+            dcp.save({"x": torch.arange(4.0), "y": 3}, checkpoint_id=alone, no_dist=True)
+            assert pd.last_save_stats().path == "engine"
+        got = {"x": torch.zeros(4), "y": 0}
+        dcp.load(got, checkpoint_id=alone, no_dist=True)
+        out["alone"] = torch.equal(got["x"], torch.arange(4.0)) and got["y"] == 3
+    _subgroup_case(rank, root, out)
+
+
+def _subgroup_case(rank: int, root: str, out: dict) -> None:
+    """process_group=: each pair of ranks saves its own checkpoint through the engine."""
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload.dcp as pd
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pg = pairs[rank // 2]
+    path = os.path.join(root, f"pair{rank // 2}")
+    value = torch.full((4,), float(rank // 2))
+    with pd.installed():
+        dcp.save({"v": value, "mine": torch.full((2,), float(rank))}, checkpoint_id=path, process_group=pg)
+        out["pair_path"] = pd.last_save_stats().path
+    got = {"v": torch.zeros(4), "mine": torch.zeros(2)}
+    dcp.load(got, checkpoint_id=path, process_group=pg)
+    assert torch.equal(got["v"], value)
+    out["pair_files"] = len([f for f in os.listdir(path) if f.endswith(".distcp")])
+
+
+def _stock_paths_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
+    """A custom planner and a ZStandard writer: DCP's own code, which still saves and loads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    import pipeload.dcp as pd
+
+    class Planner(DefaultSavePlanner):
+        pass
+
+    saved = _state(mesh, 4, 1)
+    expect = _leaves(saved)
+    with pd.installed():
+        dcp.save(saved, checkpoint_id=os.path.join(root, "planner"), planner=Planner())
+        out["planner_path"] = pd.last_save_stats().path
+        zstd = os.path.join(root, "zstd")
+        dcp.save(saved, storage_writer=dcp.FileSystemWriter(zstd, _extensions=[ZStandard()]))
+        out["zstd_path"] = pd.last_save_stats().path
+        fut = dcp.async_save(saved, storage_writer=dcp.FileSystemWriter(os.path.join(root, "azstd"),
+                                                                         _extensions=[ZStandard()]))
+        out["async_zstd_path"] = pd.last_save_stats().path
+        fut.result(timeout=60)
+    for name in ("planner", "zstd", "azstd"):
+        _same(_stock_load(mesh, os.path.join(root, name)), expect, name)
+
+
+def _failure_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
+    """Rank 1 cannot create its directory: CheckpointException on every rank, blocking and async."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import pipeload.dcp as pd
+
+    blocker = os.path.join(root, "a-file")
+    if rank == 1:
+        open(blocker, "w").close()
+    dist.barrier()
+    path = os.path.join(blocker, "ckpt") if rank == 1 else os.path.join(root, "failed")
+    saved = _state(mesh, 5, 1)
+    raised = []
+    with pd.installed():
+        try:
+            dcp.save(saved, checkpoint_id=path)
+        except CheckpointException as e:
+            raised.append(sorted(e.failures))
+        fut = dcp.async_save(saved, checkpoint_id=path)
+        try:
+            fut.result(timeout=60)
+        except CheckpointException as e:
+            raised.append(sorted(e.failures))
+    out["failed"] = raised
+    out["failed_committed"] = os.path.exists(os.path.join(root, "failed", ".metadata"))
+
+
+def world(rank: int, size: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.filterwarnings("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out: dict = {}
+    _engine_case(rank, size, root, mesh, out)
+    _async_case(rank, size, root, mesh, out)
+    _stock_paths_case(rank, size, root, mesh, out)
+    _failure_case(rank, size, root, mesh, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    pytest.importorskip("zstandard")
+    root = str(tmp_path_factory.mktemp("dcp_save"))
+    return root, run_world(world, 4, root, timeout=WORLD_TIMEOUT, pg_timeout=60)
+
+
+def test_dcp_save_through_the_engine_is_read_by_stock_dcp_and_pipeload(results):
+    _, r = results
+    assert all(x["stock_tensors"] >= 10 and x["reader_tensors"] == x["stock_tensors"] for x in r)
+    assert [x["engine_items"] for x in r] != [0] * 4 and all(x["reused"] for x in r)
+    assert r[0]["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+
+
+def test_the_checkpoint_loads_in_another_process_with_stock_dcp(results):
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload.dcp as pd
+
+    root, r = results
+    assert not pd.is_installed()
+    full = torch.load(io.BytesIO(r[0]["full"]))
+    dest = {"app": {"model": {k[len("model."):]: torch.zeros_like(v) for k, v in full.items() if k.startswith("model.")},
+                    "optim": {"state": {}}},
+            "plain": torch.zeros(5), "step": 0}
+    for k, v in full.items():
+        if k.startswith("optim.state."):
+            fqn, name = k[len("optim.state."):].rsplit(".", 1)
+            dest["app"]["optim"]["state"].setdefault(fqn, {})[name] = torch.zeros_like(v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(dest, checkpoint_id=os.path.join(root, "engine"), no_dist=True)
+    n = 0
+    for k, v in full.items():
+        head, rest = k.split(".", 1)
+        got = dest["app"][head]
+        if head == "optim":
+            fqn, name = rest[len("state."):].rsplit(".", 1)
+            got = got["state"][fqn][name]
+        else:
+            got = got[rest]
+        assert torch.equal(got, v), k
+        n += 1
+    assert n >= 10 and dest["step"] == 7
+
+
+def test_async_save_snapshots_at_the_call(results):
+    _, r = results
+    assert all(x["async_tensors"] >= 10 for x in r)
+    assert r[0]["alone"] is True
+    assert all(x["pair_path"] == "engine" and x["pair_files"] == 2 for x in r)
+
+
+def test_custom_planners_and_extensions_stay_stock_dcp(results):
+    _, r = results
+    assert all(x["planner_path"] == x["zstd_path"] == x["async_zstd_path"] == "dcp" for x in r)
+
+
+def test_a_failure_on_one_rank_raises_checkpoint_exception_everywhere(results):
+    _, r = results
+    assert all(x["failed"] == [[1], [1]] for x in r), [x["failed"] for x in r]
+    assert not r[0]["failed_committed"]
+
+
+def test_uninstall_restores_dcps_functions_exactly():
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict_saver as sds
+
+    import pipeload.dcp as pd
+    from pipeload.dcp import save as ours
+
+    before = (dcp.save, dcp.async_save, sds.save, sds.async_save, dcp.save_state_dict)
+    pd.install()
+    pd.install()
+    assert dcp.save is sds.save is ours.save and dcp.async_save is sds.async_save is ours.async_save
+    assert dcp.save_state_dict is before[4]
+    pd.uninstall()
+    assert all(a is b for a, b in zip((dcp.save, dcp.async_save, sds.save, sds.async_save, dcp.save_state_dict),
+                                      before))
+
+
+def test_async_save_returns_what_dcp_returns_for_the_call(tmp_path):
+    """One process (no_dist): a Future by default, DCP's AsyncSaveResponse for a DefaultStager with
+    async staging — as stock DCP returns for the same calls — both through the engine."""
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    import pipeload.dcp as pd
+
+    sd = {"a": torch.arange(6.0), "n": {"k": 3}}
+    stager = DefaultStager(StagingOptions(False, False, True, False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pd.installed():
+            resp = dcp.async_save(sd, checkpoint_id=str(tmp_path / "a"), no_dist=True, async_stager=stager)
+            assert pd.last_save_stats().path == "engine" and resp.staging_completion.done()
+            sd["a"].fill_(-1.0)
+            assert isinstance(resp.upload_completion.result(timeout=60), Metadata)
+            fut = dcp.async_save(sd, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+            assert isinstance(fut, Future) and pd.last_save_stats().path == "engine"
+            fut.result(timeout=60)
+        stager.close()
+        stock = DefaultStager(StagingOptions(False, False, True, False))
+        theirs = dcp.async_save(sd, checkpoint_id=str(tmp_path / "c"), no_dist=True, async_stager=stock)
+        theirs.upload_completion.result(timeout=60)
+        stock.close()
+        assert type(theirs) is type(resp)
+        got = {"a": torch.zeros(6), "n": {"k": 0}}
+        dcp.load(got, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    assert torch.equal(got["a"], torch.arange(6.0)) and got["n"]["k"] == 3
