@@ -3,7 +3,7 @@ own emulated host, so replicated boxes are read once and broadcast).
 
 The trainer's checkpointing is DCP's API only: an ``AppState``-style ``Stateful`` holding an FSDP2-over-TP
 model (dp 2 x tp 2) and its AdamW state through ``get_state_dict`` / ``set_state_dict``, plus the step;
-``dcp.async_save`` every few steps; then a restart in another layout (FSDP2 over all 4 ranks) that resumes
+``dcp.async_save`` every few steps (on pipeload's save, in DCP's layout); then a restart in another layout (FSDP2 over all 4 ranks) that resumes
 with ``dcp.load(checkpoint_id=...)``. The resumed weights, optimizer state and step equal the run that
 did not restart (as full tensors, bit for bit), and so does stock DCP's load of the same checkpoint; the
 switch's loads ran on pipeload's engine.
@@ -111,6 +111,8 @@ def _first_run(root: str) -> dict:
                     f.result()
                 futures = [dcp.async_save({"app": app}, checkpoint_id=os.path.join(root, f"step-{app.step}"))]
                 at_save = _full(app.state_dict())  # (the snapshot was taken in the call)
+                saved = pd.last_save_stats()
+                assert saved.path == "engine", saved
         for f in futures:
             f.result()
     return at_save
