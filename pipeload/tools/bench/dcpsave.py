@@ -22,13 +22,11 @@ rank); the time blocked is each rank's own.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from typing import Any
 
-from .save import MiB, SaveBenchConfig, _settled, _timed
+from .save import MiB, SaveBenchConfig, _settled, _timed, run_ranks
 
 
 def _exact(saved: dict, loaded: dict) -> int:
@@ -180,20 +178,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def run(cfg: SaveBenchConfig) -> dict[str, Any]:
     """Run the DCP save benchmark on a local world; the result (rows, targets, config)."""
-    from .._world import run_world
-
-    if cfg.tp * cfg.dp != cfg.world:
-        raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} must equal --world {cfg.world}")
-    own_dir = cfg.dir is None
-    cfg.dir = tempfile.mkdtemp(prefix="pipeload-bench-dcpsave-") if own_dir else os.path.abspath(cfg.dir)
-    t0 = time.perf_counter()
-    load_before = os.getloadavg()[0]
-    try:
-        values = run_world(_rank_main, cfg.world, cfg, timeout=cfg.timeout)
-    finally:
-        if own_dir:
-            shutil.rmtree(cfg.dir, ignore_errors=True)
+    values, when = run_ranks(cfg, _rank_main, "pipeload-bench-dcpsave-")
     rows = summarize(values)
     return {"config": dict(vars(cfg)), "owned_mib": [round(v["owned"] / MiB, 1) for v in values], "rows": rows,
-            "targets": check_targets(rows), "exact_tensors": min(v["exact_tensors"] for v in values),
-            "total_seconds": time.perf_counter() - t0, "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+            "targets": check_targets(rows), "exact_tensors": min(v["exact_tensors"] for v in values), **when}

@@ -271,26 +271,33 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: SaveBenchConfig) -> dict[str, Any]:
-    """Run the save benchmark on a local world; the result (rows, targets, config)."""
+def run_ranks(cfg: SaveBenchConfig, rank_main, prefix: str) -> tuple[list, dict[str, Any]]:
+    """``rank_main`` on a local world of ``cfg.world`` ranks in ``cfg.dir`` (a temporary directory,
+    removed afterwards, when None): every rank's value, and the run's time and load averages."""
     from .._world import run_world
 
     if cfg.tp * cfg.dp != cfg.world:
         raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} must equal --world {cfg.world}")
     own_dir = cfg.dir is None
-    cfg.dir = tempfile.mkdtemp(prefix="pipeload-bench-save-") if own_dir else os.path.abspath(cfg.dir)
+    cfg.dir = tempfile.mkdtemp(prefix=prefix) if own_dir else os.path.abspath(cfg.dir)
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
     try:
-        values = run_world(_rank_main, cfg.world, cfg, timeout=cfg.timeout)
+        values = run_world(rank_main, cfg.world, cfg, timeout=cfg.timeout)
     finally:
         if own_dir:
             shutil.rmtree(cfg.dir, ignore_errors=True)
+    return values, {"total_seconds": time.perf_counter() - t0,
+                    "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+
+
+def run(cfg: SaveBenchConfig) -> dict[str, Any]:
+    """Run the save benchmark on a local world; the result (rows, targets, config)."""
+    values, when = run_ranks(cfg, _rank_main, "pipeload-bench-save-")
     rows = summarize(values)
     owned = [v["owned"] for v in values]
     return {"config": asdict(cfg), "owned_mib": [round(o / MiB, 1) for o in owned], "rows": rows,
-            "targets": check_targets(rows, owned), "total_seconds": time.perf_counter() - t0,
-            "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+            "targets": check_targets(rows, owned), **when}
 
 
 if __name__ == "__main__":  # pragma: no cover - `pipeload bench --save` is the entry point
