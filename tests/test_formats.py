@@ -433,3 +433,28 @@ def test_payload_is_decoded_against_each_ranks_own_path(tmp_path, dcp_dir, hf_te
         assert ckpt.root == copy
     ckpt = from_payload(read_payload(str(single)), str(tmp_path / "hf-copy" / "model.safetensors"))
     assert ckpt.root == str(tmp_path / "hf-copy")
+
+
+def test_cast_converts_an_indexed_table_as_dcp_load_does(tmp_path):
+    """A DCP checkpoint (its chunk table indexed, not decoded) loaded into destinations of other dtypes
+    with ``cast=True``, and through ``dcp.load`` under the switch (which passes it): values converted as
+    ``copy_`` converts them, the other tensors untouched by the dtype change."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload.dcp as pd
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    saved = {"a": torch.randn(4, 3), "b": torch.randn(5).to(torch.bfloat16), "c": torch.arange(6)}
+    dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    want = {"a": saved["a"].double(), "b": saved["b"].float(), "c": saved["c"]}
+    dest = {k: torch.zeros_like(v) for k, v in want.items()}
+    pipeload.load(dest, str(tmp_path), cast=True)
+    assert all(torch.equal(dest[k], want[k]) and dest[k].dtype == want[k].dtype for k in want)
+    dest = {k: torch.zeros_like(v) for k, v in want.items()}
+    with pd.installed():
+        dcp.load(dest, checkpoint_id=str(tmp_path), no_dist=True)
+    assert pd.last_load().path == "engine", pd.last_load()
+    assert all(torch.equal(dest[k], want[k]) and dest[k].dtype == want[k].dtype for k in want)
