@@ -436,6 +436,13 @@ def _semantics_case(rank: int, world: int, root: str, out: dict) -> None:
         dcp.load(partial, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
         out["partial"] = (pd.last_load().path, torch.equal(partial["nope"], torch.ones(2)),
                           torch.equal(partial["extra"]["plain"], again["extra"]["plain"]))
+        # dtypes other than the stored ones (float32 -> bfloat16, bfloat16 -> float64): converted as copy_
+        # does, on the engine (the cast metadata had lost the chunk index's fields: a refusal, DCP's path)
+        cast = {"extra": {"plain": torch.zeros(5, dtype=torch.bfloat16),
+                          "tp_only": torch.zeros(6, 4, dtype=torch.float64)}}
+        dcp.load(cast, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        out["cast"] = (pd.last_load().path, pd.last_load().why, cast["extra"]["plain"].dtype == torch.bfloat16 and
+                       torch.equal(cast["extra"]["plain"], again["extra"]["plain"].to(torch.bfloat16)))
         own, values = _own_checkpoint(rank, root)
         mine = _load_own(dcp.FileSystemReader(own), no_dist=True)
         out["no_dist"] = (pd.last_load().path, _same(mine, values, "no_dist under install()"))
@@ -527,6 +534,7 @@ def test_install_keeps_dcps_rules_on_the_engine(results):
     for r in results:
         assert r["reused"] and r["missing"] is True, r
         assert r["partial"] == ("engine", True, True) and r["no_dist"] == ("engine", 2), r
+        assert r["cast"] == ("engine", "", True), r["cast"]
 
 
 def test_install_runs_no_code_from_a_checkpoint_unless_allowed(results):

@@ -18,6 +18,7 @@ by rank 0 and broadcast)::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import stat
 from dataclasses import dataclass, field
@@ -215,7 +216,8 @@ def cast_metadata(md: Metadata, leaves: dict) -> Metadata:
             changed[fqn] = want
     if not changed:
         return md
-    return Metadata(md.save_id, md.world_size, _with_dtypes(md.tensors, changed), md.objects, md.version)
+    # every other field kept: an indexed table without its index_file/data_files is not one
+    return dataclasses.replace(md, tensors=_with_dtypes(md.tensors, changed))
 
 
 def _stored_dtype(tensors: Mapping, fqn: str) -> str | None:
