@@ -237,6 +237,8 @@ def _dcp_to_torch_save_alone(rank: int, path: str, out: dict) -> None:
         dcp_to_torch_save(path, path + ".stock.pt")
         with pd.installed():
             dcp_to_torch_save(path, path + ".ours.pt")
+            # format_utils binds _load_state_dict by name: the switch reaches it there too
+            assert pd.last_load().path == "dcp" and "_EmptyStateDictLoadPlanner" in pd.last_load().why, pd.last_load()
         stock, ours = (torch.load(path + s, weights_only=False) for s in (".stock.pt", ".ours.pt"))
         out["to_torch_save_tensors"] = _same(ours, stock, "dcp_to_torch_save under install()")
         assert pd.last_stats().items_received == 0
@@ -567,14 +569,14 @@ def test_uninstall_restores_dcps_objects_exactly():
     assert issubclass(pd.FileSystemReader, before[0]) and issubclass(pd.HuggingFaceStorageReader, before[3])
     sys.modules.pop("torch.distributed.checkpoint.format_utils", None)  # imported while installed
     fu = importlib.import_module("torch.distributed.checkpoint.format_utils")
-    assert fu.FileSystemReader is pd.FileSystemReader
+    assert fu.FileSystemReader is pd.FileSystemReader and fu._load_state_dict is sdl._load_state_dict
     with pd.installed():  # nested in an install(): leaves it on
         pass
     assert pd.is_installed()
     pd.uninstall()
     pd.uninstall()
     assert [getattr(m, n) for m, n in names] == before and all(getattr(m, n) is b for (m, n), b in zip(names, before))
-    assert fu.FileSystemReader is before[0] and not pd.is_installed()
+    assert fu.FileSystemReader is before[0] and fu._load_state_dict is before[5] and not pd.is_installed()
     with pd.installed():
         with pd.installed():
             assert dcp.FileSystemReader is pd.FileSystemReader
