@@ -237,6 +237,8 @@ def _dcp_to_torch_save_alone(rank: int, path: str, out: dict) -> None:
         dcp_to_torch_save(path, path + ".stock.pt")
         with pd.installed():
             dcp_to_torch_save(path, path + ".ours.pt")
+            # format_utils binds _load_state_dict by name: the switch reaches it there too
+            assert pd.last_load().path == "dcp" and "_EmptyStateDictLoadPlanner" in pd.last_load().why, pd.last_load()
         stock, ours = (torch.load(path + s, weights_only=False) for s in (".stock.pt", ".ours.pt"))
         out["to_torch_save_tensors"] = _same(ours, stock, "dcp_to_torch_save under install()")
         assert pd.last_stats().items_received == 0
@@ -500,6 +502,13 @@ def _semantics_case(rank: int, world: int, root: str, out: dict) -> None:
         dcp.load(partial, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
         out["partial"] = (pd.last_load().path, torch.equal(partial["nope"], torch.ones(2)),
                           torch.equal(partial["extra"]["plain"], again["extra"]["plain"]))
+        # dtypes other than the stored ones (float32 -> bfloat16, bfloat16 -> float64): converted as copy_
+        # does, on the engine (the cast metadata had lost the chunk index's fields: a refusal, DCP's path)
+        cast = {"extra": {"plain": torch.zeros(5, dtype=torch.bfloat16),
+                          "tp_only": torch.zeros(6, 4, dtype=torch.float64)}}
+        dcp.load(cast, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        out["cast"] = (pd.last_load().path, pd.last_load().why, cast["extra"]["plain"].dtype == torch.bfloat16 and
+                       torch.equal(cast["extra"]["plain"], again["extra"]["plain"].to(torch.bfloat16)))
         own, values = _own_checkpoint(rank, root)
         mine = _load_own(dcp.FileSystemReader(own), no_dist=True)
         out["no_dist"] = (pd.last_load().path, _same(mine, values, "no_dist under install()"))
@@ -605,6 +614,7 @@ def test_install_keeps_dcps_rules_on_the_engine(results):
     for r in results:
         assert r["reused"] and r["missing"] is True, r
         assert r["partial"] == ("engine", True, True) and r["no_dist"] == ("engine", 2), r
+        assert r["cast"] == ("engine", "", True), r["cast"]
 
 
 def test_install_runs_no_code_from_a_checkpoint_unless_allowed(results):
@@ -637,14 +647,14 @@ def test_uninstall_restores_dcps_objects_exactly():
     assert issubclass(pd.FileSystemReader, before[0]) and issubclass(pd.HuggingFaceStorageReader, before[3])
     sys.modules.pop("torch.distributed.checkpoint.format_utils", None)  # imported while installed
     fu = importlib.import_module("torch.distributed.checkpoint.format_utils")
-    assert fu.FileSystemReader is pd.FileSystemReader
+    assert fu.FileSystemReader is pd.FileSystemReader and fu._load_state_dict is sdl._load_state_dict
     with pd.installed():  # nested in an install(): leaves it on
         pass
     assert pd.is_installed()
     pd.uninstall()
     pd.uninstall()
     assert [getattr(m, n) for m, n in names] == before and all(getattr(m, n) is b for (m, n), b in zip(names, before))
-    assert fu.FileSystemReader is before[0] and not pd.is_installed()
+    assert fu.FileSystemReader is before[0] and fu._load_state_dict is before[5] and not pd.is_installed()
     with pd.installed():
         with pd.installed(allow_pickle=True):
             assert dcp.FileSystemReader is pd.FileSystemReader and pd.FileSystemReader._allow_pickle

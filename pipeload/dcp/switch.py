@@ -2,7 +2,9 @@
 
 ``dcp.load`` calls ``state_dict_loader._load_state_dict`` through that module's global at call time:
 :func:`install` puts :func:`pipeload.dcp.load.engine_load_state_dict`'s function there (and
-:func:`uninstall` DCP's own back), so every ``dcp.load`` / ``load_state_dict`` reaches the engine.
+:func:`uninstall` DCP's own back), so every ``dcp.load`` / ``load_state_dict`` reaches the engine; so
+does every DCP module that bound the function by name at import (``format_utils``: ``dcp_to_torch_save``),
+and :func:`pipeload.dcp.last_load` tells what those calls did too.
 
 DCP has no registry of readers. ``dcp.load(sd, checkpoint_id=path)`` picks its reader in
 ``torch.distributed.checkpoint._storage_utils._storage_setup``, which looks up that module's global
@@ -45,6 +47,7 @@ _FUNCTIONS = ((_PACKAGE, "save", dcp_save.save), (_PACKAGE, "async_save", dcp_sa
 
 _lock = threading.RLock()
 _replaced: dict[tuple[str, str], Any] = {}  # (module, name) -> the object install() found there
+_ours: dict[Any, Any] = {}  # each replacement function install() made -> DCP's function it replaced
 _on = False
 _allow_pickle = False
 
@@ -91,12 +94,19 @@ def install(*, allow_pickle: bool = False) -> None:
 
 
 def _rebind_functions() -> None:
+    """Each load door of :data:`_LOAD_DOORS` replaced in its module and in every DCP module that bound it
+    by name at import (``format_utils`` holds ``_load_state_dict`` itself: ``dcp_to_torch_save`` calls
+    it); then the save functions of :data:`_FUNCTIONS`."""
     for suffix, name, factory in _LOAD_DOORS:
         mod = importlib.import_module(_PACKAGE + suffix)
         original = mod.__dict__[name]
         where, _, attr = factory.partition(":")
-        _replaced[(mod.__name__, name)] = original
-        setattr(mod, name, getattr(importlib.import_module(where), attr)(original))
+        ours = getattr(importlib.import_module(where), attr)(original)
+        _ours[ours] = original
+        for modname, other in _dcp_modules():
+            if other.__dict__.get(name) is original:
+                _replaced[(modname, name)] = original
+                setattr(other, name, ours)
     for modname, name, ours in _FUNCTIONS:
         mod = importlib.import_module(modname)
         found = mod.__dict__.get(name)
@@ -107,7 +117,8 @@ def _rebind_functions() -> None:
 
 def uninstall() -> None:
     """Put back, in every module of DCP, exactly the objects :func:`install` replaced (DCP modules first
-    imported while installed, which bound pipeload's classes, get DCP's). A no-op when not installed."""
+    imported while installed, which bound pipeload's classes or functions, get DCP's). A no-op when not
+    installed."""
     global _on, _allow_pickle
     with _lock:
         for (modname, name), original in _replaced.items():
@@ -120,7 +131,12 @@ def uninstall() -> None:
                 for dcp_class, ours in _OURS:
                     if found is ours:
                         setattr(mod, name, dcp_class)
+            for _, name, _ in _LOAD_DOORS:  # bound by a DCP module first imported while installed
+                found = mod.__dict__.get(name)
+                if found is not None and found in _ours:
+                    setattr(mod, name, _ours[found])
         _replaced.clear()
+        _ours.clear()
         _on = _allow_pickle = StorageReader._allow_pickle = False
 
 

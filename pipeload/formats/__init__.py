@@ -216,6 +216,7 @@ def cast_metadata(md: Metadata, leaves: dict) -> Metadata:
             changed[fqn] = want
     if not changed:
         return md
+    # every other field kept: an indexed table without its index_file/data_files is not one
     return dataclasses.replace(md, tensors=_with_dtypes(md.tensors, changed))
 
 
