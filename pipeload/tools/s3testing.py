@@ -26,6 +26,8 @@ HOST = "127.0.0.1"
 
 
 def free_port() -> int:
+    """A loopback port free now. Another process may take it before the caller binds it: a caller that
+    can bind port 0 itself (and read its port back) should; :class:`LocalS3` retries on a new port."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
@@ -48,10 +50,22 @@ class LocalS3:
 
     def __init__(self, port: int | None = None):
         """``port``: a server already running there (another process's): only its client is used."""
+        self._chosen = port is None
         self.port = port or free_port()
         self._proc = None
 
-    def start(self) -> "LocalS3":
+    def start(self, tries: int = 3) -> "LocalS3":
+        """Start the server; when it exits at once (its free port was taken meanwhile by another
+        process) start it again on another port, ``tries`` times in all."""
+        for _ in range(tries):
+            if self._start_once():
+                return self
+            if not self._chosen:
+                break
+            self.port = free_port()
+        raise RuntimeError(f"moto server did not start on {HOST}:{self.port}")
+
+    def _start_once(self) -> bool:
         import subprocess
         import sys
 
@@ -62,11 +76,12 @@ class LocalS3:
         while time.monotonic() < deadline and self._proc.poll() is None:
             try:
                 with socket.create_connection((HOST, self.port), timeout=1):
-                    return self
+                    if self._proc.poll() is None:  # ours answered, not another process on that port
+                        return True
             except OSError:
                 time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"moto server did not start on {HOST}:{self.port}")
+        return False
 
     def stop(self) -> None:
         if self._proc is not None:
@@ -174,7 +189,8 @@ class FaultProxy:
     def __init__(self, upstream_port: int, links: int = 1, faults: Faults | None = None):
         self.upstream = upstream_port
         self.faults = faults or Faults()
-        self.ports = [free_port() for _ in range(links)]
+        self.ports: list[int] = []  # bound at start(), on ports the kernel picks (no race for them)
+        self._n = links
         self.log: list[Request] = []
         self._attempts: dict[tuple[str, str], int] = {}  # (path, range) -> times asked for
         self._first_done: set[str] = set()  # objects whose first GET met its rule's "first" fault
@@ -192,9 +208,10 @@ class FaultProxy:
         return self
 
     async def _listen(self) -> None:
-        for i, port in enumerate(self.ports):
-            srv = await asyncio.start_server(lambda r, w, i=i: self._client(r, w, i), HOST, port)
+        for i in range(self._n):
+            srv = await asyncio.start_server(lambda r, w, i=i: self._client(r, w, i), HOST, 0)
             self._servers.append(srv)
+            self.ports.append(srv.sockets[0].getsockname()[1])
 
     def stop(self) -> None:
         async def close():
