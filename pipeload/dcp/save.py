@@ -48,11 +48,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 from torch.distributed.checkpoint import filesystem as dcp_fs
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._storage_utils import _storage_setup
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..engine._busy import Guard
 from ..engine._gcpause import paused_gc
@@ -63,6 +63,7 @@ from ..plan.statedict import tensor_box
 from ..plan.tensorkinds import source_refusal
 from ..save import background as bg
 from ..save import saver
+from .flatten import flatten_state_dict
 from .savelayout import DcpPhases, object_bytes
 
 DCP_SAVE = dcp_saver.save
@@ -192,23 +193,55 @@ def _content_refusal(flat: dict) -> str | None:
     """Why a tensor of the flattened state dict is one pipeload's save refuses (DCP's code saves it).
 
     DTensors whose placements are all ``Shard`` or ``Replicate`` need no more than their local tensor's
-    kind; other placements (``Partial``, strided shards) are resolved as the save will resolve them."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
+    kind; other placements (``Partial``, strided shards) are resolved as the save will resolve them.
+    The common kinds (a plain CPU or CUDA tensor, or a DTensor of one, of a storable dtype) are
+    recognised with a few attribute reads a tensor and a verdict kept per placements and per dtype:
+    this runs in ``dcp.async_save``'s blocked time, once per key."""
     cache: dict = {}
+    dtypes: dict = {}  # dtype -> storable
     for fqn, v in flat.items():
-        if not isinstance(v, torch.Tensor):
+        kind = type(v)
+        if kind is DTensor:
+            local, plain = v._local_tensor, _plain_placements(v._spec.placements)
+        elif kind in _PLAIN_KINDS:
+            local, plain = v, True
+        elif isinstance(v, torch.Tensor):
+            local, plain = v, False
+        else:
             continue
-        why = source_refusal(v) or (None if storable_dtype(v.dtype) else f"dtype {v.dtype}")
-        if why is None and type(v) is not torch.Tensor and not (
-                type(v) is DTensor and all(type(p) in (Shard, Replicate) for p in v.placements)):
-            try:
-                tensor_box(fqn, v, cache)
-            except ValueError as e:
-                why = str(e)
+        storable = dtypes.get(local.dtype)
+        if storable is None:
+            storable = dtypes[local.dtype] = bool(storable_dtype(local.dtype))
+        if (plain and storable and type(local) in _PLAIN_KINDS and local.layout is torch.strided
+                and (local.is_cpu or local.is_cuda) and not local.is_nested and not local.is_quantized):
+            continue
+        why = _tensor_refusal(fqn, v, cache)
         if why:
             return f"{fqn!r}: {why}"
     return None
+
+
+_PLAIN_KINDS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_PLACEMENTS = (Shard, Replicate)
+
+
+def _plain_placements(placements) -> bool:
+    for p in placements:
+        if type(p) not in _PLAIN_PLACEMENTS:
+            return False
+    return True
+
+
+def _tensor_refusal(fqn: str, v: torch.Tensor, cache: dict) -> str | None:
+    """The full check of one tensor the common-kind test did not pass."""
+    why = source_refusal(v) or (None if storable_dtype(v.dtype) else f"dtype {v.dtype}")
+    if why is None and type(v) is not torch.Tensor and not (
+            type(v) is DTensor and _plain_placements(v.placements)):
+        try:
+            tensor_box(fqn, v, cache)
+        except ValueError as e:
+            why = str(e)
+    return why
 
 
 def _agree(call: _Call, what: str) -> None:
