@@ -124,6 +124,7 @@ def _engine_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
     """dcp.save through the engine, read by stock dcp.load and by pipeload's reader; DCP's chunks."""
     import torch.distributed.checkpoint as dcp
 
+    import pipeload
     import pipeload.dcp as pd
 
     path, stock = os.path.join(root, "engine"), os.path.join(root, "stock")
@@ -140,11 +141,18 @@ def _engine_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
         out["reader_tensors"] = _same(_leaves(ours), expect, "pipeload's reader")
         md2 = dcp.save(saved, checkpoint_id=path)  # a second save of the same layout reuses the plan
         out["reused"] = pd.last_save_stats().plan_reused
+        # another layout saved on the same group in between (pipeload.save of the nested dict: another
+        # signature, the same exchange rows) keeps both plans: each reuses its own the next time
+        nested = {"app": saved["app"].state_dict(), "plain": saved["plain"], "step": saved["step"]}
+        reused = [pipeload.save(nested, os.path.join(root, f"nested{i}")).plan_reused for i in range(2)]
+        md3 = dcp.save(saved, checkpoint_id=path)
+        out["alternating_reused"] = reused + [pd.last_save_stats().plan_reused]
+        assert md3.state_dict_metadata == md.state_dict_metadata
     # every rank returns the committed Metadata; the second (its rows unchanged) is the first's but its save id
     assert md2.state_dict_metadata == md.state_dict_metadata and md2.storage_data == md.storage_data
-    assert md2.storage_meta.save_id != md.storage_meta.save_id
+    assert len({md.storage_meta.save_id, md2.storage_meta.save_id, md3.storage_meta.save_id}) == 3
     with open(os.path.join(path, ".metadata"), "rb") as f:
-        assert pickle.load(f).storage_meta.save_id == md2.storage_meta.save_id
+        assert pickle.load(f).storage_meta.save_id == md3.storage_meta.save_id
     out["stock_tensors"] = _same(_stock_load(mesh, path), expect, "stock dcp.load")
     assert _chunks(path) == _chunks(stock), "the chunks differ from stock dcp.save's"
     assert md.planner_data == pickle.load(open(os.path.join(stock, ".metadata"), "rb")).planner_data
@@ -304,6 +312,7 @@ def test_dcp_save_through_the_engine_is_read_by_stock_dcp_and_pipeload(results):
     _, r = results
     assert all(x["stock_tensors"] >= 10 and x["reader_tensors"] == x["stock_tensors"] for x in r)
     assert [x["engine_items"] for x in r] != [0] * 4 and all(x["reused"] for x in r)
+    assert all(x["alternating_reused"] == [False, True, True] for x in r), [x["alternating_reused"] for x in r]
     assert r[0]["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
 
 

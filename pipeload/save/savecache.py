@@ -13,7 +13,12 @@ the previous save; their values take no part in the plan). Every rank then sends
 rank 0 also a fresh save id): every rank reuses exactly when every rank offered the same non-zero
 token, so all take the same branch, and any rank whose layout changed (offer 0) makes every rank plan
 afresh. A kept plan holds no reference to the state dict's values (it keeps the objects' pickles, each
-up to :data:`OBJECT_MEMO_BYTES`). At most :data:`CAPACITY` groups are kept per process.
+up to :data:`OBJECT_MEMO_BYTES`). At most :data:`CAPACITY` plans are kept per process, several per group
+when a job saves several layouts on one group (a full checkpoint and a weights-only export, or
+``pipeload.save`` beside ``dcp.save`` under the switch, whose flattened dict is another layout): each
+save offers the most recently used plan of its group that its state dict matches. Two layouts may
+share a token (a nested dict and its flattened form send equal exchange rows, so they plan the same
+table): the token decides only whether every rank reuses, and each rank binds its own matched entry.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from ..plan.plancache import leaf_positions, signature
 from .saveplan import KIND_OBJECT, R_NAMES, R_RECORD, LocalRecord, Plan, _key_columns
 from ..plan.statedict import is_container
 
-CAPACITY = 2
+CAPACITY = 6
 
 
 @dataclass
@@ -98,33 +103,43 @@ class Offer(NamedTuple):
     items: list
 
 
-_cache: "OrderedDict[tuple, Entry]" = OrderedDict()
+_cache: "OrderedDict[tuple, Entry]" = OrderedDict()  # (group ranks, store count) -> entry, LRU order
+_stored = 0
 
 
 def _key(comm) -> tuple:
+    """The group's part of a kept plan's key."""
     return tuple(comm.global_ranks)
 
 
 def offer(comm, state_dict: dict) -> Offer | None:
     """The kept plan this rank may offer for ``state_dict``, with its items bound to this save's values;
     None when there is none, the layout changed, or an object no longer serialises safely."""
-    e = _cache.get(_key(comm))
-    if e is None or e.pg is not comm.pg or not isinstance(state_dict, dict):
+    if not isinstance(state_dict, dict):
         return None
-    try:
-        found = match(state_dict, is_container, *e.signature)
-    except Exception:  # noqa: BLE001 - a leaf whose facts cannot be read (a nested tensor): the full path
-        return None  # refuses it, naming the key
-    if found is None:
-        return None
-    values = found[0]
+    group = _key(comm)
+    for key in reversed([k for k in _cache if k[0] == group]):  # the most recently used first
+        e = _cache[key]
+        if e.pg is not comm.pg:
+            continue
+        try:
+            found = match(state_dict, is_container, *e.signature)
+        except Exception:  # noqa: BLE001 - a leaf whose facts cannot be read (a nested tensor): the full
+            return None  # path refuses it, naming the key
+        if found is not None:
+            return _bound(key, e, found[0])
+    return None
+
+
+def _bound(key: tuple, e: Entry, values: list) -> Offer | None:
+    """The offer of the kept plan ``e`` with this save's ``values`` (its leaves, matched)."""
     payload: dict[str, Any] = {}
     try:
         for fqn in e.objects:
             payload[fqn] = encode_again(e.encoded, fqn, values[e.positions[fqn]])
     except ValueError:
         return None  # the full path reports it, naming the key
-    _cache.move_to_end(_key(comm))
+    _cache.move_to_end(key)
     return Offer(e.token, e, bind(e.specs, e.spec_positions, values, payload))
 
 
@@ -160,9 +175,12 @@ def store(comm, state_dict: dict, leaves, entry: Entry) -> None:
     fqns = sorted({*(s[3] for s in entry.specs), *entry.objects})
     entry.positions = dict(zip(fqns, leaf_positions(leaves, fqns)))
     entry.spec_positions = [entry.positions[s[3]] for s in entry.specs]
-    k = _key(comm)
-    _cache.pop(k, None)
-    _cache[k] = entry
+    group = _key(comm)
+    for k in [k for k, e in _cache.items() if k[0] == group and e.signature == entry.signature]:
+        del _cache[k]  # the plan this one replaces (the layout's token may be another's too, see above)
+    global _stored
+    _stored += 1
+    _cache[(group, _stored)] = entry
     while len(_cache) > CAPACITY:
         _cache.popitem(last=False)
 
