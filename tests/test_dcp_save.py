@@ -256,7 +256,16 @@ def _stock_paths_case(rank: int, world: int, root: str, mesh, out: dict) -> None
                                                                          _extensions=[ZStandard()]))
         out["async_zstd_path"] = pd.last_save_stats().path
         fut.result(timeout=60)
-    for name in ("planner", "zstd", "azstd"):
+        # one rank's call only DCP's code can save: every rank takes DCP's (in the plan's first collective)
+        mine = {"planner": Planner()} if rank == 2 else {}
+        dcp.save(saved, checkpoint_id=os.path.join(root, "one-planner"), **mine)
+        out["one_refusal"] = [(pd.last_save_stats().path, pd.last_save_stats().reason)]
+        fut = dcp.async_save(saved, checkpoint_id=os.path.join(root, "a-one-planner"), **mine)
+        out["one_refusal"].append((pd.last_save_stats().path, pd.last_save_stats().reason))
+        fut.result(timeout=60)
+        dcp.save(saved, checkpoint_id=os.path.join(root, "after-refusal"))  # and the next call is the engine's
+        out["one_refusal"].append((pd.last_save_stats().path, ""))
+    for name in ("planner", "zstd", "azstd", "one-planner", "a-one-planner", "after-refusal"):
         _same(_stock_load(mesh, os.path.join(root, name)), expect, name)
 
 
@@ -358,6 +367,10 @@ def test_async_save_snapshots_at_the_call(results):
 def test_custom_planners_and_extensions_stay_stock_dcp(results):
     _, r = results
     assert all(x["planner_path"] == x["zstd_path"] == x["async_zstd_path"] == "dcp" for x in r)
+    for rank, x in enumerate(r):
+        why = "planner Planner" if rank == 2 else "rank(s) [2] cannot save through the engine"
+        assert [p for p, _ in x["one_refusal"]] == ["dcp", "dcp", "engine"], x["one_refusal"]
+        assert why in x["one_refusal"][0][1], (rank, x["one_refusal"])  # (async_save's is DCP's executor's)
 
 
 def test_a_failure_on_one_rank_raises_checkpoint_exception_everywhere(results):

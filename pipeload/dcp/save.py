@@ -20,9 +20,11 @@ Which path a call takes (:func:`last_save_stats` says which one it took, ``path`
   ``use_collectives=False``, positional arguments), and calls made by DCP's own async executors: DCP's
   original function, unchanged.
 
-The decision is taken alike on every rank before anything is written: each rank's verdict travels in
-one all-gather of one word on the call's group, and one "dcp" sends every rank there. Every rank must
-have the switch installed (a rank without it runs DCP's collectives against the others' gather).
+The decision is taken alike on every rank before anything is written, without a collective of its own:
+each rank's verdict is a word of the save plan's first all-gather on the call's group (a rank that
+refuses takes part in that one collective only, :func:`pipeload.save.saver.decline`), and one refusal
+sends every rank there. Every rank must have the switch installed (a rank without it runs DCP's
+collectives against the others' gather).
 
 ``async_save`` on the engine path is ``pipeload.save(background=True)``: the caller's thread plans and
 copies what this rank writes into staging (blocked only for that share), and returns; the writes,
@@ -244,13 +246,16 @@ def _tensor_refusal(fqn: str, v: torch.Tensor, cache: dict) -> str | None:
     return why
 
 
-def _agree(call: _Call, what: str) -> None:
-    """Every rank's verdict in one all-gather of one word; any "dcp" makes it every rank's."""
-    if call.comm is None or call.comm.size == 1:
-        return
-    rows = call.comm.gather_rows(np.array([call.reason is None], dtype=np.int64), what, "agreement on the path")
-    if call.reason is None and not rows[:, 0].all():
-        call.reason = f"rank(s) {np.flatnonzero(rows[:, 0] == 0).tolist()} cannot save through the engine"
+def _decline(call: _Call) -> None:
+    """A rank that cannot take the engine answers the engine ranks' first collective
+    (:func:`pipeload.save.saver.decline`): every rank then takes DCP's code. No collective without a
+    group (``use_collectives=False``, a group that could not be read) or alone."""
+    if call.comm is not None and call.comm.size > 1:
+        saver.decline(call.comm, call.directory or str(call.kw.get("checkpoint_id")))
+
+
+def _declined_reason(e: saver.Declined) -> str:
+    return f"rank(s) {e.ranks} cannot save through the engine"
 
 
 def _split(flat: dict, mappings: dict) -> tuple[dict, dict[str, bytes]]:
@@ -273,9 +278,11 @@ def _checkpoint_exception(e: BaseException, rank: int) -> CheckpointException:
     return CheckpointException(str(e), failures)
 
 
-def _prepare(kw: dict, state_dict, asynchronous: bool, what: str):
-    """(call, flattened dict, objects, mappings): the arguments checked, ``Stateful`` values replaced
-    by their ``state_dict()`` and the dict flattened as DCP does, the path agreed on every rank."""
+def _prepare(kw: dict, state_dict, asynchronous: bool):
+    """(call, state dict, flattened dict, objects, mappings): the arguments checked, ``Stateful`` values
+    replaced by their ``state_dict()`` and the dict flattened as DCP does. No collective: the ranks'
+    verdicts meet in the plan phase's first one (a rank that refuses calls :func:`_decline`, and every
+    engine rank's plan phase raises :class:`~pipeload.save.saver.Declined`)."""
     call = _check(kw, asynchronous)
     flat = objects = mappings = None
     if call.reason is None:
@@ -286,7 +293,6 @@ def _prepare(kw: dict, state_dict, asynchronous: bool, what: str):
             call.reason = _content_refusal(flat)
         except Exception as e:  # noqa: BLE001 - DCP's code raises it (or saves it) its own way
             call.reason = f"state dict: {type(e).__name__}: {e}"
-    _agree(call, what)
     if call.reason is None:
         flat, objects = _split(flat, mappings)
     return call, state_dict, flat, objects, mappings
@@ -312,22 +318,28 @@ def save(state_dict, *args, **kwargs):
         return DCP_SAVE(state_dict, *args, **kwargs)
     t0 = time.perf_counter()
     with paused_gc():  # flattening allocates an object per key: no cycle search over the trainer's heap
-        call, state_dict, flat, objects, mappings = _prepare(kwargs, state_dict, False, "dcp.save")
+        call, state_dict, flat, objects, mappings = _prepare(kwargs, state_dict, False)
+    if call.reason is not None:
+        _decline(call)
+    else:
+        stats = DcpSaveStats("save", "engine", prepare_s=time.perf_counter() - t0)
+        phases = DcpPhases(objects, mappings, call.writer)
+        try:
+            with paused_gc():
+                _engine_save(flat, call.directory, call.comm, phases, stats)
+        except saver.Declined as e:  # another rank refused: before anything was planned or written
+            call.reason = _declined_reason(e)
+        except CheckpointException:
+            raise
+        except Exception as e:  # noqa: BLE001 - raised alike on every rank: DCP's exception type
+            raise _checkpoint_exception(e, call.comm.rank) from e
+        finally:
+            if call.reason is None:
+                stats.blocked_s = time.perf_counter() - t0
+                _record(stats)
     if call.reason is not None:
         _record(DcpSaveStats("save", "dcp", call.reason))
         return _stock_save(call, state_dict, kwargs)
-    stats = DcpSaveStats("save", "engine", prepare_s=time.perf_counter() - t0)
-    phases = DcpPhases(objects, mappings, call.writer)
-    try:
-        with paused_gc():
-            _engine_save(flat, call.directory, call.comm, phases, stats)
-    except CheckpointException:
-        raise
-    except Exception as e:  # noqa: BLE001 - raised alike on every rank: DCP's exception type
-        raise _checkpoint_exception(e, call.comm.rank) from e
-    finally:
-        stats.blocked_s = time.perf_counter() - t0
-        _record(stats)
     return phases.metadata
 
 
@@ -363,8 +375,9 @@ def async_save(state_dict, *args, **kwargs):
         return DCP_ASYNC_SAVE(state_dict, *args, **kwargs)
     t0 = time.perf_counter()
     with paused_gc():
-        call, state_dict, flat, objects, mappings = _prepare(kwargs, state_dict, True, "dcp.async_save")
+        call, state_dict, flat, objects, mappings = _prepare(kwargs, state_dict, True)
     if call.reason is not None:
+        _decline(call)
         _record(DcpSaveStats("async_save", "dcp", call.reason))
         return DCP_ASYNC_SAVE(state_dict, **kwargs)
     stats = DcpSaveStats("async_save", "engine", prepare_s=time.perf_counter() - t0)
@@ -372,6 +385,9 @@ def async_save(state_dict, *args, **kwargs):
     future: Future = Future()
     try:
         handle = _engine_async(flat, call.directory, call.comm, phases)
+    except saver.Declined as e:  # another rank refused: before anything was planned or staged
+        _record(DcpSaveStats("async_save", "dcp", _declined_reason(e)))
+        return DCP_ASYNC_SAVE(state_dict, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure is the future's, on every rank alike
         future.set_exception(_checkpoint_exception(e, call.comm.rank))
     else:

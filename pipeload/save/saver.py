@@ -2,8 +2,9 @@
 
 Order of a save (every rank of the group), in three phases:
 
-1. :func:`plan_phase`, no I/O: two words per rank decide whether every rank reuses the plan of the
-   previous save (:mod:`pipeload.save.savecache`; rank 0's word is the fresh save id). Otherwise each rank
+1. :func:`plan_phase`, no I/O: three words per rank decide whether every rank reuses the plan of the
+   previous save (:mod:`pipeload.save.savecache`; rank 0's word is the fresh save id; the third says a
+   rank's caller declined the save, :func:`decline`). Otherwise each rank
    builds its columnar record (:mod:`pipeload.save.saveplan`: name table and shard record; objects
    serialised and checked to load back under ``weights_only=True``), the rows and the distinct records
    are exchanged, and every rank derives the same plan: replicated chunks written once, by the writer
@@ -526,15 +527,14 @@ def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | No
     simulation, :mod:`pipeload.tools.simsave`, passes the boxes of its virtual meshes).
 
     Collectives, the same on every rank in this order: the reuse words (:mod:`pipeload.save.savecache`;
-    they carry rank 0's fresh save id); unless every rank reuses its kept plan, the exchange of
+    they carry rank 0's fresh save id, and one rank's :func:`decline` makes every rank raise
+    :class:`Declined` right after them); unless every rank reuses its kept plan, the exchange of
     :func:`pipeload.save.saveplan.exchange`. ``contended`` is this rank's reason not to save, reported
     like a problem of its state dict.
     """
     what = f"pipeload.save into {directory}"
     offer = savecache.offer(comm, state_dict) if not contended else None
-    save_word = savecache.new_save_word() if comm.rank == 0 else 0
-    words = comm.gather_rows(np.array([offer.token if offer else 0, save_word], dtype=np.int64), what,
-                             "all-gather of save plan tokens")
+    words = _reuse_words(comm, offer.token if offer else 0, False, what)
     save_id = savecache.save_id_of(int(words[0, 1]))
     if savecache.all_reuse(words[:, 0]):
         return _plan_from(offer.entry, offer.items, save_id, comm.rank, reused=True)
@@ -562,6 +562,39 @@ def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | No
     if leaves is not None:
         savecache.store(comm, state_dict, leaves, entry)
     return _plan_from(entry, savecache.items_of(entry, rec.payload), save_id, comm.rank, reused=False)
+
+
+REUSE_CALL = "all-gather of save plan tokens"
+
+
+class Declined(Exception):
+    """Raised by :func:`plan_phase` on every rank alike, before anything is planned, when the caller on
+    some rank declined the save with :func:`decline` (the DCP switch, for a call only DCP's own code can
+    save); ``ranks`` are those ranks."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"rank(s) {ranks} declined the save")
+        self.ranks = ranks
+
+
+def _reuse_words(comm: Comm, token: int, declined: bool, what: str) -> np.ndarray:
+    """The plan phase's first collective: per rank its kept plan's token, rank 0's fresh save word, and
+    whether the rank declined (so that a caller's own go/no-go costs no collective of its own)."""
+    save_word = savecache.new_save_word() if comm.rank == 0 else 0
+    words = comm.gather_rows(np.array([token, save_word, declined], dtype=np.int64), what, REUSE_CALL)
+    if words[:, 2].any():
+        raise Declined(np.flatnonzero(words[:, 2]).tolist())
+    return words
+
+
+def decline(comm: Comm, directory: str) -> Declined:
+    """Take part in the other ranks' :func:`plan_phase` as a rank that will not save with them: their
+    first collective, after which every rank holds the same :class:`Declined` (returned here)."""
+    try:
+        _reuse_words(comm, 0, True, f"pipeload.save into {directory}")
+    except Declined as e:
+        return e
+    raise AssertionError("unreachable: this rank's own word declines")
 
 
 def _plan_from(entry, items, save_id: str, rank: int, reused: bool) -> SavePlan:

@@ -35,6 +35,7 @@ from ..save import savecache, saveowners, saveplan
 from ..engine._gcpause import paused_gc
 from ..plan.exchange import received_bytes
 from ..save.saveplan import KIND_OBJECT, KIND_TENSOR, LocalRecord
+from ..save.saver import REUSE_CALL
 from ._measure import timed
 from .simulate import Layout
 from ..plan.statedict import Box
@@ -185,8 +186,8 @@ class SimSaveExchange:
         self.path = "digest"
 
     def gather_rows(self, row: np.ndarray, what: str = "", call: str = "") -> np.ndarray:
-        if len(row) == 2:  # the reuse words: no rank offers a kept plan; rank 0 sends the save id
-            words = np.zeros((self.size, 2), dtype=np.int64)
+        if call == REUSE_CALL:  # the reuse words: no rank offers a kept plan; rank 0 sends the save id
+            words = np.zeros((self.size, len(row)), dtype=np.int64)
             words[0, 1] = _SAVE_WORD
             got = words
         elif call == saveowners.SIZES_CALL:
