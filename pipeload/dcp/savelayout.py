@@ -29,6 +29,7 @@ import io
 import json
 import os
 import pickle
+import threading
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,7 @@ class DcpPhases:
         self.objects, self.paths, self.writer = objects, paths, writer
         self.sync = bool(getattr(writer, "sync_files", True))
         self.metadata: Metadata | None = None
+        self._early = None  # rank 0, a reused plan: the kept Metadata's pickle, made while writing
 
     def write_phase(self, plan, directory: str, comm: Comm) -> tuple[str | None, list[tuple]]:
         """Write this rank's ``__<rank>_0.distcp``; ``(error or None, [(row, offset, length, object)])``.
@@ -85,6 +87,7 @@ class DcpPhases:
         if comm.rank == 0:
             fd, error = _lock_directory(directory)
             plan.locks += [fd] if fd is not None else []
+            self._early = _early_pickle(plan, self.writer)
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
@@ -165,8 +168,7 @@ class DcpPhases:
         kept = plan.memo.get(_KEPT) if plan.reused else None
         if comm.rank == 0:
             try:
-                md, same = _kept(kept, plan.table, gathered, self.writer.storage_meta())
-                raw = pickle.dumps(md)
+                md, raw, same = _kept(kept, plan.table, gathered, self.writer, self._early)
                 self._commit(directory, raw)
                 send = pickle.dumps(md.storage_meta) if same else raw
                 value = -1 - len(send) if same else len(send)
@@ -230,11 +232,45 @@ def _with_meta(content: tuple, storage_meta) -> Metadata:
                     storage_meta=storage_meta, version=dcp_fs.CURRENT_DCP_VERSION)
 
 
-def _kept(kept, table, gathered, storage_meta) -> tuple[Metadata, bool]:
-    """Rank 0: (the ``Metadata`` of this commit, whether it is the kept one's content)."""
+def _kept(kept, table, gathered, writer, early) -> tuple[Metadata, bytes, bool]:
+    """Rank 0: (the ``Metadata`` of this commit, its pickle, whether it is the kept one's content)."""
     if kept is not None and kept[0] is not None and kept[0] == b"".join(gathered):
-        return _with_meta(kept[1], storage_meta), True
-    return build_metadata(table, gathered, storage_meta), False
+        got = early() if early is not None else None
+        if got is None:
+            md = _with_meta(kept[1], writer.storage_meta())
+            got = md, pickle.dumps(md)
+        return got[0], got[1], True
+    md = build_metadata(table, gathered, writer.storage_meta())
+    return md, pickle.dumps(md), False
+
+
+def _early_pickle(plan, writer):
+    """Rank 0 of a save whose plan was reused: start pickling the kept ``Metadata`` with this save's
+    ``storage_meta`` on a thread, while this rank writes its file (the pickle of a 3,000-tensor
+    ``Metadata`` takes as long as that write's Python part, and the writes and fsyncs release the GIL).
+    Returns the function that waits for ``(Metadata, pickle)`` (None if it failed: the commit pickles
+    again), or None without a kept ``Metadata``. The commit uses it only when every rank's rows equal the
+    kept ones (:func:`_kept`), which is when its content is this commit's."""
+    kept = plan.memo.get(_KEPT) if plan.reused else None
+    if kept is None or kept[0] is None:
+        return None
+    got: list = []
+
+    def run() -> None:
+        try:
+            md = _with_meta(kept[1], writer.storage_meta())
+            got.append((md, pickle.dumps(md)))
+        except Exception:  # noqa: BLE001 - the commit pickles it again, and raises there
+            pass
+
+    thread = threading.Thread(target=run, name="pipeload-dcp-metadata", daemon=True)
+    thread.start()
+
+    def result():
+        thread.join()
+        return got[0] if got else None
+
+    return result
 
 
 def exact(value: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
