@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
@@ -197,8 +196,8 @@ def _content_refusal(flat: dict) -> str | None:
     DTensors whose placements are all ``Shard`` or ``Replicate`` need no more than their local tensor's
     kind; other placements (``Partial``, strided shards) are resolved as the save will resolve them.
     The common kinds (a plain CPU or CUDA tensor, or a DTensor of one, of a storable dtype) are
-    recognised with a few attribute reads a tensor and a verdict kept per placements and per dtype:
-    this runs in ``dcp.async_save``'s blocked time, once per key."""
+    recognised with a few attribute reads a tensor and a verdict kept per dtype: this runs in
+    ``dcp.async_save``'s blocked time, once per key."""
     cache: dict = {}
     dtypes: dict = {}  # dtype -> storable
     for fqn, v in flat.items():
