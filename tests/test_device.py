@@ -159,7 +159,7 @@ def test_guarded_copy_and_unpack_go_through_a_ring(tmp_path):
 
 
 def test_tier_restore_copies_go_through_a_ring():
-    from pipeload.tier.restorexfer import staged_into, unpack_into
+    from pipeload.move.mover import staged_into, unpack_into
 
     ring = devices.H2DRing("cpu", ring_bytes=2 << 20, slots=2)
     dst = torch.zeros(64, 32).t()  # not one block: staged, then copied

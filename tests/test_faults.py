@@ -752,7 +752,8 @@ def _die_on_pread(n: int) -> None:
 def world3_restore_death(rank: int, world: int, root: str) -> dict:
     """Rank 1's host lost; rank 2, the host of its copy, dies while sending it (4 KiB messages, 8 KiB in
     flight: the transfer is many messages long)."""
-    from pipeload.tier import MemoryTier, restorexfer
+    from pipeload.tier import MemoryTier
+    from pipeload.move import mover as restorexfer
 
     restorexfer.PIECE, restorexfer.SMALL, restorexfer.INFLIGHT = 4096, 1024, 8192
     sd = {f"t{i:02d}": torch.full((16 << 10,), 1.0 + i + rank) for i in range(8)}

@@ -319,7 +319,7 @@ def _case_small_messages(rank, world, roots, ckpt, mesh, mesh1):
     their buffers reused as messages complete; a restore and a resharding restore stay exact."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from pipeload.tier import restorexfer
+    from pipeload.move import mover as restorexfer
 
     sizes = restorexfer.PIECE, restorexfer.SMALL, restorexfer.INFLIGHT
     restorexfer.PIECE, restorexfer.SMALL, restorexfer.INFLIGHT = 256, 64, 512

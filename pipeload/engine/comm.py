@@ -1,4 +1,5 @@
-"""Everything pipeload asks of ``torch.distributed``; no other module calls it.
+"""Everything pipeload asks of ``torch.distributed`` on groups of the default world; no other module
+calls it but :mod:`pipeload.move.link` (a live transfer's group, which need not lie in the default world).
 
 :class:`Comm` is one save's or load's view of its process group. Without an initialised process group
 it is a world of one (evaluation, conversion, inspection) and every collective is a local no-op.
@@ -210,6 +211,14 @@ class Comm:
             work.wait()
         except Exception as e:  # noqa: BLE001 - a peer died or timed out
             raise self._fail(what, call, e) from e
+
+    def isend(self, buf: torch.Tensor, peer: int):
+        """Post a send of ``buf`` to group rank ``peer`` (:class:`pipeload.move.mover.Transfers`' messages)."""
+        return dist.isend(buf, dst=self.global_ranks[peer], group=self.pg)
+
+    def irecv(self, buf: torch.Tensor, peer: int):
+        """Post a receive into ``buf`` from group rank ``peer``."""
+        return dist.irecv(buf, src=self.global_ranks[peer], group=self.pg)
 
     def _fail(self, what: str, call: str, e: Exception) -> PipeloadError:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

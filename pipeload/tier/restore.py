@@ -18,7 +18,7 @@ One restore, on every rank of the load's group, in this order:
    they are left out and step 2's decision is re-taken from the same words (another copy, an older
    whole step, or the fallback). A decision re-taken after the transfers rewrites every destination
    from one step, so two steps never mix in what a restore reports loaded;
-4. the transfers (:mod:`.restorexfer`) and the local copies (beside them in a thread, for the same
+4. the transfers (:mod:`pipeload.move.mover`) and the local copies (beside them in a thread, for the same
    layout: a copy needs no other rank), then the final agreement; Python objects
    are put in their containers and ``Stateful`` values loaded only after it succeeded.
 No whole step: ``pipeload.load(state_dict, fallback, **options)``, the ordinary load.

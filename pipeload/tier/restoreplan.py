@@ -35,6 +35,7 @@ import numpy as np
 
 from ..engine._busy import CONTENDED
 from ..plan.balance import assign
+from ..move.regions import intersect
 from ..plan.exchange import hash64
 
 ROW_WORDS = 4  # host, layout digest, entries, flags
@@ -222,15 +223,6 @@ class Piece(NamedTuple):
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     receiver: int
-
-
-def intersect(a_off, a_len, b_off, b_len) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The common box of two boxes, or None when it is empty."""
-    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
-    hi = tuple(min(x + m, y + n) for x, m, y, n in zip(a_off, a_len, b_off, b_len))
-    if any(h <= low for low, h in zip(lo, hi)) and (lo or hi):
-        return None
-    return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
 def pieces_for(boxes: Iterable[tuple[str, tuple, tuple]], chunks: dict[str, list[Chunk]], rank: int,

@@ -21,11 +21,12 @@ import torch
 from ..errors import DistributedError, StateDictError
 from ..formats.chunks import torch_dtype
 from ..io._fastio import SafetensorsFile
-from ..io.reader import decode_object, narrow
+from ..io.reader import decode_object
 from ..io.checksum import checksum, hasher
 from . import restoreplan
 from .restoreread import copy_region, pread_into, read_region, validated_table
-from .restorexfer import Transfers, batches, host_bytes, staged_into, unpack_into
+from ..move.mover import Transfers, batches, host_bytes, staged_into, unpack_into
+from ..move.regions import dest_region
 
 
 class _Files:
@@ -418,7 +419,7 @@ class ReshardJob:
 
     def _batches(self, want, opened: _Files):
         """This rank's transfers (as sender or receiver), consecutive small pieces between the same two
-        ranks packed into one message (:func:`.restorexfer.batches`, alike on both ends)."""
+        ranks packed into one message (:func:`pipeload.move.mover.batches`, alike on both ends)."""
         runs: dict[tuple[int, int], list] = {}
         order = []
         for p, s in self.transfers:
@@ -456,15 +457,6 @@ class ReshardJob:
             blob = buf.numpy().tobytes()
             out.append((want.objects[fqn], errors.guard(lambda: decode_object(blob, where), lambda: None)))
         return out
-
-
-def region_of(box, offsets, lengths) -> tuple[tuple, tuple]:
-    """(offsets within the local tensor, lengths) of a global region inside ``box``."""
-    return tuple(o - b for o, b in zip(offsets, box.offsets)), tuple(lengths)
-
-
-def dest_region(box, offsets, lengths) -> torch.Tensor:
-    return narrow(box.local, *region_of(box, offsets, lengths))
 
 
 def _itemsize(p, sending: bool, want, opened: _Files) -> int:

@@ -21,7 +21,7 @@ and of every one it will receive into two words of the snapshot's gathered row; 
 sums are equal, every rank stages everything itself (no transfer).
 
 The transfers run on the snapshot's own group, in one global order: by (sender, receiver), then by fqn,
-small shards packed (:func:`pipeload.tier.restorexfer.batches`); each rank posts its messages in that
+small shards packed (:func:`pipeload.move.mover.batches`); each rank posts its messages in that
 order and waits on its oldest (the restore's deadlock argument, :mod:`pipeload.tier.restore`).
 """
 
@@ -34,7 +34,7 @@ import torch
 
 from ..plan._leafplan import local_of
 from ..plan.exchange import hash64
-from .restorexfer import Transfers, batches, unpack_into
+from ..move.mover import Transfers, batches, unpack_into
 
 _MASK = (1 << 64) - 1
 

@@ -1,12 +1,19 @@
-"""The restore's data movement: point-to-point transfers in one global order, and local copies.
+"""Point-to-point data movement in one global order: the memory tier's restore and the live transfer.
 
 Every transfer is a list of parts of at most :data:`PIECE` bytes; the sender and the receiver cut a
-transfer into the same parts from sizes both know (the receiver from its own destination, equal to the
-file's chunk by the layout check, or from the gathered chunk tables). Each rank walks its transfers in
-the global order and posts every part at once (``isend``/``irecv`` on the load's group), waiting for
-its oldest outstanding part while more than :data:`INFLIGHT` bytes are in flight. A sender reads the
-next part (``pread`` out of its tier file: a file cut meanwhile is a short read, never a SIGBUS) while
-the backend sends the previous ones.
+transfer into the same parts from sizes both know (a restore's receiver from its own destination, equal
+to the file's chunk by the layout check, or from the gathered chunk tables; a live transfer's both ends
+from the region the plan's answer names). Each rank walks its transfers in the global order and posts
+every part at once (``comm.isend``/``comm.irecv``: :class:`pipeload.engine.comm.Comm` on a group of the
+default world, :class:`pipeload.move.link.Link` on any process group), waiting for its oldest
+outstanding part while more than :data:`INFLIGHT` bytes are in flight. A sender produces the next part
+(``pread`` out of a tier file, a copy out of a live tensor) while the backend sends the previous ones.
+
+Why one global order cannot deadlock, even when each rank knows only its own transfers: order every
+message of the operation by a key both of its ends compute alike. Take the smallest message not yet
+complete. Every message before it on either end is complete, so neither end is blocked on an older one:
+each has posted it or posts it next, and it completes. By induction every message does, whatever the
+in-flight bound.
 
 Messages that are not a destination's own memory (a sender's parts, a receiver's packed messages) go
 through a few :data:`PIECE`-byte buffers reused as their messages complete (:meth:`Transfers.buffer`):
@@ -21,7 +28,6 @@ from collections import deque
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..errors import PipeloadError
 
@@ -58,7 +64,7 @@ class Transfers:
         for lo in range(0, nbytes, PIECE):
             hi = min(nbytes, lo + PIECE)
             buf = part(lo, hi)
-            self._post(self._p2p(dist.isend, buf, peer), hi - lo, buf, None)
+            self._post(self._p2p(self.comm.isend, buf, peer), hi - lo, buf, None)
             self.sent += hi - lo
 
     def recv(self, peer: int, target: torch.Tensor, then: Callable[[], None] | None = None) -> None:
@@ -71,14 +77,13 @@ class Transfers:
         for lo in range(0, n, PIECE):
             hi = min(n, lo + PIECE)
             last = hi == n
-            self._post(self._p2p(dist.irecv, target[lo:hi], peer), hi - lo, target, then if last else None)
+            self._post(self._p2p(self.comm.irecv, target[lo:hi], peer), hi - lo, target, then if last else None)
             self.received += hi - lo
 
     def _p2p(self, call, buf: torch.Tensor, peer: int):
         self.messages += 1
         try:
-            key = "dst" if call is dist.isend else "src"
-            return call(buf, group=self.comm.pg, **{key: self.comm.global_ranks[peer]})
+            return call(buf, peer)
         except Exception as e:  # noqa: BLE001 - a peer gone: the same failure every survivor sees
             raise self.comm._fail(self.what, "point-to-point transfer", e) from e
 
