@@ -9,6 +9,7 @@ Public API::
     handle.wait()                                            # the commit (or the save's error)
     await pipeload.save_async(state_dict, "ckpt/")           # the same, awaited
     obj = pipeload.load_file("last.ckpt")                    # torch.load's result, the file read once
+    stats = pipeload.transfer(src, dst, group=pg)            # live weights into engines' buffers
 """
 
 from .errors import (CheckpointFormatError, ChecksumError, DistributedError, HeaderError, PipeloadError,
@@ -18,15 +19,20 @@ from .engine.wholefile import FileStats, load_file
 from .save.api import save, save_async
 from .save.background import SaveHandle
 from .tier import MemoryTier
+from .slices import Slice
+from .live import TransferError, TransferStats, transfer
 
 
 def clear_plan_cache() -> None:
-    """Forget every kept load plan (destroying the groups those loads created) and every kept save plan."""
+    """Forget every kept load plan (destroying the groups those loads created), every kept save plan and
+    every kept transfer plan."""
+    from .live import api as live
     from .plan import plancache
     from .save import savecache
 
     plancache.clear()
     savecache.clear()
+    live.clear()
 
 
 __all__ = [
@@ -40,6 +46,10 @@ __all__ = [
     "load_file",
     "FileStats",
     "clear_plan_cache",
+    "transfer",
+    "TransferStats",
+    "TransferError",
+    "Slice",
     "PipeloadError",
     "CheckpointFormatError",
     "HeaderError",

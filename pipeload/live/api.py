@@ -1,0 +1,182 @@
+"""``pipeload.transfer``: a trainer's live weights into other ranks' buffers, each byte sent once.
+
+Collectives, in order, on the group (every rank calls :func:`transfer` with the same group):
+
+1. an all-gather of one row per rank: the kept plan it offers (or "none", or "contended"), the digest
+   of its layout (:func:`pipeload.live.sides.digest`), its widest tensor rank and the version it passes;
+2. planning, only when some rank offers no kept plan or another one than the rest: the two all-to-alls
+   of :mod:`pipeload.move.plan` (records to the names' owners, answers back), then an agreement on the
+   problems the owners found — every rank raises before any destination is written when one is found;
+3. the data (:mod:`pipeload.live.run`), point to point;
+4. a final agreement: every rank learns that every other finished; a rank that failed or died makes
+   every rank raise (:class:`TransferError`, whose ``stats`` say which destinations were written).
+
+A plan is kept per group object for the layout it was made for; a later call offers it only if its own
+layout digest is unchanged, and it is reused only if every rank offers the same one: one gather of a
+few words per rank, nothing planned.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..engine._busy import CONTENDED, Guard
+from ..errors import DistributedError, PipeloadError
+from ..move import mover, plan as moveplan
+from ..move.link import Link
+from ..plan.exchange import hash64
+from . import run as mover_run
+from .sides import Side, destinations, digest, ndim, sources
+
+ROW = 5
+R_OFFER, R_DIGEST, R_NDIM, R_VERSION, R_SIDES = range(ROW)
+NO_VERSION = -(1 << 62)
+GUARD_WAIT_S = 60.0  # how long a contended transfer waits for the earlier operation before it refuses
+
+
+class TransferError(DistributedError):
+    """A transfer failed on some rank; raised on every rank, with this rank's ``stats`` attached."""
+
+    stats: "TransferStats"
+
+
+@dataclass
+class TransferStats:
+    """What one :func:`transfer` did on this rank. ``written`` lists the destinations (names, in the
+    order ``dst`` gave them) that hold this version's bytes; after a failure, the others may hold a
+    mix of versions and must not be served."""
+
+    version: int | None = None
+    planned: bool = True  # False: the kept plan was reused
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied: int = 0  # local pieces (a colocated rank)
+    messages: int = 0
+    destinations: int = 0
+    written: list[str] = field(default_factory=list)
+    complete: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Kept:
+    token: int
+    digest: int
+    nd: int
+    answers: moveplan.Answers
+
+
+_kept: dict[int, _Kept] = {}  # id(group object) -> the plan its last transfer made
+
+
+def clear() -> None:
+    """Forget every kept transfer plan (the next transfer on each group plans again)."""
+    _kept.clear()
+
+
+def transfer(src: Any, dst: Any, *, group: Any = None, version: int | None = None, cast: bool = False,
+             what: str = "pipeload.transfer") -> TransferStats:
+    """Fill every rank's ``dst`` from the ``src`` the group's ranks hold; a collective over ``group``.
+
+    ``src``: this rank's part of the trainer's state dict (tensors and DTensors of any mesh; ``None`` on
+    an engine-only rank). ``dst``: a state dict, or a list, of tensors, DTensors or
+    :class:`pipeload.Slice` (``None`` on a trainer-only rank). ``group``: a ``ProcessGroup`` spanning
+    both sides, registered with the default world or not (default: the default world). ``version``
+    (e.g. the training step) is returned in every rank's stats. ``cast=True`` lets a destination's
+    dtype differ from its source's (the sender converts). Raises :class:`pipeload.StateDictError` for
+    bad input on this rank (before any collective), :class:`pipeload.DistributedError` on every rank
+    when a layout problem is found (before any destination is written), :class:`TransferError` on
+    every rank when a rank fails or dies during the data movement.
+    """
+    link = Link(group)
+    s, d = sources(src), destinations(dst, cast)
+    stats = TransferStats(destinations=len(d.boxes))
+    t0 = time.perf_counter()
+    with Guard() as guard:
+        contended = guard.enter_sync(link, link.size > 1, what, timeout=GUARD_WAIT_S)
+        answers, nd = _plan(link, s, d, version, contended, stats, what)
+        stats.timings["plan"] = time.perf_counter() - t0
+        _move(link, answers, s, d, stats, what, guard.late(link))
+    stats.timings["total"] = time.perf_counter() - t0
+    return stats
+
+
+def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats, what: str):
+    """(this rank's answers, nd): the kept plan when every rank offers it, else a new one."""
+    dig = digest(s, d)
+    kept = _kept.get(id(link.pg))
+    offer = CONTENDED if contended else (kept.token if kept is not None and kept.digest == dig else 0)
+    row = np.array([offer, dig, max(ndim(s), ndim(d)), NO_VERSION if version is None else int(version),
+                    bool(s.boxes) | (bool(d.boxes) << 1)], dtype=np.int64)
+    rows = link.gather_rows(row, what)
+    _refuse(rows, contended, what)
+    versions = rows[rows[:, R_VERSION] != NO_VERSION, R_VERSION]
+    stats.version = int(versions[0]) if len(versions) else None
+    if offer and offer != CONTENDED and np.all(rows[:, R_OFFER] == offer):
+        stats.planned = False
+        return kept.answers, kept.nd
+    nd = int(rows[:, R_NDIM].max())
+    counts, words = moveplan.encode(s.boxes, d.boxes, nd, link.size)
+    got, received = link.all_to_all(counts, words, what, "all-to-all of transfer boxes")
+    acounts, awords = moveplan.answer(got, received, nd, link.size)
+    _, mine = link.all_to_all(acounts, awords, what, "all-to-all of transfer answers")
+    answers = moveplan.decode(mine, nd, link.rank)
+    link.agree(what, _problems(answers, d), "agreement on the transfer's plan")
+    token = hash64(rows[:, [R_DIGEST, R_NDIM, R_SIDES]].tobytes()) or 1
+    _kept[id(link.pg)] = _Kept(token, dig, nd, answers)
+    return answers, nd
+
+
+def _refuse(rows: np.ndarray, contended: str | None, what: str) -> None:
+    """Raise on every rank alike (all hold the same rows) for a contended rank or disagreeing versions."""
+    bad = np.flatnonzero(rows[:, R_OFFER] == CONTENDED).tolist()
+    if bad:
+        raise PipeloadError(contended or f"{what}: another pipeload operation ran at the same time on an "
+                            f"overlapping process group on rank(s) {bad}; run transfers and loads on one "
+                            f"group one after the other")
+    versions = np.unique(rows[rows[:, R_VERSION] != NO_VERSION, R_VERSION])
+    if len(versions) > 1:
+        raise PipeloadError(f"{what}: the ranks passed different versions {versions.tolist()}; pass the "
+                            f"same version (or None) on every rank")
+
+
+def _problems(answers: moveplan.Answers, d: Side) -> str | None:
+    if not answers.problems:
+        return None
+    lines = [f"destination {d.names[i]!r} {tuple(d.views[i].shape)}: {moveplan.PROBLEMS[code]}"
+             for i, code in answers.problems[:20]]
+    more = len(answers.problems) - 20
+    return "\n".join(lines + ([f"... and {more} more"] if more > 0 else []))
+
+
+def _move(link: Link, answers, s: Side, d: Side, stats: TransferStats, what: str, late: str | None) -> None:
+    t0 = time.perf_counter()
+    x = mover.Transfers(link, what)
+    progress = mover_run.Progress(answers, len(d.boxes))
+    error = late
+    try:
+        stats.bytes_copied = mover_run.run(x, answers, s, d, progress, link.device)
+    except PipeloadError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - a local failure (a copy): every rank must learn of it
+        error = f"{what}: {type(e).__name__}: {e}"
+    stats.bytes_sent, stats.bytes_received, stats.messages = x.sent, x.received, x.messages
+    stats.written = [d.names[i] for i in progress.written()]
+    stats.timings["move"] = time.perf_counter() - t0
+    try:
+        link.agree(what, error)
+    except PipeloadError as e:
+        raise _failed(e, stats, link.rank, what) from None
+    stats.complete = True
+
+
+def _failed(e: PipeloadError, stats: TransferStats, rank: int, what: str) -> TransferError:
+    """The error every rank raises: the failures the agreement gathered, or (the agreement itself
+    failed: a peer died) this rank's view of it."""
+    err = TransferError(what, e.failures if isinstance(e, DistributedError) else {rank: str(e)})
+    err.stats = stats
+    return err

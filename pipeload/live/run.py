@@ -1,0 +1,155 @@
+"""A planned transfer's data movement on one rank: messages in the one global order, then local copies.
+
+The pieces between one sender and one receiver are cut into *messages* alike on both ends (they sort
+the same :class:`pipeload.move.plan.Op` keys and pack runs of small pieces with
+:func:`pipeload.move.mover.batches`); each rank posts all its messages, sends and receives merged, by
+the key of each message's first piece, through :class:`pipeload.move.mover.Transfers` (at most its
+in-flight bound posted). A sender packs each message from views of its source tensors, casting to the
+destination's dtype there (what travels is what lands: a bf16 engine receives bf16 bytes from fp32
+master weights); a lone contiguous piece of the right dtype is sent from the tensor itself. A receiver
+lands a lone contiguous piece straight in its destination view, anything else in a buffer copied out
+once the message arrived. Local copies (a colocated rank holding what it needs) run while the last
+messages are in flight.
+
+Which destinations are complete is tracked piece by piece (:class:`Progress`): if a peer dies, the stats
+say exactly which destination views hold this step's bytes and which do not.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from ..io.reader import narrow
+from ..move import mover
+from ..move.plan import Answers, Op
+from .sides import DTYPES, Side
+
+
+class Progress:
+    """Pieces still to land per destination index; the ones with none left are written."""
+
+    def __init__(self, answers: Answers, n_dst: int):
+        self.left = [0] * n_dst
+        for op in answers.recvs + answers.local:
+            self.left[op.dst] += 1
+        self.done = 0
+
+    def landed(self, ops: list[Op]) -> None:
+        for op in ops:
+            self.left[op.dst] -= 1
+        self.done += len(ops)
+
+    def written(self) -> list[int]:
+        return [i for i, n in enumerate(self.left) if n == 0]
+
+
+def _view(side: Side, box_index: int, op: Op) -> torch.Tensor:
+    """The view of ``side``'s box ``box_index`` that holds ``op``'s global region."""
+    box = side.boxes[box_index]
+    local = tuple(o - b for o, b in zip(op.offsets, box.offsets))
+    return narrow(side.views[box_index], local, op.lengths)
+
+
+def _nbytes(op: Op) -> int:
+    n = DTYPES[op.dtype].itemsize
+    for x in op.lengths:
+        n *= x
+    return n
+
+
+ALIGN = 16  # each piece of a packed message starts at a multiple of this (any dtype's alignment)
+
+
+def layout(msg: list[Op]) -> tuple[list[int], int]:
+    """(where each piece of a message starts, the message's bytes): alike on both ends."""
+    at, starts = 0, []
+    for op in msg:
+        at = -(-at // ALIGN) * ALIGN
+        starts.append(at)
+        at += _nbytes(op)
+    return starts, at
+
+
+def messages(ops: list[Op]) -> list[list[Op]]:
+    """``ops`` (one direction, sorted by key) cut into messages per peer, as both ends cut them."""
+    by_peer: dict[int, list[Op]] = defaultdict(list)
+    for op in ops:
+        by_peer[op.peer].append(op)
+    out: list[list[Op]] = []
+    for peer_ops in by_peer.values():
+        sizes = [(i, _nbytes(op)) for i, op in enumerate(peer_ops)]
+        out.extend([peer_ops[i] for i, _ in batch] for batch in mover.batches(sizes))
+    return out
+
+
+def run(x: mover.Transfers, answers: Answers, src: Side, dst: Side, progress: Progress, wire: torch.device) -> int:
+    """Post every message in the global order, copy the local pieces, wait for all; bytes copied locally."""
+    plan = [(m[0].key, True, m) for m in messages(answers.sends)] + \
+           [(m[0].key, False, m) for m in messages(answers.recvs)]
+    plan.sort(key=lambda item: item[0])
+    for _, sending, msg in plan:
+        if sending:
+            x.send(msg[0].peer, layout(msg)[1], _packer(x, msg, src, wire))
+        else:
+            _post_recv(x, msg, dst, progress, wire)
+    copied = 0
+    for op in answers.local:
+        _view(dst, op.dst, op).copy_(_view(src, op.src, op))
+        progress.landed([op])
+        copied += _nbytes(op)
+    x.drain()
+    return copied
+
+
+def _flat(t: torch.Tensor, wire: torch.device) -> torch.Tensor | None:
+    """``t``'s bytes as a flat uint8 view when a message may use them as they are."""
+    if t.device != wire or not t.is_contiguous() or t.is_conj() or t.is_neg() or not t.numel():
+        return None
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _packer(x: mover.Transfers, msg: list[Op], src: Side, wire: torch.device) -> Callable:
+    """``part(lo, hi)`` for :meth:`Transfers.send`: the message's bytes, packed at the first call."""
+    views = [_view(src, op.src, op) for op in msg]
+    if len(msg) == 1 and views[0].dtype == DTYPES[msg[0].dtype]:
+        flat = _flat(views[0], wire)
+        if flat is not None:
+            return lambda lo, hi: flat[lo:hi]
+    packed: list[torch.Tensor] = []
+    starts, n = layout(msg)
+
+    def part(lo: int, hi: int) -> torch.Tensor:
+        if not packed:
+            buf = _buffer(x, n, wire)
+            for op, v, at in zip(msg, views, starts):
+                buf[at: at + _nbytes(op)].view(DTYPES[op.dtype]).view(op.lengths).copy_(v)
+            packed.append(buf)
+        return packed[0][lo:hi]
+
+    return part
+
+
+def _post_recv(x: mover.Transfers, msg: list[Op], dst: Side, progress: Progress, wire: torch.device) -> None:
+    views = [_view(dst, op.dst, op) for op in msg]
+    if len(msg) == 1:
+        flat = _flat(views[0], wire)
+        if flat is not None:
+            x.recv(msg[0].peer, flat, lambda: progress.landed(msg))
+            return
+    starts, n = layout(msg)
+    buf = _buffer(x, n, wire)
+
+    def unpack() -> None:
+        for op, v, at in zip(msg, views, starts):
+            v.copy_(buf[at: at + _nbytes(op)].view(v.dtype).view(op.lengths))
+        progress.landed(msg)
+
+    x.recv(msg[0].peer, buf, unpack)
+
+
+def _buffer(x: mover.Transfers, n: int, wire: torch.device) -> torch.Tensor:
+    """A message buffer: the mover's reused host buffers under gloo, device memory under NCCL."""
+    return x.buffer(n) if wire.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=wire)
