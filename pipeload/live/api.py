@@ -2,8 +2,9 @@
 
 Collectives, in order, on the group (every rank calls :func:`transfer` with the same group):
 
-1. an all-gather of one row per rank: the kept plan it offers (or "none", or "contended"), the digest
-   of its layout (:func:`pipeload.live.sides.digest`), its widest tensor rank and the version it passes;
+1. an all-gather of four words per rank: the kept plan it offers (or "none", or "contended": word 0,
+   as in a load's and a restore's first gather, :mod:`pipeload.engine._busy`), the digest of its layout
+   (:func:`pipeload.live.sides.digest`), its widest tensor rank and the version it passes;
 2. planning, only when some rank offers no kept plan or another one than the rest: the two all-to-alls
    of :mod:`pipeload.move.plan` (records to the names' owners, answers back), then an agreement on the
    problems the owners found — every rank raises before any destination is written when one is found;
@@ -32,8 +33,8 @@ from ..plan.exchange import hash64
 from . import run as mover_run
 from .sides import Side, destinations, digest, ndim, sources
 
-ROW = 5
-R_OFFER, R_DIGEST, R_NDIM, R_VERSION, R_SIDES = range(ROW)
+ROW = 4  # the size of a load's and a restore's first gather: a contended one pairs with either
+R_OFFER, R_DIGEST, R_SHAPE, R_VERSION = range(ROW)  # R_SHAPE: widest tensor rank | sides held << 8
 NO_VERSION = -(1 << 62)
 GUARD_WAIT_S = 60.0  # how long a contended transfer waits for the earlier operation before it refuses
 
@@ -110,8 +111,9 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
     dig = digest(s, d)
     kept = _kept.get(id(link.pg))
     offer = CONTENDED if contended else (kept.token if kept is not None and kept.digest == dig else 0)
-    row = np.array([offer, dig, max(ndim(s), ndim(d)), NO_VERSION if version is None else int(version),
-                    bool(s.boxes) | (bool(d.boxes) << 1)], dtype=np.int64)
+    sides = bool(s.boxes) | (bool(d.boxes) << 1)
+    row = np.array([offer, dig, max(ndim(s), ndim(d)) | (sides << 8), NO_VERSION if version is None else int(version)],
+                   dtype=np.int64)
     rows = link.gather_rows(row, what)
     _refuse(rows, contended, what)
     versions = rows[rows[:, R_VERSION] != NO_VERSION, R_VERSION]
@@ -119,14 +121,14 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
     if offer and offer != CONTENDED and np.all(rows[:, R_OFFER] == offer):
         stats.planned = False
         return kept.answers, kept.nd
-    nd = int(rows[:, R_NDIM].max())
+    nd = int((rows[:, R_SHAPE] & 0xFF).max())
     counts, words = moveplan.encode(s.boxes, d.boxes, nd, link.size)
     got, received = link.all_to_all(counts, words, what, "all-to-all of transfer boxes")
     acounts, awords = moveplan.answer(got, received, nd, link.size)
     _, mine = link.all_to_all(acounts, awords, what, "all-to-all of transfer answers")
     answers = moveplan.decode(mine, nd, link.rank)
     link.agree(what, _problems(answers, d), "agreement on the transfer's plan")
-    token = hash64(rows[:, [R_DIGEST, R_NDIM, R_SIDES]].tobytes()) or 1
+    token = hash64(np.ascontiguousarray(rows[:, [R_DIGEST, R_SHAPE]]).tobytes()) or 1
     _kept[id(link.pg)] = _Kept(token, dig, nd, answers)
     return answers, nd
 

@@ -26,6 +26,9 @@ from .. import device as devices
 from ..errors import DistributedError, PipeloadError
 
 
+ONE_ROUND_BYTES = 16 << 20  # gathers up to this size go through gloo's all-to-all (as Comm's do)
+
+
 class Link:
     """Rank, size and the collectives of one process group object (see the module docstring)."""
 
@@ -37,11 +40,15 @@ class Link:
             self.rank, self.size, self.global_ranks = 0, 1, [("local", 0)]
             self.device = torch.device("cpu")
             return
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__qualname__}")
+        if not all(hasattr(group, m) for m in ("rank", "size", "send", "recv", "alltoall_base")):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup (or a backend such as "
+                            f"ProcessGroupGloo built on a store), got {type(group).__qualname__}")
         self.rank, self.size = int(group.rank()), int(group.size())
         self.global_ranks = _identity(group, self.size)
         self.device = devices.broadcast_device(_backend(group))
+        # gloo's all-gather is a ring (a dead member stalls its successors until the timeout); its
+        # all-to-all talks to every peer directly, so every rank sees a dead peer at once
+        self.one_round = self.device.type == "cpu"
 
     # -- point to point ------------------------------------------------------------------------------
 
@@ -60,7 +67,11 @@ class Link:
             return row.reshape(1, -1).copy()
         mine = torch.from_numpy(row).to(self.device)
         out = torch.empty(self.size * len(row), dtype=torch.int64, device=self.device)
-        self._run(lambda: self.pg._allgather_base(out, mine), what, call)
+        if self.one_round and out.numel() * 8 <= ONE_ROUND_BYTES:
+            every = torch.from_numpy(np.tile(row, self.size))
+            self._run(lambda: self.pg.alltoall_base(out, every, [], []), what, call)
+        else:
+            self._run(lambda: self.pg._allgather_base(out, mine), what, call)
         return out.cpu().numpy().reshape(self.size, len(row))
 
     def all_to_all(self, counts: np.ndarray, words: np.ndarray, what: str,

@@ -1,0 +1,215 @@
+"""A MoE-shaped model in Hugging Face naming and an inference engine's fused layout of it.
+
+The trainer side is an ``nn.Module`` whose state dict has the names a Hugging Face checkpoint has
+(``model.layers.{i}.self_attn.q_proj.weight``, ``...mlp.experts.{e}.gate_proj.weight``, ...). The
+engine side is what a vLLM-style worker of tensor-parallel rank ``t`` of ``T`` holds: fused
+``qkv_proj`` (KV heads replicated when ``T`` exceeds them), ``gate_up_proj``, experts stacked into
+``w13`` / ``w2``, row-parallel ``o_proj`` / ``down_proj`` (column blocks), and a vocabulary padded to a
+multiple of 64 per rank whose padding rows hold :data:`PAD`. Two ways to fill it:
+
+- :func:`engine_slices`: the :class:`pipeload.Slice` destinations of each parameter region;
+- :func:`engine_loader`: the engine's own ``load_weights(iterable of (name, full tensor))``, slicing
+  and fusing as engines do (what the frameworks' rank-0 broadcast feeds, and what
+  :func:`pipeload.record_slices` can record).
+
+Used by ``pipeload bench --transfer`` and the tests; both sides are derived from one :class:`Shape`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..slices import Slice
+
+PAD = -7.0  # what an engine's padding rows hold (never written by a transfer)
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    inter: int = 128  # dense MLP and each expert's
+    experts: int = 4
+    vocab: int = 1000
+    dtype: torch.dtype = torch.float32
+
+    def q_rows(self) -> int:
+        return self.heads * self.head_dim
+
+    def kv_rows(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def _layer_names(s: Shape, i: int) -> dict[str, tuple[int, ...]]:
+    p = f"model.layers.{i}."
+    out = {p + "self_attn.q_proj.weight": (s.q_rows(), s.hidden), p + "self_attn.k_proj.weight": (s.kv_rows(), s.hidden),
+           p + "self_attn.v_proj.weight": (s.kv_rows(), s.hidden), p + "self_attn.o_proj.weight": (s.hidden, s.q_rows()),
+           p + "input_layernorm.weight": (s.hidden,)}
+    if i % 2 == 0:  # dense MLP
+        out.update({p + "mlp.gate_proj.weight": (s.inter, s.hidden), p + "mlp.up_proj.weight": (s.inter, s.hidden),
+                    p + "mlp.down_proj.weight": (s.hidden, s.inter)})
+    else:  # MoE
+        out[p + "mlp.gate.weight"] = (s.experts, s.hidden)
+        for e in range(s.experts):
+            q = f"{p}mlp.experts.{e}."
+            out.update({q + "gate_proj.weight": (s.inter, s.hidden), q + "up_proj.weight": (s.inter, s.hidden),
+                        q + "down_proj.weight": (s.hidden, s.inter)})
+    return out
+
+
+def checkpoint_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the trainer's state dict: name -> global shape."""
+    out = {"model.embed_tokens.weight": (s.vocab, s.hidden)}
+    for i in range(s.layers):
+        out.update(_layer_names(s, i))
+    out["model.norm.weight"] = (s.hidden,)
+    out["lm_head.weight"] = (s.vocab, s.hidden)
+    return out
+
+
+class _Leaf(nn.Module):
+    def __init__(self, shape, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype))
+
+
+def trainer_model(s: Shape, seed: int = 0) -> nn.Module:
+    """An ``nn.Module`` whose ``state_dict()`` keys are :func:`checkpoint_shapes`' names, filled from ``seed``
+    (every rank builds the same values). Leaf modules are what ``fully_shard`` wraps."""
+    root = nn.Module()
+    g = torch.Generator().manual_seed(seed)
+    for name, shape in checkpoint_shapes(s).items():
+        *path, leaf, _ = name.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, nn.Module())
+            node = getattr(node, part)
+        m = _Leaf(shape, s.dtype)
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(shape, generator=g, dtype=torch.float32).to(s.dtype))
+        node.add_module(leaf, m)
+    return root
+
+
+def leaf_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, _Leaf)]
+
+
+# -- the engine side ---------------------------------------------------------------------------------
+
+def _split(n: int, tp: int, t: int) -> tuple[int, int]:
+    k = n // tp
+    return k * t, k
+
+
+def _kv(s: Shape, tp: int, t: int) -> tuple[int, int]:
+    """(first KV row, rows) of rank ``t``: split when there are at least ``tp`` heads, else replicated."""
+    if s.kv_heads >= tp:
+        return _split(s.kv_rows(), tp, t)
+    head = t * s.kv_heads // tp
+    return head * s.head_dim, s.head_dim
+
+
+def _vocab(s: Shape, tp: int, t: int) -> tuple[int, int, int]:
+    """(first row, rows held, rows allocated) of a vocabulary shard padded to a multiple of 64 per rank."""
+    per = -(-s.vocab // tp)
+    per = -(-per // 64) * 64
+    lo = per * t
+    return lo, max(0, min(per, s.vocab - lo)), per
+
+
+def engine_params(s: Shape, tp: int, t: int) -> dict[str, torch.Tensor]:
+    """The engine's parameters on TP rank ``t``, vLLM names, padding rows :data:`PAD`, the rest zero."""
+    out: dict[str, torch.Tensor] = {}
+    z = lambda *shape: torch.zeros(shape, dtype=s.dtype)  # noqa: E731
+    _, v, per = _vocab(s, tp, t)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        out[name] = z(per, s.hidden)
+        out[name][v:] = PAD
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        _, kvn = _kv(s, tp, t)
+        out[p + "self_attn.qkv_proj.weight"] = z(s.q_rows() // tp + 2 * kvn, s.hidden)
+        out[p + "self_attn.o_proj.weight"] = z(s.hidden, s.q_rows() // tp)
+        out[p + "input_layernorm.weight"] = z(s.hidden)
+        if i % 2 == 0:
+            out[p + "mlp.gate_up_proj.weight"] = z(2 * s.inter // tp, s.hidden)
+            out[p + "mlp.down_proj.weight"] = z(s.hidden, s.inter // tp)
+        else:
+            out[p + "mlp.gate.weight"] = z(s.experts, s.hidden)
+            out[p + "mlp.experts.w13_weight"] = z(s.experts, 2 * s.inter // tp, s.hidden)
+            out[p + "mlp.experts.w2_weight"] = z(s.experts, s.hidden, s.inter // tp)
+    out["model.norm.weight"] = z(s.hidden)
+    return out
+
+
+def engine_slices(s: Shape, params: dict[str, torch.Tensor], tp: int, t: int) -> list[Slice]:
+    """Every region of ``params`` (TP rank ``t``) as the checkpoint region it holds."""
+    shapes = checkpoint_shapes(s)
+    out: list[Slice] = []
+
+    def put(view, name, offsets):
+        out.append(Slice(view, name, offsets, shapes[name]))
+
+    lo, v, _ = _vocab(s, tp, t)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if v:
+            put(params[name][:v], name, (lo, 0))
+    for name in ("model.norm.weight",) + tuple(f"model.layers.{i}.input_layernorm.weight" for i in range(s.layers)):
+        put(params[name], name, (0,))
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv, (q0, qn), (k0, kn) = params[a + "qkv_proj.weight"], _split(s.q_rows(), tp, t), _kv(s, tp, t)
+        put(qkv[:qn], a + "q_proj.weight", (q0, 0))
+        put(qkv[qn:qn + kn], a + "k_proj.weight", (k0, 0))
+        put(qkv[qn + kn:], a + "v_proj.weight", (k0, 0))
+        put(params[a + "o_proj.weight"], a + "o_proj.weight", (0, q0))
+        i0, n = _split(s.inter, tp, t)
+        if i % 2 == 0:
+            gu = params[p + "mlp.gate_up_proj.weight"]
+            put(gu[:n], p + "mlp.gate_proj.weight", (i0, 0))
+            put(gu[n:], p + "mlp.up_proj.weight", (i0, 0))
+            put(params[p + "mlp.down_proj.weight"], p + "mlp.down_proj.weight", (0, i0))
+            continue
+        put(params[p + "mlp.gate.weight"], p + "mlp.gate.weight", (0, 0))
+        w13, w2 = params[p + "mlp.experts.w13_weight"], params[p + "mlp.experts.w2_weight"]
+        for e in range(s.experts):
+            q = f"{p}mlp.experts.{e}."
+            put(w13[e, :n], q + "gate_proj.weight", (i0, 0))
+            put(w13[e, n:], q + "up_proj.weight", (i0, 0))
+            put(w2[e], q + "down_proj.weight", (0, i0))
+    return out
+
+
+def engine_loader(s: Shape, params: dict[str, torch.Tensor], tp: int, t: int) -> Callable[[Iterable], None]:
+    """The engine's ``load_weights(weights)``: full checkpoint tensors in, its own shard fused in place
+    (the same regions :func:`engine_slices` names, found the way engines find them)."""
+    slices: dict[str, list[Slice]] = {}
+    for sl in engine_slices(s, params, tp, t):
+        slices.setdefault(sl.name, []).append(sl)
+
+    def load_weights(weights: Iterable) -> None:
+        for name, full in weights:
+            for sl in slices.get(name, ()):
+                region = full
+                for d, (o, n) in enumerate(zip(sl.offsets, sl.view.shape)):
+                    region = region.narrow(d, o, n)
+                sl.view.copy_(region)
+
+    return load_weights
+
+
+def expected(s: Shape, full: dict[str, torch.Tensor], tp: int, t: int) -> dict[str, torch.Tensor]:
+    """What rank ``t``'s parameters hold after a refresh from the full tensors ``full``."""
+    params = engine_params(s, tp, t)
+    engine_loader(s, params, tp, t)(full.items())
+    return params

@@ -1,0 +1,296 @@
+"""``pipeload.transfer`` in a real 6-rank gloo world, every sub-case in one spawned world.
+
+Ranks 0-3 train (FSDP2 of a MoE-shaped model in Hugging Face naming, ``fully_shard`` over a 4-rank
+mesh), ranks 4-5 are an engine of TP 2 and ranks 2-3 a second, colocated one (they pass both ``src``
+and ``dst``). Shows, each checked bit for bit in the parent against the trainer's full tensors:
+
+- FSDP2 -> two TP 2 engines in the fused layout (qkv_proj, gate_up_proj, w13/w2, padded vocabulary,
+  padding rows untouched), then again after an optimizer step with the plan reused;
+- TP 2 -> TP 4 with DTensor destinations; FSDP2 over TP (2 x 2) -> two whole-tensor engine replicas;
+- the same transfer on a group that is not the default world's (a bare ``ProcessGroupGloo`` built on a
+  store of its own, engine ranks first);
+- faults raised on every rank, naming the key: a name the source lacks, a destination of another
+  shape, a version that differs, a transfer beside a load on the same group; after each the next
+  transfer works.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+from pipeload.tools._world import run_world
+
+WORLD = 6
+TRAINERS = [0, 1, 2, 3]
+
+
+def _shape():
+    from pipeload.tools.engineshape import Shape
+
+    return Shape(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, inter=64, experts=3, vocab=100)
+
+
+def _engine(rank: int):
+    """(tp rank, engine id) of an engine rank, or None."""
+    return {4: (0, "A"), 5: (1, "A"), 2: (0, "B"), 3: (1, "B")}.get(rank)
+
+
+def _fsdp2(s, mesh):
+    import torch.distributed.fsdp as fsdp
+
+    from pipeload.tools.engineshape import leaf_modules, trainer_model
+
+    model = trainer_model(s, seed=1)
+    for m in leaf_modules(model):
+        fsdp.fully_shard(m, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full(model) -> dict:
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def _fused_case(rank, mesh, s) -> dict:
+    """FSDP2 -> two engines; an optimizer step; again (plan reused)."""
+    import pipeload
+    from pipeload.tools.engineshape import engine_params, engine_slices
+
+    model = _fsdp2(s, mesh) if rank in TRAINERS else None
+    eng = _engine(rank)
+    params = engine_params(s, 2, eng[0]) if eng else None
+    dst = engine_slices(s, params, 2, eng[0]) if eng else None
+    out = {}
+    for step in (1, 2):
+        src = model.state_dict() if model is not None else None
+        st = pipeload.transfer(src, dst, version=step)
+        out[step] = {"planned": st.planned, "version": st.version, "complete": st.complete,
+                     "written": len(st.written), "destinations": st.destinations,
+                     "received": st.bytes_received, "copied": st.bytes_copied,
+                     "params": {k: v.clone() for k, v in params.items()} if params else None,
+                     "full": _full(model) if model is not None else None}
+        if model is not None:  # the trainer steps: every weight changes in place
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            sum((p.to_local() ** 2).sum() for p in model.parameters()).backward()
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+def _tp2_to_tp4(rank) -> dict:
+    """TP 2 (Shard(0) and Shard(1)) on ranks 0-1 -> DTensor destinations of TP 4 on ranks 2-5."""
+    import pipeload
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    g = torch.Generator().manual_seed(5)
+    full = {"w.rows": torch.randn(12, 10, generator=g), "w.cols": torch.randn(8, 10, generator=g).to(torch.bfloat16)}
+    src_mesh, dst_mesh = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3, 4, 5])
+    src = dst = None
+    if rank in (0, 1):
+        src = {k: DTensor.from_local(torch.chunk(v, 2, d)[rank].clone(), src_mesh, [Shard(d)], run_check=False,
+                                     shape=v.shape, stride=v.stride())
+               for (k, v), d in zip(full.items(), (0, 1))}
+    else:
+        t = rank - 2
+        dst = {k: DTensor.from_local(torch.zeros_like(torch.chunk(v, 4, d)[t]), dst_mesh, [Shard(d)],
+                                     run_check=False, shape=v.shape, stride=v.stride())
+               for (k, v), d in zip(full.items(), (1, 0))}
+    pipeload.transfer(src, dst)
+    if dst is None:
+        return {}
+    t = rank - 2
+    return {k: torch.equal(v.to_local(), torch.chunk(full[k], 4, d)[t]) for (k, v), d in zip(dst.items(), (1, 0))}
+
+
+def _fsdp_tp_to_replicas(rank) -> dict:
+    """FSDP2 over TP (2 x 2: _StridedShard + Shard) on ranks 0-3 -> whole tensors on ranks 4 and 5."""
+    import pipeload
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(16, 6, generator=g)
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    src = dst = None
+    if rank in TRAINERS:
+        dp, tp = divmod(rank, 2)
+        local = torch.chunk(torch.chunk(full, 2, 0)[tp], 2, 0)[dp].clone()
+        src = {"w": DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=2), Shard(0)],
+                                       run_check=False, shape=full.shape, stride=full.stride())}
+    if rank in (4, 5):
+        dst = {"w": torch.zeros(16, 6)}
+    st = pipeload.transfer(src, dst)
+    return {"exact": torch.equal(dst["w"], full), "received": st.bytes_received} if dst else {"sent": st.bytes_sent}
+
+
+def _bare_group_case(rank, root: str) -> dict:
+    """The TP 2 fused transfer on a group built from a store of its own, ranks renumbered."""
+    import torch.distributed as dist
+
+    import pipeload
+    from pipeload.tools.engineshape import engine_params, engine_slices, trainer_model
+
+    s = _shape()
+    order = [4, 5, 0, 1, 2, 3]  # the engine ranks first
+    store = dist.FileStore(os.path.join(root, "bare-store"), WORLD)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("rl", store), order.index(rank), WORLD, timedelta(seconds=60))
+    full = trainer_model(s, seed=3).state_dict()
+    src = dict(full) if rank in TRAINERS else None  # whole tensors on every trainer: replicated sources
+    params = engine_params(s, 2, rank - 4) if rank in (4, 5) else None
+    st = pipeload.transfer(src, engine_slices(s, params, 2, rank - 4) if params else None, group=pg)
+    exact = None
+    if params is not None:
+        from pipeload.tools.engineshape import expected
+
+        want = expected(s, dict(full), 2, rank - 4)
+        exact = all(torch.equal(params[k], want[k]) for k in params)
+    return {"exact": exact, "sent": st.bytes_sent}
+
+
+def _faults(rank, root: str) -> dict:
+    import pipeload
+
+    out = {}
+    full = {"a": torch.arange(12.0).reshape(3, 4)}
+    src = full if rank == 0 else None
+
+    def attempt(key, src, dst, **kw):
+        try:
+            pipeload.transfer(src, dst, **kw)
+            out[key] = None
+        except pipeload.PipeloadError as e:
+            out[key] = str(e)
+
+    attempt("missing", src, {"b": torch.zeros(3, 4)} if rank == 5 else None)
+    attempt("shape", src, {"a": torch.zeros(4, 4)} if rank == 5 else None)
+    attempt("dtype", src, {"a": torch.zeros(3, 4, dtype=torch.float16)} if rank == 5 else None)
+    attempt("version", src, None, version=rank)
+    dst = {"a": torch.zeros(3, 4, dtype=torch.float16)} if rank == 5 else None
+    attempt("cast", src, dst, cast=True)
+    out["cast_exact"] = bool(torch.equal(dst["a"], full["a"].half())) if dst else None
+    out["beside_load"] = _beside_load(root, src)
+    dst = {"a": torch.zeros(3, 4)} if rank in (1, 5) else None
+    attempt("after", src, dst)
+    out["after_exact"] = bool(torch.equal(dst["a"], full["a"])) if dst else None
+    return out
+
+
+def _beside_load(root, src) -> list[str]:
+    """A load and a transfer started together on the same group: both refused on every rank."""
+    import asyncio
+
+    import pipeload
+
+    ckpt = os.path.join(root, "beside")
+    pipeload.save({"x": torch.ones(4)}, ckpt)
+
+    async def both():
+        return await asyncio.gather(pipeload.load_async({"x": torch.zeros(4)}, ckpt),
+                                    asyncio.to_thread(pipeload.transfer, src, None), return_exceptions=True)
+
+    return [f"{type(r).__name__}: {r}" for r in asyncio.run(both())]
+
+
+def world6(rank: int, world: int, root: str) -> dict:
+    import pipeload
+    from torch.distributed.device_mesh import DeviceMesh
+
+    s = _shape()
+    mesh = DeviceMesh("cpu", TRAINERS)
+    res = {"fused": _fused_case(rank, mesh, s)}
+    pipeload.clear_plan_cache()
+    res["tp2_tp4"] = _tp2_to_tp4(rank)
+    res["fsdp_tp"] = _fsdp_tp_to_replicas(rank)
+    res["bare"] = _bare_group_case(rank, root)
+    res["faults"] = _faults(rank, root)
+    return _plain(res)
+
+
+def _plain(x):
+    """Tensors as numpy arrays (a tensor crosses the result queue by a file descriptor of the rank's
+    shared memory, gone once the rank exits)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().numpy().copy()
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def _tensors(d: dict) -> dict:
+    return {k: torch.from_numpy(v) for k, v in d.items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_world(world6, WORLD, str(tmp_path_factory.mktemp("transfer")), timeout=200)
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_into_fused_tp2_engines_exact_and_reused(results):
+    from pipeload.tools.engineshape import PAD, _vocab, expected
+
+    s = _shape()
+    for step in (1, 2):
+        full = _tensors(results[0]["fused"][step]["full"])
+        for rank in (2, 3, 4, 5):
+            got = results[rank]["fused"][step]
+            want = expected(s, full, 2, _engine(rank)[0])
+            params = _tensors(got["params"])
+            bad = [k for k in want if not torch.equal(params[k], want[k])]
+            assert not bad, (step, rank, bad)
+            assert got["complete"] and got["written"] == got["destinations"] > 0
+            _, held, rows = _vocab(s, 2, _engine(rank)[0])
+            assert (params["lm_head.weight"][held:] == PAD).all() and (rows > held) == (_engine(rank)[0] == 1)
+        assert [results[r]["fused"][step]["planned"] for r in range(WORLD)] == [step == 1] * WORLD
+        assert {results[r]["fused"][step]["version"] for r in range(WORLD)} == {step}
+    assert results[2]["fused"][1]["copied"] > 0  # the colocated engine copied its own shard locally
+
+
+@pytest.mark.timeout(240)
+def test_each_destination_byte_received_once(results):
+    from pipeload.tools.engineshape import _vocab, engine_params
+
+    s = _shape()
+    for rank in (4, 5):
+        t = _engine(rank)[0]
+        _, held, rows = _vocab(s, 2, t)
+        want = sum(v.numel() * v.element_size() for v in engine_params(s, 2, t).values())
+        want -= 2 * (rows - held) * s.hidden * 4  # the padding rows of embed_tokens and lm_head
+        got = results[rank]["fused"][1]
+        assert want <= got["received"] <= want * 1.01, (got["received"], want)
+
+
+@pytest.mark.timeout(240)
+def test_reshard_layouts_exact(results):
+    for rank in (2, 3, 4, 5):
+        assert all(results[rank]["tp2_tp4"].values()), results[rank]["tp2_tp4"]
+    for rank in (4, 5):
+        assert results[rank]["fsdp_tp"]["exact"]
+    assert sum(results[r]["fsdp_tp"]["sent"] for r in TRAINERS) == 2 * 16 * 6 * 4
+
+
+@pytest.mark.timeout(240)
+def test_group_outside_the_default_world(results):
+    assert results[4]["bare"]["exact"] and results[5]["bare"]["exact"]
+    senders = [results[r]["bare"]["sent"] for r in TRAINERS]
+    assert min(senders) > 0  # replicated sources: every holder sends a share
+    assert max(senders) <= 1.5 * (sum(senders) / len(senders)), senders
+
+
+@pytest.mark.timeout(240)
+def test_faults_raised_on_every_rank_naming_the_key(results):
+    for rank in range(WORLD):
+        f = results[rank]["faults"]
+        assert "'b'" in f["missing"] and "no rank of the group holds" in f["missing"], f["missing"]
+        assert "'a'" in f["shape"] and "global shape" in f["shape"]
+        assert "dtype" in f["dtype"] and "cast=True" in f["dtype"]
+        assert "different versions" in f["version"]
+        assert f["cast"] is None and f["after"] is None
+        assert len(f["beside_load"]) == 2 and all("at the same time" in e for e in f["beside_load"]), f["beside_load"]
+    assert results[5]["faults"]["cast_exact"] and results[1]["faults"]["after_exact"]
