@@ -782,3 +782,57 @@ def test_rank_killed_mid_restore(tmp_path):
     res = _spawn_survivors(world3_restore_death, 3, (str(tmp_path),), timeout=90, pg_timeout=60)
     _survivors_named(res, victim=2)
     assert "point-to-point transfer" in res[1][1]["error"]  # (the receiver was inside the transfer)
+
+
+# -- a trainer rank killed mid-transfer (pipeload.transfer) ---------------------------------------------
+
+
+def world3_transfer_death(rank: int, world: int) -> dict:
+    """Ranks 0 and 1 hold the source (FSDP-like: each half of every tensor), rank 2 is the engine; rank
+    1 dies as it packs its 4th message (4 KiB messages, 8 KiB in flight: many messages long)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from pipeload.live import run as live_run
+    from pipeload.move import mover
+
+    mover.PIECE, mover.SMALL, mover.INFLIGHT = 4096, 1024, 8192
+    full = {f"t{i:02d}": torch.full((64, 64), 1.0 + i) for i in range(8)}
+    mesh = DeviceMesh("cpu", [0, 1])
+    src = {k: DTensor.from_local(torch.chunk(v, 2, 0)[rank].clone(), mesh, [Shard(0)], run_check=False,
+                                 shape=v.shape, stride=v.stride()) for k, v in full.items()} if rank < 2 else None
+    dst = {k: torch.zeros_like(v) for k, v in full.items()} if rank == 2 else None
+    pipeload.transfer(src, dst)  # one that completes (and keeps its plan)
+    dist.barrier()
+    if rank == 1:
+        packer, calls = live_run._packer, [0]
+
+        def dying(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return packer(*args, **kwargs)
+
+        live_run._packer = dying
+    t0 = time.monotonic()
+    try:
+        pipeload.transfer(src, dst)
+    except PipeloadError as e:
+        stats = getattr(e, "stats", None)
+        return {"error": str(e), "type": type(e).__name__, "took": time.monotonic() - t0,
+                "written": None if stats is None else (len(stats.written), stats.destinations, stats.complete)}
+    return {"error": None, "took": time.monotonic() - t0}
+
+
+@pytest.mark.timeout(200)
+def test_rank_killed_mid_transfer(tmp_path):
+    res = _spawn_survivors(world3_transfer_death, 3, (), timeout=90, pg_timeout=60)
+    assert 1 not in res, "the victim reported"
+    for r in (0, 2):
+        assert r in res, f"rank {r} did not report within the deadline ({res})"
+        ok, value = res[r]
+        assert ok, value
+        assert value["error"] is not None and value["type"] == "TransferError", value
+        assert value["took"] < 30, value
+    written, total, complete = res[2][1]["written"]
+    assert not complete and written < total == 8  # the engine knows the refresh did not finish

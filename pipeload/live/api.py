@@ -157,11 +157,14 @@ def _problems(answers: moveplan.Answers, d: Side) -> str | None:
 
 def _move(link: Link, answers, s: Side, d: Side, stats: TransferStats, what: str, late: str | None) -> None:
     t0 = time.perf_counter()
-    x = mover.Transfers(link, what)
+    x = mover.Transfers(link, what, tolerant=True)
     progress = mover_run.Progress(answers, len(d.boxes))
     error = late
     try:
         stats.bytes_copied = mover_run.run(x, answers, s, d, progress, link.device)
+        problems = list(x.failed.values()) + x.errors
+        if problems:
+            error = "\n".join(problems[:4])
     except PipeloadError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - a local failure (a copy): every rank must learn of it
@@ -172,13 +175,17 @@ def _move(link: Link, answers, s: Side, d: Side, stats: TransferStats, what: str
     try:
         link.agree(what, error)
     except PipeloadError as e:
-        raise _failed(e, stats, link.rank, what) from None
+        raise _failed(e, error, stats, link.rank, what) from None
     stats.complete = True
 
 
-def _failed(e: PipeloadError, stats: TransferStats, rank: int, what: str) -> TransferError:
+def _failed(e: PipeloadError, error: str | None, stats: TransferStats, rank: int, what: str) -> TransferError:
     """The error every rank raises: the failures the agreement gathered, or (the agreement itself
-    failed: a peer died) this rank's view of it."""
-    err = TransferError(what, e.failures if isinstance(e, DistributedError) else {rank: str(e)})
+    failed: a peer died) this rank's view of it — its own failure first, which names the peer."""
+    if isinstance(e, DistributedError):
+        failures = e.failures
+    else:
+        failures = {rank: str(e) if error is None else f"{error}\nthen {e}"}
+    err = TransferError(what, failures)
     err.stats = stats
     return err

@@ -124,8 +124,11 @@ def _packer(x: mover.Transfers, msg: list[Op], src: Side, wire: torch.device) ->
     def part(lo: int, hi: int) -> torch.Tensor:
         if not packed:
             buf = _buffer(x, n, wire)
-            for op, v, at in zip(msg, views, starts):
-                buf[at: at + _nbytes(op)].view(DTYPES[op.dtype]).view(op.lengths).copy_(v)
+            try:
+                for op, v, at in zip(msg, views, starts):
+                    buf[at: at + _nbytes(op)].view(DTYPES[op.dtype]).view(op.lengths).copy_(v)
+            except Exception as e:  # noqa: BLE001 - still sent (the receiver waits for it), and reported
+                x.errors.append(f"packing a message for rank {msg[0].peer}: {type(e).__name__}: {e}")
             packed.append(buf)
         return packed[0][lo:hi]
 

@@ -37,11 +37,21 @@ INFLIGHT = 64 << 20  # bytes a rank has posted and not yet seen complete
 
 
 class Transfers:
-    """One rank's sends and receives, posted in the global order, at most :data:`INFLIGHT` bytes in flight."""
+    """One rank's sends and receives, posted in the global order, at most :data:`INFLIGHT` bytes in flight.
 
-    def __init__(self, comm, what: str, limit: int | None = None):
+    ``tolerant``: a message that fails (its peer died) does not stop this rank; every later message
+    with that peer is skipped, the others go on, and :attr:`failed` names the peer. A rank that stopped
+    at its first failure would leave its live peers blocked on the messages it abandoned until the
+    group's timeout; going on lets every message between live ranks complete (the global order's
+    argument, restricted to them), so every survivor reaches the operation's final agreement at once.
+    A ``then`` callback that raises is recorded in :attr:`errors` (the peer is fine: its messages go on)."""
+
+    def __init__(self, comm, what: str, limit: int | None = None, tolerant: bool = False):
         self.comm, self.what, self.limit = comm, what, INFLIGHT if limit is None else limit
-        self.pending: deque = deque()  # (work, bytes, buffer kept alive, then-callback)
+        self.tolerant = tolerant
+        self.failed: dict[int, str] = {}  # peer -> the first failure of a message with it
+        self.errors: list[str] = []  # then-callbacks that raised (tolerant only)
+        self.pending: deque = deque()  # (work, bytes, buffer kept alive, then-callback, peer)
         self.inflight = 0
         self.sent = self.received = self.messages = 0
         self._free: list[torch.Tensor] = []  # PIECE-byte buffers whose message completed
@@ -64,7 +74,7 @@ class Transfers:
         for lo in range(0, nbytes, PIECE):
             hi = min(nbytes, lo + PIECE)
             buf = part(lo, hi)
-            self._post(self._p2p(self.comm.isend, buf, peer), hi - lo, buf, None)
+            self._post(self._p2p(self.comm.isend, buf, peer), hi - lo, buf, None, peer)
             self.sent += hi - lo
 
     def recv(self, peer: int, target: torch.Tensor, then: Callable[[], None] | None = None) -> None:
@@ -77,31 +87,53 @@ class Transfers:
         for lo in range(0, n, PIECE):
             hi = min(n, lo + PIECE)
             last = hi == n
-            self._post(self._p2p(self.comm.irecv, target[lo:hi], peer), hi - lo, target, then if last else None)
+            self._post(self._p2p(self.comm.irecv, target[lo:hi], peer), hi - lo, target, then if last else None,
+                       peer)
             self.received += hi - lo
 
     def _p2p(self, call, buf: torch.Tensor, peer: int):
+        if peer in self.failed:
+            return None
         self.messages += 1
         try:
             return call(buf, peer)
         except Exception as e:  # noqa: BLE001 - a peer gone: the same failure every survivor sees
-            raise self.comm._fail(self.what, "point-to-point transfer", e) from e
+            err = self.comm._fail(self.what, f"point-to-point transfer with rank {peer}", e)
+            if not self.tolerant:
+                raise err from e
+            self.failed.setdefault(peer, str(err))
+            return None
 
-    def _post(self, work, n: int, buf, then) -> None:
-        self.pending.append((work, n, buf, then))
+    def _post(self, work, n: int, buf, then, peer: int) -> None:
+        if work is None:  # skipped: its peer failed
+            self._release(buf)
+            return
+        self.pending.append((work, n, buf, then, peer))
         self.inflight += n
         while self.inflight > self.limit and self.pending:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        work, n, buf, then = self.pending.popleft()
+        work, n, buf, then, peer = self.pending.popleft()
+        self.inflight -= n
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001
-            raise self.comm._fail(self.what, "point-to-point transfer", e) from e
-        self.inflight -= n
+            err = self.comm._fail(self.what, f"point-to-point transfer with rank {peer}", e)
+            if not self.tolerant:
+                raise err from e
+            self.failed.setdefault(peer, str(err))
+            then = None
         if then is not None:
-            then()
+            try:
+                then()
+            except Exception as e:  # noqa: BLE001 - a local failure: recorded, the messages go on
+                if not self.tolerant:
+                    raise
+                self.errors.append(f"{self.what}: after a message from rank {peer}: {type(e).__name__}: {e}")
+        self._release(buf)
+
+    def _release(self, buf: torch.Tensor) -> None:
         base = self._pooled.get(buf.data_ptr()) if self._pooled else None
         if base is not None:  # (a buffer of the pool carries one message of one part: complete, and read)
             self._free.append(base)
