@@ -93,28 +93,33 @@ def transfer(src: Any, dst: Any, *, group: Any = None, version: int | None = Non
     when a layout problem is found (before any destination is written), :class:`TransferError` on
     every rank when a rank fails or dies during the data movement.
     """
+    t0 = time.perf_counter()
     link = Link(group)
     s, d = sources(src), destinations(dst, cast)
     stats = TransferStats(destinations=len(d.boxes))
-    t0 = time.perf_counter()
+    stats.timings.update(plan=time.perf_counter() - t0, exchange=0.0)
     with Guard() as guard:
         contended = guard.enter_sync(link, link.size > 1, what, timeout=GUARD_WAIT_S)
         answers, nd = _plan(link, s, d, version, contended, stats, what)
-        stats.timings["plan"] = time.perf_counter() - t0
         _move(link, answers, s, d, stats, what, guard.late(link))
     stats.timings["total"] = time.perf_counter() - t0
     return stats
 
 
 def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats, what: str):
-    """(this rank's answers, nd): the kept plan when every rank offers it, else a new one."""
+    """(this rank's answers, nd): the kept plan when every rank offers it, else a new one. Timings:
+    ``plan`` this rank's own work (its boxes, the digest, an owner's answers), ``exchange`` the
+    collectives (which include waiting for the slowest rank to arrive)."""
+    lap = _Lap(stats.timings)
     dig = digest(s, d)
     kept = _kept.get(id(link.pg))
     offer = CONTENDED if contended else (kept.token if kept is not None and kept.digest == dig else 0)
     sides = bool(s.boxes) | (bool(d.boxes) << 1)
     row = np.array([offer, dig, max(ndim(s), ndim(d)) | (sides << 8), NO_VERSION if version is None else int(version)],
                    dtype=np.int64)
+    lap("plan")
     rows = link.gather_rows(row, what)
+    lap("exchange")
     _refuse(rows, contended, what)
     versions = rows[rows[:, R_VERSION] != NO_VERSION, R_VERSION]
     stats.version = int(versions[0]) if len(versions) else None
@@ -123,14 +128,33 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
         return kept.answers, kept.nd
     nd = int((rows[:, R_SHAPE] & 0xFF).max())
     counts, words = moveplan.encode(s.boxes, d.boxes, nd, link.size)
+    lap("plan")
     got, received = link.all_to_all(counts, words, what, "all-to-all of transfer boxes")
+    lap("exchange")
     acounts, awords = moveplan.answer(got, received, nd, link.size)
+    lap("plan")
     _, mine = link.all_to_all(acounts, awords, what, "all-to-all of transfer answers")
+    lap("exchange")
     answers = moveplan.decode(mine, nd, link.rank)
-    link.agree(what, _problems(answers, d), "agreement on the transfer's plan")
+    problems = _problems(answers, d)
+    lap("plan")
+    link.agree(what, problems, "agreement on the transfer's plan")
+    lap("exchange")
     token = hash64(np.ascontiguousarray(rows[:, [R_DIGEST, R_SHAPE]]).tobytes()) or 1
     _kept[id(link.pg)] = _Kept(token, dig, nd, answers)
     return answers, nd
+
+
+class _Lap:
+    """Adds the time since the last lap to ``timings[phase]``."""
+
+    def __init__(self, timings: dict):
+        self.timings, self.t = timings, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self.t
+        self.t = now
 
 
 def _refuse(rows: np.ndarray, contended: str | None, what: str) -> None:

@@ -22,7 +22,6 @@ from typing import Callable
 
 import torch
 
-from ..io.reader import narrow
 from ..move import mover
 from ..move.plan import Answers, Op
 from .sides import DTYPES, Side
@@ -48,9 +47,12 @@ class Progress:
 
 def _view(side: Side, box_index: int, op: Op) -> torch.Tensor:
     """The view of ``side``'s box ``box_index`` that holds ``op``'s global region."""
-    box = side.boxes[box_index]
-    local = tuple(o - b for o, b in zip(op.offsets, box.offsets))
-    return narrow(side.views[box_index], local, op.lengths)
+    box, base = side.boxes[box_index], side.views[box_index]
+    if op.lengths == box.lengths:
+        return base
+    stride = base.stride()
+    at = base.storage_offset() + sum((o - b) * st for o, b, st in zip(op.offsets, box.offsets, stride))
+    return base.as_strided(op.lengths, stride, at)
 
 
 def _nbytes(op: Op) -> int:

@@ -95,6 +95,11 @@ def _bench_parser(sub) -> None:
                    help="benchmark the memory tier instead: snapshot against a background save, and restore with "
                    "one host lost against a load from the persistent checkpoint on throttled storage "
                    "(--world, --tp, --dp, --size, --seed, --repeats, --read-mbps, --dir, --out, --timeout apply)")
+    b.add_argument("--transfer", action="store_true",
+                   help="live weight transfer: 4 FSDP2 trainer ranks into two TP 2 engines' fused layout "
+                   "(8 ranks), pipeload.transfer against per-tensor and bucketed rank-0 broadcasts and the floor")
+    b.add_argument("--bucket-mb", type=float, default=16.0, metavar="MB",
+                   help="--transfer: bucket size of the bucketed baseline (16)")
     b.add_argument("--device", action="store_true",
                    help="benchmark the accelerator paths instead, on real device tensors (one accelerator, a few "
                    "minutes): ring H2D against a page-locked copy_, loads of pipeload/DCP/HF checkpoints into "
@@ -260,6 +265,26 @@ def _bench_tier(args: argparse.Namespace, dp: int) -> int:
     return 0
 
 
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from ._world import run_world_bench
+    from .bench import DEFAULT_SIZE_MB
+    from .bench import transfer as bench_transfer
+
+    size = 64.0 if args.size == DEFAULT_SIZE_MB else args.size
+    cfg = bench_transfer.TransferBenchConfig(size_mb=size, repeats=args.repeats, bucket_mb=args.bucket_mb,
+                                             timeout=args.timeout, quiet=args.quiet)
+    result, failed = run_world_bench("pipeload bench --transfer", lambda: bench_transfer.run(cfg))
+    if failed is not None:
+        return failed
+    _write_json(args.out, result)
+    r = result["rows"]
+    print(f"8 ranks: 4 FSDP2 trainers -> 2 engines x TP 2 (fused layout), {r['model_mib']} MiB bf16 model "
+          f"({r['layers']} layers), {args.repeats} repeats (medians of the slowest rank)\n")
+    print(bench_transfer.format_table(result))
+    print(f"\ntotal {result['total_seconds']:.0f} s" + (f"; results in {args.out}" if args.out else ""))
+    return 0
+
+
 def _bench_device(args: argparse.Namespace) -> int:
     from .bench import DEFAULT_SIZE_MB
     from .bench import device as bench_device
@@ -271,6 +296,8 @@ def _bench_device(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.device:
         return _bench_device(args)
+    if args.transfer:
+        return _bench_transfer(args)
     if args.whole_file:
         return _bench_file(args)
     if args.storage == "s3":
