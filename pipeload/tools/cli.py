@@ -267,11 +267,9 @@ def _bench_tier(args: argparse.Namespace, dp: int) -> int:
 
 def _bench_transfer(args: argparse.Namespace) -> int:
     from ._world import run_world_bench
-    from .bench import DEFAULT_SIZE_MB
     from .bench import transfer as bench_transfer
 
-    size = 64.0 if args.size == DEFAULT_SIZE_MB else args.size
-    cfg = bench_transfer.TransferBenchConfig(size_mb=size, repeats=args.repeats, bucket_mb=args.bucket_mb,
+    cfg = bench_transfer.TransferBenchConfig(size_mb=args.size, repeats=args.repeats, bucket_mb=args.bucket_mb,
                                              timeout=args.timeout, quiet=args.quiet)
     result, failed = run_world_bench("pipeload bench --transfer", lambda: bench_transfer.run(cfg))
     if failed is not None:
