@@ -82,6 +82,12 @@ def _bench_parser(sub) -> None:
     b.add_argument("--link-mbps", type=float, default=3.0, metavar="MIBPS", help="s3: cap per node link (3)")
     b.add_argument("--max-requests", type=int, default=8, help="s3: GETs in flight per rank (8)")
     b.add_argument("--p503", type=float, default=0.10, help="s3: share of data GETs answered 503 (0.10)")
+    _bench_kinds(b)
+
+
+def _bench_kinds(b) -> None:
+    """The benchmarks run instead of a load (--save, --whole-file, --tier, --transfer, --device), then what a
+    load reads and how (--format, --save-layout, --via)."""
     b.add_argument("--save", action="store_true",
                    help="benchmark saving instead: write and memcpy floors, pipeload.save blocking and in the "
                    "background, dcp.save and dcp.async_save (--world, --tp, --dp, --size, --seed, --repeats, "
