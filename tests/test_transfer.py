@@ -197,6 +197,64 @@ def _beside_load(root, src) -> list[str]:
     return [f"{type(r).__name__}: {r}" for r in asyncio.run(both())]
 
 
+def _layout_changed(rank) -> dict:
+    """A kept plan, then a destination of another region (re-planned, exact), then one of another
+    shape (refused on every rank, the destination untouched)."""
+    import pipeload
+
+    full = {"a": torch.arange(24.0).reshape(6, 4)}
+    src = full if rank in (0, 1) else None
+    out: dict = {}
+    dst = {"a": torch.zeros(6, 4)} if rank == 5 else None
+    out["first"] = pipeload.transfer(src, dst).planned
+    view = torch.zeros(3, 4)
+    out["moved"] = pipeload.transfer(src, [pipeload.Slice(view, "a", (2, 0), (6, 4))] if rank == 5 else None).planned
+    out["moved_exact"] = bool(torch.equal(view, full["a"][2:5])) if rank == 5 else None
+    bad = torch.zeros(7, 4)
+    try:
+        pipeload.transfer(src, {"a": bad} if rank == 5 else None)
+        out["refused"] = None
+    except pipeload.PipeloadError as e:
+        out["refused"] = str(e)
+    out["untouched"] = bool((bad == 0).all())
+    return out
+
+
+def _stream_case(rank, mesh, s) -> dict:
+    """Full tensors streamed in small buckets into engine A's own loader, twice (plans kept per bucket),
+    then a loader that raises on rank 5: every rank raises, after every bucket's transfer."""
+    import pipeload
+    from pipeload.tools.engineshape import checkpoint_shapes, engine_loader, engine_params
+
+    model = _fsdp2(s, mesh) if rank in TRAINERS else None
+    want = {k: (v, s.dtype) for k, v in checkpoint_shapes(s).items()} if rank in (4, 5) else None
+    params = engine_params(s, 2, rank - 4) if want else None
+    loader = engine_loader(s, params, 2, rank - 4) if want else None
+    biggest = []
+
+    def load_weights(weights):
+        biggest.append(sum(t.numel() * t.element_size() for _, t in weights))
+        loader(weights)
+
+    src = model.state_dict() if model is not None else None
+    runs = [pipeload.stream(src, want, load_weights if want else None, bucket_mb=0.02, version=7) for _ in (1, 2)]
+    out = {"planned": [r.planned for r in runs], "version": runs[1].version, "buckets": len(biggest),
+           "biggest": max(biggest, default=0), "params": {k: v.clone() for k, v in params.items()} if params else None,
+           "full": _full(model) if model is not None else None, "sent": runs[1].bytes_sent}
+
+    def failing(weights):
+        if rank == 5 and any("layers.1" in n for n, _ in weights):
+            raise RuntimeError("engine out of memory")
+        loader(weights)
+
+    try:
+        pipeload.stream(src, want, failing if want else None, bucket_mb=0.02)
+        out["failed"] = None
+    except pipeload.PipeloadError as e:
+        out["failed"] = str(e)
+    return out
+
+
 def world6(rank: int, world: int, root: str) -> dict:
     import pipeload
     from torch.distributed.device_mesh import DeviceMesh
@@ -209,6 +267,8 @@ def world6(rank: int, world: int, root: str) -> dict:
     res["fsdp_tp"] = _fsdp_tp_to_replicas(rank)
     res["bare"] = _bare_group_case(rank, root)
     res["faults"] = _faults(rank, root)
+    res["layout"] = _layout_changed(rank)
+    res["stream"] = _stream_case(rank, mesh, s)
     return _plain(res)
 
 
@@ -294,3 +354,35 @@ def test_faults_raised_on_every_rank_naming_the_key(results):
         assert f["cast"] is None and f["after"] is None
         assert len(f["beside_load"]) == 2 and all("at the same time" in e for e in f["beside_load"]), f["beside_load"]
     assert results[5]["faults"]["cast_exact"] and results[1]["faults"]["after_exact"]
+
+
+@pytest.mark.timeout(240)
+def test_changed_destination_replanned_or_refused(results):
+    for rank in range(WORLD):
+        f = results[rank]["layout"]
+        assert f["first"] and f["moved"], f  # the kept plan is not used for another layout
+        assert "'a'" in f["refused"] and "global shape" in f["refused"], f["refused"]
+        assert f["untouched"]
+    assert results[5]["layout"]["moved_exact"]
+
+
+@pytest.mark.timeout(240)
+def test_stream_full_tensors_into_the_engine_loader(results):
+    from pipeload.tools.engineshape import expected
+
+    s = _shape()
+    full = _tensors(results[0]["stream"]["full"])
+    for rank in (4, 5):
+        got = results[rank]["stream"]
+        want = expected(s, full, 2, rank - 4)
+        params = _tensors(got["params"])
+        assert all(torch.equal(params[k], want[k]) for k in want), rank
+        assert got["buckets"] > 10 and got["version"] == 7
+        largest = max(v.numel() * 4 for v in full.values())
+        assert got["biggest"] <= max(0.02 * (1 << 20), largest), got["biggest"]  # one bucket at a time
+    assert [results[r]["stream"]["planned"] for r in range(WORLD)] == [[True, False]] * WORLD
+    senders = [results[r]["stream"]["sent"] for r in TRAINERS]
+    assert min(senders) > 0 and max(senders) <= 1.5 * sum(senders) / len(senders), senders
+    for rank in range(WORLD):
+        f = results[rank]["stream"]["failed"]
+        assert "rank 5" in f and "load_weights raised" in f and "engine out of memory" in f, f

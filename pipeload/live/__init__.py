@@ -1,5 +1,6 @@
 """Live weight transfer: a trainer's sharded weights into other ranks' buffers (:func:`.api.transfer`)."""
 
 from .api import TransferError, TransferStats, transfer
+from .stream import stream
 
-__all__ = ["transfer", "TransferStats", "TransferError"]
+__all__ = ["transfer", "stream", "TransferStats", "TransferError"]

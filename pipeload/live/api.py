@@ -71,7 +71,7 @@ class _Kept:
     answers: moveplan.Answers
 
 
-_kept: dict[int, _Kept] = {}  # id(group object) -> the plan its last transfer made
+_kept: dict[tuple[int, int], _Kept] = {}  # (id(group object), slot) -> the plan its last transfer made
 
 
 def clear() -> None:
@@ -93,26 +93,33 @@ def transfer(src: Any, dst: Any, *, group: Any = None, version: int | None = Non
     when a layout problem is found (before any destination is written), :class:`TransferError` on
     every rank when a rank fails or dies during the data movement.
     """
+    return run_transfer(Link(group), src, dst, version, cast, what)
+
+
+def run_transfer(link: Link, src: Any, dst: Any, version: int | None, cast: bool, what: str,
+                 slot: int = 0) -> TransferStats:
+    """:func:`transfer` on ``link``. ``slot`` keys the kept plan: a caller that makes several transfers
+    of different layouts in a fixed order on one group (:func:`pipeload.live.stream.stream`, a bucket
+    each) passes each its own, so every one finds its plan kept."""
     t0 = time.perf_counter()
-    link = Link(group)
     s, d = sources(src), destinations(dst, cast)
     stats = TransferStats(destinations=len(d.boxes))
     stats.timings.update(plan=time.perf_counter() - t0, exchange=0.0)
     with Guard() as guard:
         contended = guard.enter_sync(link, link.size > 1, what, timeout=GUARD_WAIT_S)
-        answers, nd = _plan(link, s, d, version, contended, stats, what)
+        answers, nd = _plan(link, s, d, version, contended, stats, what, slot)
         _move(link, answers, s, d, stats, what, guard.late(link))
     stats.timings["total"] = time.perf_counter() - t0
     return stats
 
 
-def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats, what: str):
+def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats, what: str, slot: int):
     """(this rank's answers, nd): the kept plan when every rank offers it, else a new one. Timings:
     ``plan`` this rank's own work (its boxes, the digest, an owner's answers), ``exchange`` the
     collectives (which include waiting for the slowest rank to arrive)."""
     lap = _Lap(stats.timings)
     dig = digest(s, d)
-    kept = _kept.get(id(link.pg))
+    kept = _kept.get((id(link.pg), slot))
     offer = CONTENDED if contended else (kept.token if kept is not None and kept.digest == dig else 0)
     sides = bool(s.boxes) | (bool(d.boxes) << 1)
     row = np.array([offer, dig, max(ndim(s), ndim(d)) | (sides << 8), NO_VERSION if version is None else int(version)],
@@ -141,7 +148,7 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
     link.agree(what, problems, "agreement on the transfer's plan")
     lap("exchange")
     token = hash64(np.ascontiguousarray(rows[:, [R_DIGEST, R_SHAPE]]).tobytes()) or 1
-    _kept[id(link.pg)] = _Kept(token, dig, nd, answers)
+    _kept[(id(link.pg), slot)] = _Kept(token, dig, nd, answers)
     return answers, nd
 
 
