@@ -20,7 +20,7 @@ from .save.api import save, save_async
 from .save.background import SaveHandle
 from .tier import MemoryTier
 from .slices import Slice
-from .live import TransferError, TransferStats, transfer
+from .live import TransferError, TransferStats, stream, transfer
 
 
 def clear_plan_cache() -> None:
@@ -47,6 +47,7 @@ __all__ = [
     "FileStats",
     "clear_plan_cache",
     "transfer",
+    "stream",
     "TransferStats",
     "TransferError",
     "Slice",
