@@ -18,7 +18,7 @@ Used by ``pipeload bench --transfer`` and the tests; both sides are derived from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -35,10 +35,12 @@ class Shape:
     heads: int = 4
     kv_heads: int = 2
     head_dim: int = 16
-    inter: int = 128  # dense MLP and each expert's
+    inter: int = 128  # each expert's MLP (and the dense MLP's, unless ``dense_inter``)
     experts: int = 4
     vocab: int = 1000
     dtype: torch.dtype = torch.float32
+    dense_layers: int = -1  # the first ``dense_layers`` layers dense, the rest MoE; -1: even layers dense
+    dense_inter: int = 0  # the dense MLP's width (0: ``inter``)
 
     def q_rows(self) -> int:
         return self.heads * self.head_dim
@@ -46,15 +48,23 @@ class Shape:
     def kv_rows(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def dense(self, i: int) -> bool:
+        """Whether layer ``i`` has a dense MLP (else experts)."""
+        return i % 2 == 0 if self.dense_layers < 0 else i < self.dense_layers
+
+    def mlp_inter(self) -> int:
+        return self.dense_inter or self.inter
+
 
 def _layer_names(s: Shape, i: int) -> dict[str, tuple[int, ...]]:
     p = f"model.layers.{i}."
     out = {p + "self_attn.q_proj.weight": (s.q_rows(), s.hidden), p + "self_attn.k_proj.weight": (s.kv_rows(), s.hidden),
            p + "self_attn.v_proj.weight": (s.kv_rows(), s.hidden), p + "self_attn.o_proj.weight": (s.hidden, s.q_rows()),
            p + "input_layernorm.weight": (s.hidden,)}
-    if i % 2 == 0:  # dense MLP
-        out.update({p + "mlp.gate_proj.weight": (s.inter, s.hidden), p + "mlp.up_proj.weight": (s.inter, s.hidden),
-                    p + "mlp.down_proj.weight": (s.hidden, s.inter)})
+    if s.dense(i):
+        m = s.mlp_inter()
+        out.update({p + "mlp.gate_proj.weight": (m, s.hidden), p + "mlp.up_proj.weight": (m, s.hidden),
+                    p + "mlp.down_proj.weight": (s.hidden, m)})
     else:  # MoE
         out[p + "mlp.gate.weight"] = (s.experts, s.hidden)
         for e in range(s.experts):
@@ -140,9 +150,9 @@ def engine_params(s: Shape, tp: int, t: int) -> dict[str, torch.Tensor]:
         out[p + "self_attn.qkv_proj.weight"] = z(s.q_rows() // tp + 2 * kvn, s.hidden)
         out[p + "self_attn.o_proj.weight"] = z(s.hidden, s.q_rows() // tp)
         out[p + "input_layernorm.weight"] = z(s.hidden)
-        if i % 2 == 0:
-            out[p + "mlp.gate_up_proj.weight"] = z(2 * s.inter // tp, s.hidden)
-            out[p + "mlp.down_proj.weight"] = z(s.hidden, s.inter // tp)
+        if s.dense(i):
+            out[p + "mlp.gate_up_proj.weight"] = z(2 * s.mlp_inter() // tp, s.hidden)
+            out[p + "mlp.down_proj.weight"] = z(s.hidden, s.mlp_inter() // tp)
         else:
             out[p + "mlp.gate.weight"] = z(s.experts, s.hidden)
             out[p + "mlp.experts.w13_weight"] = z(s.experts, 2 * s.inter // tp, s.hidden)
@@ -151,42 +161,66 @@ def engine_params(s: Shape, tp: int, t: int) -> dict[str, torch.Tensor]:
     return out
 
 
+class Region(NamedTuple):
+    """One checkpoint region an engine parameter holds: rows ``row ..`` of ``param`` (of its expert
+    ``expert`` when >= 0) hold the box ``offsets .. offsets + lengths`` of the tensor ``name``."""
+
+    param: str
+    expert: int
+    row: int
+    name: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+def engine_regions(s: Shape, tp: int, t: int) -> list[Region]:
+    """Every region TP rank ``t`` of ``tp`` holds, in :func:`engine_slices`' order (arithmetic only: no
+    tensor, so a simulation of any size can take an engine rank's destination boxes from it). Experts
+    are split by rows: every rank holds every expert's ``1/tp`` of ``gate``/``up`` rows and ``down``
+    columns (vLLM's fused MoE under tensor parallelism, without expert parallelism)."""
+    out: list[Region] = []
+    h = s.hidden
+    lo, v, _ = _vocab(s, tp, t)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if v:
+            out.append(Region(name, -1, 0, name, (lo, 0), (v, h)))
+    for name in ("model.norm.weight",) + tuple(f"model.layers.{i}.input_layernorm.weight" for i in range(s.layers)):
+        out.append(Region(name, -1, 0, name, (0,), (h,)))
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv, (q0, qn), (k0, kn) = a + "qkv_proj.weight", _split(s.q_rows(), tp, t), _kv(s, tp, t)
+        out += [Region(qkv, -1, 0, a + "q_proj.weight", (q0, 0), (qn, h)),
+                Region(qkv, -1, qn, a + "k_proj.weight", (k0, 0), (kn, h)),
+                Region(qkv, -1, qn + kn, a + "v_proj.weight", (k0, 0), (kn, h)),
+                Region(a + "o_proj.weight", -1, 0, a + "o_proj.weight", (0, q0), (h, qn))]
+        if s.dense(i):
+            i0, n = _split(s.mlp_inter(), tp, t)
+            gu = p + "mlp.gate_up_proj.weight"
+            out += [Region(gu, -1, 0, p + "mlp.gate_proj.weight", (i0, 0), (n, h)),
+                    Region(gu, -1, n, p + "mlp.up_proj.weight", (i0, 0), (n, h)),
+                    Region(p + "mlp.down_proj.weight", -1, 0, p + "mlp.down_proj.weight", (0, i0), (h, n))]
+            continue
+        i0, n = _split(s.inter, tp, t)
+        out.append(Region(p + "mlp.gate.weight", -1, 0, p + "mlp.gate.weight", (0, 0), (s.experts, h)))
+        w13, w2 = p + "mlp.experts.w13_weight", p + "mlp.experts.w2_weight"
+        for e in range(s.experts):
+            q = f"{p}mlp.experts.{e}."
+            out += [Region(w13, e, 0, q + "gate_proj.weight", (i0, 0), (n, h)),
+                    Region(w13, e, n, q + "up_proj.weight", (i0, 0), (n, h)),
+                    Region(w2, e, 0, q + "down_proj.weight", (0, i0), (h, n))]
+    return out
+
+
 def engine_slices(s: Shape, params: dict[str, torch.Tensor], tp: int, t: int) -> list[Slice]:
     """Every region of ``params`` (TP rank ``t``) as the checkpoint region it holds."""
     shapes = checkpoint_shapes(s)
     out: list[Slice] = []
-
-    def put(view, name, offsets):
-        out.append(Slice(view, name, offsets, shapes[name]))
-
-    lo, v, _ = _vocab(s, tp, t)
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        if v:
-            put(params[name][:v], name, (lo, 0))
-    for name in ("model.norm.weight",) + tuple(f"model.layers.{i}.input_layernorm.weight" for i in range(s.layers)):
-        put(params[name], name, (0,))
-    for i in range(s.layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        qkv, (q0, qn), (k0, kn) = params[a + "qkv_proj.weight"], _split(s.q_rows(), tp, t), _kv(s, tp, t)
-        put(qkv[:qn], a + "q_proj.weight", (q0, 0))
-        put(qkv[qn:qn + kn], a + "k_proj.weight", (k0, 0))
-        put(qkv[qn + kn:], a + "v_proj.weight", (k0, 0))
-        put(params[a + "o_proj.weight"], a + "o_proj.weight", (0, q0))
-        i0, n = _split(s.inter, tp, t)
-        if i % 2 == 0:
-            gu = params[p + "mlp.gate_up_proj.weight"]
-            put(gu[:n], p + "mlp.gate_proj.weight", (i0, 0))
-            put(gu[n:], p + "mlp.up_proj.weight", (i0, 0))
-            put(params[p + "mlp.down_proj.weight"], p + "mlp.down_proj.weight", (0, i0))
-            continue
-        put(params[p + "mlp.gate.weight"], p + "mlp.gate.weight", (0, 0))
-        w13, w2 = params[p + "mlp.experts.w13_weight"], params[p + "mlp.experts.w2_weight"]
-        for e in range(s.experts):
-            q = f"{p}mlp.experts.{e}."
-            put(w13[e, :n], q + "gate_proj.weight", (i0, 0))
-            put(w13[e, n:], q + "up_proj.weight", (i0, 0))
-            put(w2[e], q + "down_proj.weight", (0, i0))
+    for r in engine_regions(s, tp, t):
+        view = params[r.param]
+        if r.expert >= 0:
+            view = view[r.expert]
+        out.append(Slice(view.narrow(0, r.row, r.lengths[0]), r.name, r.offsets, shapes[r.name]))
     return out
 
 
