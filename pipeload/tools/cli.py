@@ -29,7 +29,7 @@ def _csv(text: str) -> tuple[str, ...]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipeload", description="Inspect, verify, convert and benchmark checkpoints "
                                 "(pipeload, torch.distributed.checkpoint, Hugging Face safetensors), and "
-                                "simulate the planning of large loads and saves.")
+                                "simulate the planning of large loads, saves and live transfers.")
     sub = p.add_subparsers(dest="command", required=True, metavar="{bench,inspect,verify,convert,simulate}")
     _bench_parser(sub)
     _checkpoint_parsers(sub)
@@ -164,19 +164,29 @@ def _checkpoint_parsers(sub) -> None:
 def _simulate_parser(sub) -> None:
     s = sub.add_parser(
         "simulate",
-        help="run the load's (or the save's) planning path for W simulated ranks and report its cost per rank",
+        help="run the planning of a load, a save, a restore or a live transfer for W simulated ranks and report "
+        "its cost per rank",
         description="Build every rank's exchange row and plan record for a layout of W ranks, then run "
         "the loader's own planning path (metadata parse, local plan, exchange, global plan) for a few "
         "sampled ranks with a simulated exchange. Reports CPU and peak memory per rank, exchange bytes, "
         "reader balance, groups created, and whether every sampled rank took the same decisions. "
         "With --op save, the saver's own planning (pipeload.save.saver.plan_phase) runs instead, and rank 0's "
         "commit (what it receives, the chunk index and .metadata it writes). With --op restore, the restore's "
-        "planning from a memory tier (pipeload.tier.restoreplan) with one host's tier lost. Exit 1 when they did not.",
+        "planning from a memory tier (pipeload.tier.restoreplan) with one host's tier lost. With --op transfer, "
+        "pipeload.transfer's planning (pipeload.move.plan: records to the names' owners, their answers back) "
+        "from W FSDP2 trainer ranks into E engine ranks holding a fused tensor-parallel layout, on rank 0, a "
+        "trainer, an engine rank and the busiest owner; --layout fsdp (default) or hsdp. Exit 1 when the "
+        "sampled ranks disagree (transfer: when a destination byte is not covered exactly once).",
     )
-    s.add_argument("--op", choices=["load", "save", "restore"], default="load",
-                   help="the planning to simulate (default load); restore: from a memory tier, one host lost")
-    s.add_argument("--world", type=int, required=True, help="simulated ranks (a multiple of 8; 64 for dense-pp8)")
-    s.add_argument("--layout", required=True, choices=["dense", "dense-pp8", "moe", "fsdp", "tp-from-whole"])
+    s.add_argument("--op", choices=["load", "save", "restore", "transfer"], default="load",
+                   help="the planning to simulate (default load); restore: from a memory tier, one host lost; "
+                   "transfer: pipeload.transfer from trainer ranks into engine ranks")
+    s.add_argument("--world", type=int, required=True, help="simulated ranks (a multiple of 8; 64 for dense-pp8); "
+                   "transfer: trainer ranks")
+    s.add_argument("--layout", choices=["dense", "dense-pp8", "moe", "fsdp", "tp-from-whole", "hsdp"],
+                   help="load, save, restore (required): dense, dense-pp8, moe, fsdp, tp-from-whole; transfer: the "
+                   "trainer's FSDP2 layout, fsdp (default: Shard(0) over all W) or hsdp (Shard(0) over "
+                   "--shard-group ranks, replicated across the groups)")
     s.add_argument("--optim", action="store_true", help="add AdamW state (exp_avg, exp_avg_sq, step) per parameter")
     s.add_argument("--samples", type=int, default=3, help="ranks whose planning runs (default 3: first, middle, last)")
     s.add_argument("--no-memory", action="store_true", help="skip the second, memory-traced pass")
@@ -184,6 +194,23 @@ def _simulate_parser(sub) -> None:
     s.add_argument("--format", choices=["pipeload", "dcp", "hf"], default="pipeload",
                    help="layout of the simulated checkpoint's metadata: pipeload's (default), torch DCP's pickled "
                    ".metadata, or Hugging Face's index and headers; dcp and hf also report rank 0's decode")
+    _simulate_transfer_args(s)
+
+
+def _simulate_transfer_args(s) -> None:
+    t = s.add_argument_group("--op transfer")
+    t.add_argument("--engine-world", type=int, default=None, metavar="E",
+                   help="engine ranks, E / TP replicas (default: W)")
+    t.add_argument("--tp", type=int, default=8, help="the engines' tensor parallelism (default 8)")
+    t.add_argument("--model", choices=["671b", "235b", "small"], default="671b",
+                   help="671b: DeepSeek-V3-sized MoE (61 layers, 256 experts, hidden 7168; default); 235b: "
+                   "Qwen3-235B-sized (94 layers, 128 experts, hidden 4096); small: the transfer bench's shape")
+    t.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    t.add_argument("--shard-group", type=int, default=8, help="hsdp: ranks each parameter is sharded over (default 8)")
+    t.add_argument("--colocated", action="store_true", help="the engine ranks are the first E trainer ranks")
+    t.add_argument("--whole", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every owner's answers in full: exact answers and the sender balance (default: when "
+                   "the plan has at most 40 M pieces)")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -193,12 +220,35 @@ def _simulate(args: argparse.Namespace) -> int:
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
     from .simrestore import format_restore_result, simulate_restore
 
+    if args.op == "transfer":
+        return _simulate_transfer(args, log)
+    if args.layout in (None, "hsdp"):
+        print(f"pipeload simulate --op {args.op}: --layout must be one of dense, dense-pp8, moe, fsdp, tp-from-whole",
+              file=sys.stderr)
+        return 2
     run, fmt = {"save": (simulate_save, format_save_result), "restore": (simulate_restore, format_restore_result),
                 "load": (simulate, format_result)}[args.op]
     kw = {"format": args.format} if args.op == "load" else {}
     res = run(args.world, args.layout, optim=args.optim, samples=args.samples, memory=not args.no_memory, log=log, **kw)
     print(json.dumps(res, indent=2) if args.json else fmt(res))
     return 0 if res["plans_identical"] else 1
+
+
+def _simulate_transfer(args: argparse.Namespace, log) -> int:
+    from .simtransfer import format_transfer_result, simulate_transfer
+
+    if args.layout not in (None, "fsdp", "hsdp"):
+        print("pipeload simulate --op transfer: --layout is fsdp or hsdp", file=sys.stderr)
+        return 2
+    try:
+        res = simulate_transfer(args.world, args.layout or "fsdp", engines=args.engine_world, tp=args.tp,
+                                model=args.model, layers=args.layers, shard_group=args.shard_group,
+                                colocated=args.colocated, whole=args.whole, memory=not args.no_memory, log=log)
+    except ValueError as e:
+        print(f"pipeload simulate --op transfer: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(res, indent=2) if args.json else format_transfer_result(res))
+    return 0 if res["plan_consistent"] else 1
 
 
 def _bench_save(args: argparse.Namespace, dp: int) -> int:
