@@ -82,19 +82,35 @@ def encode(sources: list[Box], dests: list[Box], nd: int, size: int) -> tuple[np
     """(words per owner rank, the records in owner order, flat) for one all-to-all."""
     w = width(nd)
     rec = np.zeros((len(sources) + len(dests), w), dtype=np.int64)
-    for i, (kind, boxes) in enumerate(((SRC, sources), (DST, dests))):
-        base = 0 if i == 0 else len(sources)
-        for j, b in enumerate(boxes):
-            n = len(b.shape)
-            row = rec[base + j]
-            row[:HEAD] = (kind, b.name, b.dtype, n, j, b.flags)
-            row[HEAD: HEAD + n] = b.shape
-            row[HEAD + nd: HEAD + nd + n] = b.offsets
-            row[HEAD + 2 * nd: HEAD + 2 * nd + n] = b.lengths
+    _fill(rec, 0, SRC, sources, nd)
+    _fill(rec, len(sources), DST, dests, nd)
     owners = owner_of(rec[:, K_NAME], size)
     order = np.argsort(owners, kind="stable")
     counts = np.bincount(owners, minlength=size) * w
     return counts, rec[order].ravel()
+
+
+def _fill(rec: np.ndarray, base: int, kind: int, boxes: list[Box], nd: int) -> None:
+    """Rows ``base ..`` of ``rec``: the records of ``boxes`` (their index: their position), per tensor rank."""
+    if not boxes:
+        return
+    ndims = np.array([len(b[2]) for b in boxes], dtype=np.int64)
+    for n in np.unique(ndims).tolist():
+        at = np.flatnonzero(ndims == n)
+        sel = boxes if len(at) == len(boxes) else [boxes[i] for i in at.tolist()]
+        head = np.array([(b[0], b[1], b[5]) for b in sel], dtype=np.int64).reshape(-1, 3)  # name, dtype, flags
+        geo = np.array([(*b[2], *b[3], *b[4]) for b in sel], dtype=np.int64).reshape(len(sel), 3 * n)
+        rows = rec[base + at[0]: base + at[-1] + 1] if len(at) == at[-1] - at[0] + 1 else None
+        block = np.zeros((len(sel), rec.shape[1]), dtype=np.int64)
+        block[:, K_KIND], block[:, K_NAME], block[:, K_DTYPE] = kind, head[:, 0], head[:, 1]
+        block[:, K_NDIM], block[:, K_INDEX], block[:, K_FLAGS] = n, at, head[:, 2]
+        block[:, HEAD: HEAD + n] = geo[:, :n]
+        block[:, HEAD + nd: HEAD + nd + n] = geo[:, n: 2 * n]
+        block[:, HEAD + 2 * nd: HEAD + 2 * nd + n] = geo[:, 2 * n:]
+        if rows is not None:
+            rows[:] = block
+        else:
+            rec[base + at] = block
 
 
 def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -104,17 +120,20 @@ def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int) -> tuple[n
     rec = np.asarray(words, dtype=np.int64).reshape(-1, w)
     ranks = np.repeat(np.arange(len(counts), dtype=np.int64), np.asarray(counts) // w)
     out: list[np.ndarray] = []
-    loads: dict[int, int] = {}
+    loads = np.zeros(size, dtype=np.int64)  # elements each rank sends so far, over this owner's names
     if len(rec):
-        order = np.lexsort((ranks, rec[:, K_INDEX], rec[:, K_KIND], rec[:, K_NAME]))
+        # by name, kind, index, rank: the records arrive by rank, which the stable sort keeps among ties
+        order = np.lexsort((rec[:, K_INDEX], rec[:, K_KIND], rec[:, K_NAME]))
         rec, ranks = rec[order], ranks[order]
         starts = np.flatnonzero(np.r_[True, rec[1:, K_NAME] != rec[:-1, K_NAME], True])
-        for a, b in zip(starts[:-1], starts[1:]):
+        for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
             out.extend(_plan_name(rec[a:b], ranks[a:b], nd, loads))
     aw = answer_width(nd)
     rows = np.concatenate(out) if out else np.zeros((0, aw + 1), dtype=np.int64)
-    rows = rows[np.argsort(rows[:, 0], kind="stable")]
-    return np.bincount(rows[:, 0], minlength=size) * aw, rows[:, 1:].ravel()
+    del out
+    dest = rows[:, 0]
+    order = np.argsort(dest.astype(np.uint16) if size <= 1 << 16 else dest, kind="stable")  # (a radix sort)
+    return np.bincount(dest, minlength=size) * aw, rows[order, 1:].ravel()
 
 
 class _Side(NamedTuple):
@@ -133,7 +152,7 @@ def _side(rec: np.ndarray, ranks: np.ndarray, nd: int, ndim: int) -> _Side:
                  rec[:, HEAD + nd: HEAD + nd + ndim], rec[:, HEAD + 2 * nd: HEAD + 2 * nd + ndim])
 
 
-def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: dict) -> list[np.ndarray]:
+def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: np.ndarray) -> list[np.ndarray]:
     """Every answer row about one name, as ``[destination rank, *answer words]``."""
     name = int(rec[0, K_NAME])
     is_src = rec[:, K_KIND] == SRC
@@ -176,16 +195,35 @@ def _check_dests(name: int, dst_rec: np.ndarray, dst_ranks: np.ndarray, src0: np
     return out, shape_ok & dtype_ok
 
 
-def _distinct(src: _Side) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
-    """(distinct source boxes ``k x 2 x ndim`` sorted by dim-0 offset, their holders as (rank, index)
-    sorted by rank)."""
+class _Holders(NamedTuple):
+    """The holders of each distinct source box: ``rank[start[k]:start[k + 1]]`` (ascending) and their
+    indices into their own sources."""
+
+    rank: np.ndarray
+    index: np.ndarray
+    start: np.ndarray
+
+    def reordered(self, order: np.ndarray) -> "_Holders":
+        """The same holders, box ``k`` of the result being box ``order[k]``."""
+        n = np.diff(self.start)[order]
+        start = np.r_[0, np.cumsum(n)]
+        at = np.arange(int(start[-1])) - np.repeat(start[:-1], n) + np.repeat(self.start[order], n)
+        return _Holders(self.rank[at], self.index[at], start)
+
+
+def _distinct(src: _Side) -> tuple[np.ndarray, _Holders]:
+    """(distinct source boxes ``k x 2 x ndim`` sorted by offsets then lengths, their holders sorted by
+    rank)."""
     key = np.concatenate([src.off, src.len], axis=1)
-    uniq, inv = np.unique(key, axis=0, return_inverse=True)
-    inv = inv.ravel()
+    by = np.lexsort(key.T[::-1]) if key.shape[1] else np.arange(len(key))  # (np.unique's row order)
+    new = np.r_[True, np.any(key[by][1:] != key[by][:-1], axis=1)]
+    uniq = key[by][new]
+    inv = np.empty(len(key), np.int64)
+    inv[by] = np.cumsum(new) - 1
     ndim = src.off.shape[1]
-    holders: list[list[tuple[int, int]]] = [[] for _ in range(len(uniq))]
-    for i in np.lexsort((src.ranks, inv)).tolist():
-        holders[inv[i]].append((int(src.ranks[i]), int(src.index[i])))
+    order = np.lexsort((src.ranks, inv))
+    start = np.searchsorted(inv[order], np.arange(len(uniq) + 1))
+    holders = _Holders(src.ranks[order], src.index[order], start)
     boxes = np.stack([uniq[:, :ndim], uniq[:, ndim:]], axis=1) if ndim else np.zeros((len(uniq), 2, 0), np.int64)
     return boxes, holders
 
@@ -214,82 +252,172 @@ def _meets(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.all(np.maximum(a[0], b[0]) < np.minimum(a[0] + a[1], b[0] + b[1])))
 
 
-def _pieces(name: int, dst: _Side, boxes: np.ndarray, holders: list, src_dtype: int, nd: int, ndim: int,
-            loads: dict) -> np.ndarray:
+def _pieces(name: int, dst: _Side, boxes: np.ndarray, holders: _Holders, src_dtype: int, nd: int, ndim: int,
+            loads: np.ndarray) -> np.ndarray:
     """Each destination box cut by the source boxes it meets, each piece given a sender."""
     lo0 = boxes[:, 0, 0] if ndim else np.zeros(len(boxes), np.int64)
     order = np.argsort(lo0, kind="stable")
-    boxes, holders = boxes[order], [holders[i] for i in order.tolist()]
-    lo0 = lo0[order]
-    reach = np.maximum.accumulate(lo0 + boxes[:, 1, 0]) if ndim else np.ones(len(boxes), np.int64)
-    cand: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (dst row, box, region offsets, lengths)
-    uncovered = []
-    for i in range(len(dst.ranks)):
-        off, ln = dst.off[i], dst.len[i]
-        a, b = (int(np.searchsorted(reach, off[0], "right")), int(np.searchsorted(lo0, off[0] + ln[0], "left"))) \
-            if ndim else (0, len(boxes))
-        got = _meet(off, ln, boxes[a:b])
-        if int(np.prod(got[1], axis=1, dtype=np.int64).sum()) != int(np.prod(ln, dtype=np.int64)):
-            uncovered.append(i)
-            continue
-        for k, (o, n) in zip(got[2].tolist(), zip(got[0], got[1])):
-            cand.append((i, a + k, o, n))
-    rows = _assign(name, dst, cand, holders, nd, ndim, loads)
-    if uncovered:
-        u = np.asarray(uncovered)
-        rows = np.concatenate([rows, _errors(name, dst.ranks[u], dst.index[u], E_UNCOVERED, nd)])
+    boxes, holders, lo0 = boxes[order], holders.reordered(order), lo0[order]
+    n_dst = len(dst.ranks)
+    if ndim:  # the boxes a destination may meet along dim 0: from the first reaching past its start
+        reach = np.maximum.accumulate(lo0 + boxes[:, 1, 0])
+        a = np.searchsorted(reach, dst.off[:, 0], "right")
+        b = np.searchsorted(lo0, dst.off[:, 0] + dst.len[:, 0], "left")
+    else:
+        a, b = np.zeros(n_dst, np.int64), np.full(n_dst, len(boxes), np.int64)
+    cnt = np.maximum(b - a, 0)
+    first = np.r_[0, np.cumsum(cnt)]
+    i = np.repeat(np.arange(n_dst), cnt)  # candidate pairs (destination, box), by destination then box
+    k = np.repeat(a, cnt) + np.arange(int(first[-1])) - np.repeat(first[:-1], cnt)
+    lo = np.maximum(boxes[k, 0], dst.off[i])
+    hi = np.minimum(boxes[k, 0] + boxes[k, 1], dst.off[i] + dst.len[i])
+    keep = np.all(hi > lo, axis=1)
+    i, k, o, n = i[keep], k[keep], lo[keep], (hi - lo)[keep]
+    size = np.prod(n, axis=1, dtype=np.int64)
+    got = np.r_[0, np.cumsum(size)][np.searchsorted(i, np.arange(n_dst + 1))]
+    uncovered = np.flatnonzero(np.diff(got) != np.prod(dst.len, axis=1, dtype=np.int64))
+    if len(uncovered):
+        ok = ~np.isin(i, uncovered)
+        i, k, o, n, size = i[ok], k[ok], o[ok], n[ok], size[ok]
+    rows = _assign(name, dst, _Cand(i, k, o, n, size), holders, nd, ndim, loads)
+    if len(uncovered):
+        rows = np.concatenate([rows, _errors(name, dst.ranks[uncovered], dst.index[uncovered], E_UNCOVERED, nd)])
     return rows
 
 
-def _meet(off: np.ndarray, ln: np.ndarray, boxes: np.ndarray):
-    """(region offsets, region lengths, which boxes) where ``off, ln`` meets ``boxes``, non-empty only."""
-    if not len(boxes):
-        return np.zeros((0, len(off)), np.int64), np.zeros((0, len(off)), np.int64), np.zeros(0, np.int64)
-    lo = np.maximum(boxes[:, 0], off)
-    hi = np.minimum(boxes[:, 0] + boxes[:, 1], off + ln)
-    keep = np.all(hi > lo, axis=1) if len(off) else np.ones(len(boxes), bool)
-    which = np.flatnonzero(keep)
-    return lo[keep], (hi - lo)[keep], which
+class _Cand(NamedTuple):
+    """The pieces of one name, by destination then box: destination row, box, region, its elements."""
+
+    dst: np.ndarray
+    box: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+    size: np.ndarray
 
 
-def _assign(name: int, dst: _Side, cand: list, holders: list, nd: int, ndim: int, loads: dict) -> np.ndarray:
-    """Answer rows for the pieces ``cand``: a local copy where the needer holds the box, else a send
-    from the holder the greedy picks and the matching receive."""
-    aw = answer_width(nd)
-    rows = np.zeros((2 * len(cand), aw + 1), dtype=np.int64)
+def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: int, loads: np.ndarray) -> np.ndarray:
+    """Answer rows for the pieces ``c``, heaviest first: a local copy where the needer holds the box, else
+    a send from the holder the greedy picks and the matching receive."""
+    order = np.argsort(-c.size, kind="stable")  # heaviest first, then in candidate order
+    receiver = dst.ranks[c.dst[order]]
+    mine = _own_index(holders, c.box, dst.ranks[c.dst])[order]
+    local = mine >= 0
+    remote = order[~local]
     rot = int(np.uint64(np.int64(name).view(np.uint64)) % np.uint64(1 << 31))
-    sizes = [int(np.prod(n, dtype=np.int64)) for _, _, _, n in cand]
-    used = 0
-    for p in sorted(range(len(cand)), key=lambda p: (-sizes[p], p)):
-        i, k, o, n = cand[p]
-        receiver, dindex = int(dst.ranks[i]), int(dst.index[i])
-        hs = holders[k]
-        mine = next((x for r, x in hs if r == receiver), None)
-        region = np.r_[o, np.zeros(nd - ndim, np.int64), n, np.zeros(nd - ndim, np.int64)]
-        common = (name, 0, 0, dindex, int(dst.dtype[i]), ndim)
-        if mine is not None:
-            rows[used, :AHEAD + 1] = (receiver, LOCAL, name, receiver, mine, dindex, int(dst.dtype[i]), ndim)
-            rows[used, AHEAD + 1:] = region
-            used += 1
-            continue
-        sender, sindex = _least_loaded(hs, loads, rot)
-        loads[sender] = loads.get(sender, 0) + sizes[p]
-        rows[used, :AHEAD + 1] = (sender, SEND, name, receiver, sindex, dindex, common[4], ndim)
-        rows[used + 1, :AHEAD + 1] = (receiver, RECV, name, sender, sindex, dindex, common[4], ndim)
-        rows[used: used + 2, AHEAD + 1:] = region
-        used += 2
-    return rows[:used]
+    pick = (_greedy if _disjoint_holders(holders) else _greedy_sequential)(remote, c.box, c.size, holders, loads, rot)
+    sender = np.full(len(order), -1, np.int64)
+    sender[~local] = holders.rank[pick]
+    source = mine.copy()
+    source[~local] = holders.index[pick]
+    # per piece in that order: its send (or local copy) row, then, for a send, the receive row
+    first = np.zeros((len(order), answer_width(nd) + 1), dtype=np.int64)
+    first[:, 0] = np.where(local, receiver, sender)
+    first[:, 1 + A_KIND] = np.where(local, LOCAL, SEND)
+    first[:, 1 + A_NAME] = name
+    first[:, 1 + A_PEER] = receiver
+    first[:, 1 + A_SRC] = source
+    first[:, 1 + A_DST] = dst.index[c.dst[order]]
+    first[:, 1 + A_DTYPE] = dst.dtype[c.dst[order]]
+    first[:, 1 + A_NDIM] = ndim
+    first[:, 1 + AHEAD: 1 + AHEAD + ndim] = c.off[order]
+    first[:, 1 + AHEAD + nd: 1 + AHEAD + nd + ndim] = c.len[order]
+    second = first[~local]
+    second[:, 0] = receiver[~local]
+    second[:, 1 + A_KIND] = RECV
+    second[:, 1 + A_PEER] = sender[~local]
+    if not np.any(local):
+        return np.stack([first, second], axis=1).reshape(-1, first.shape[1])
+    at = np.r_[0, np.cumsum(np.where(local, 1, 2))]
+    rows = np.empty((int(at[-1]), first.shape[1]), dtype=np.int64)
+    rows[at[:-1]] = first
+    rows[at[:-1][~local] + 1] = second
+    return rows
 
 
-def _least_loaded(hs: list[tuple[int, int]], loads: dict, rot: int) -> tuple[int, int]:
-    start = rot % len(hs)
-    best, best_load = hs[start], loads.get(hs[start][0], 0)
-    for j in range(1, len(hs)):
-        h = hs[(start + j) % len(hs)]
-        lh = loads.get(h[0], 0)
-        if lh < best_load:
-            best, best_load = h, lh
-    return best
+def _own_index(holders: _Holders, box: np.ndarray, receiver: np.ndarray) -> np.ndarray:
+    """Per piece, the receiver's own index of the box when it holds it (its first listing), else -1."""
+    if not len(box):
+        return np.zeros(0, np.int64)
+    span = int(max(holders.rank.max(initial=0), receiver.max())) + 1
+    hbox = np.repeat(np.arange(len(holders.start) - 1), np.diff(holders.start))
+    key = hbox * span + holders.rank  # ascending: boxes in order, each box's holders by rank
+    want = box * span + receiver
+    at = np.searchsorted(key, want)
+    hit = at < len(key)
+    hit[hit] = key[at[hit]] == want[hit]
+    return np.where(hit, holders.index[np.minimum(at, len(key) - 1)], -1)
+
+
+def _disjoint_holders(holders: _Holders) -> bool:
+    """Whether no rank holds two distinct boxes of the name (true of every DTensor layout)."""
+    return len(holders.rank) < 2 or int(np.bincount(holders.rank).max()) == 1
+
+
+def _greedy(pieces: np.ndarray, box: np.ndarray, size: np.ndarray, holders: _Holders, loads: np.ndarray,
+            rot: int) -> np.ndarray:
+    """The holder (a position in ``holders``) that sends each of ``pieces`` (heaviest first): the least
+    loaded of its box's holders, ties to the first from the name's rotation. Loads are updated.
+
+    No rank holds two of the name's boxes, so each box's pieces go to its own holders alone, in their
+    order; a run of equal pieces is the run's water-filling: its j-th piece goes to the holder of the
+    j-th smallest ``(load + t * size, rotated position)``, t = 0, 1, ... (what the sequential greedy picks).
+    """
+    out = np.zeros(len(pieces), np.int64)
+    if not len(pieces):
+        return out
+    pb = box[pieces]
+    single = np.diff(holders.start)[pb] == 1
+    if np.any(single):  # one holder: no choice
+        out[single] = holders.start[pb[single]]
+        np.add.at(loads, holders.rank[out[single]], size[pieces[single]])
+    many = np.flatnonzero(~single)
+    if not len(many):
+        return out
+    by_box = many[np.argsort(pb[many], kind="stable")]
+    bounds = np.flatnonzero(np.r_[True, pb[by_box][1:] != pb[by_box][:-1], True])
+    for x, y in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        run = by_box[x:y]
+        k = int(pb[run[0]])
+        h0, h1 = int(holders.start[k]), int(holders.start[k + 1])
+        rank = holders.rank[h0:h1]
+        pos = (np.arange(h1 - h0) - rot % (h1 - h0)) % (h1 - h0)
+        w = size[pieces[run]]
+        cuts = np.flatnonzero(np.r_[True, w[1:] != w[:-1], True])
+        for u, v in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            pick = _water_fill(loads[rank], pos, int(w[u]), v - u)
+            out[run[u:v]] = h0 + pick
+            loads[rank] += np.bincount(pick, minlength=h1 - h0) * int(w[u])
+    return out
+
+
+def _water_fill(load: np.ndarray, pos: np.ndarray, w: int, m: int) -> np.ndarray:
+    """The holders (indices into ``load``) that ``m`` pieces of ``w`` elements go to, one by one to the
+    least loaded, ties to the lowest ``pos``: the order of ``(load + t * w, pos)`` over t = 0, 1, ...."""
+    lo, hi = int(load.min()), int(load.min()) + (m - 1) * w  # the m-th smallest value lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(np.maximum(0, (mid - load) // w + 1).sum()) >= m:
+            hi = mid
+        else:
+            lo = mid + 1
+    n = np.maximum(0, (lo - load) // w + 1)  # each holder's values up to the threshold
+    hold = np.repeat(np.arange(len(load)), n)
+    value = load[hold] + (np.arange(int(n.sum())) - np.repeat(np.r_[0, np.cumsum(n)][:-1], n)) * w
+    return hold[np.lexsort((pos[hold], value))[:m]]
+
+
+def _greedy_sequential(pieces: np.ndarray, box: np.ndarray, size: np.ndarray, holders: _Holders,
+                       loads: np.ndarray, rot: int) -> np.ndarray:
+    """:func:`_greedy` one piece at a time (holders shared between boxes)."""
+    out = np.zeros(len(pieces), np.int64)
+    for j, p in enumerate(pieces.tolist()):
+        h0, h1 = int(holders.start[box[p]]), int(holders.start[box[p] + 1])
+        rank = holders.rank[h0:h1]
+        pos = (np.arange(h1 - h0) - rot % (h1 - h0)) % (h1 - h0)
+        best = int(np.lexsort((pos, loads[rank]))[0])
+        out[j] = h0 + best
+        loads[rank[best]] += int(size[p])
+    return out
 
 
 def _errors(name: int, ranks: np.ndarray, index: np.ndarray, code: int, nd: int) -> np.ndarray:
@@ -329,17 +457,32 @@ class Answers(NamedTuple):
 def decode(words: np.ndarray, nd: int, rank: int) -> Answers:
     """This rank's answers as ops in the one global order (:attr:`Op.key`)."""
     rows = np.asarray(words, dtype=np.int64).reshape(-1, answer_width(nd))
-    sends, recvs, local, problems = [], [], [], []
-    for r in rows.tolist():
-        kind = r[A_KIND]
-        if kind == ERROR:
-            problems.append((r[A_DST], r[A_PEER]))
-            continue
-        n = r[A_NDIM]
-        off, ln = tuple(r[AHEAD: AHEAD + n]), tuple(r[AHEAD + nd: AHEAD + nd + n])
-        receiver = r[A_PEER] if kind == SEND else rank
-        op = Op(r[A_NAME], receiver, r[A_PEER], r[A_SRC], r[A_DST], r[A_DTYPE], off, ln)
-        (sends if kind == SEND else recvs if kind == RECV else local).append(op)
-    for ops in (sends, recvs, local):
-        ops.sort(key=lambda op: op.key)
-    return Answers(sends, recvs, local, sorted(problems))
+    kind = rows[:, A_KIND]
+    err = rows[kind == ERROR]
+    problems = sorted(zip(err[:, A_DST].tolist(), err[:, A_PEER].tolist()))
+    ops = [_ops(rows[kind == k], k, nd, rank) for k in (SEND, RECV, LOCAL)]
+    return Answers(*ops, problems)
+
+
+_op = tuple.__new__  # Op(...) without the NamedTuple's Python-level __new__
+
+
+def _ops(r: np.ndarray, kind: int, nd: int, rank: int) -> list[Op]:
+    """Rows of one kind as ops, sorted by their key (name, receiver, destination, offsets)."""
+    if not len(r):
+        return []
+    receiver = r[:, A_PEER] if kind == SEND else np.full(len(r), rank, dtype=np.int64)
+    off, ln = r[:, AHEAD: AHEAD + nd], r[:, AHEAD + nd: AHEAD + 2 * nd]
+    order = np.lexsort(tuple(off[:, j] for j in range(nd - 1, -1, -1)) + (r[:, A_DST], receiver, r[:, A_NAME]))
+    r, receiver, off, ln = r[order], receiver[order], off[order], ln[order]
+    ndims = r[:, A_NDIM]
+    n = int(ndims[0])
+    if np.all(ndims == n):  # (one tensor rank: the tuples column by column)
+        offs = list(zip(*(off[:, j].tolist() for j in range(n)))) if n else [()] * len(r)
+        lens = list(zip(*(ln[:, j].tolist() for j in range(n)))) if n else [()] * len(r)
+    else:
+        offs = [tuple(o[:k]) for o, k in zip(off.tolist(), ndims.tolist())]
+        lens = [tuple(x[:k]) for x, k in zip(ln.tolist(), ndims.tolist())]
+    cols = (r[:, A_NAME].tolist(), receiver.tolist(), r[:, A_PEER].tolist(), r[:, A_SRC].tolist(),
+            r[:, A_DST].tolist(), r[:, A_DTYPE].tolist(), offs, lens)
+    return [_op(Op, t) for t in zip(*cols)]
