@@ -143,3 +143,11 @@ def test_cli_transfer_json(capsys):
                 "sender_balance", "pieces"):
         assert key in res
     assert main(["simulate", "--op", "transfer", "--world", "16", "--layout", "dense"]) == 2
+
+
+def test_a_plan_past_the_limit_is_sized_not_run(monkeypatch, capsys):
+    monkeypatch.setattr(st, "MAX_PIECES", 300)
+    res = st.simulate_transfer(16, "fsdp", model="small", memory=False)
+    assert res["too_large"] and not res["plan_consistent"] and res["pieces_per_engine_rank"] == 308
+    assert main(["simulate", "--op", "transfer", "--world", "16", "--model", "small"]) == 1
+    assert "not planned" in capsys.readouterr().out

@@ -65,7 +65,8 @@ MODELS = {
                    dtype=torch.bfloat16),
 }
 LAYOUTS = ("fsdp", "hsdp")
-WHOLE_PIECES = 40_000_000  # run every owner in full (exact answers, sender balance) up to this many pieces
+WHOLE_PIECES = 2_000_000_000  # run every owner in full (exact answers, sender balance) up to this many pieces
+MAX_PIECES = 20_000_000  # a rank's pieces (as owner or as engine) past which the plan is not made: see sizes()
 
 
 def _ceil(a, b):
@@ -254,6 +255,19 @@ class TransferWorld:
         c, k = self.chunk[name], self.k[name]
         meet = np.minimum(k, _ceil(lo + n, c)) - np.minimum(k, lo // c)
         return np.bincount(name, weights=meet * (self.engines // self.tp), minlength=len(self.names)).astype(np.int64)
+
+    def sizes(self, pieces: np.ndarray) -> dict[str, int]:
+        """The plan's size from the arithmetic: every piece is a send row and a receive row (two answer
+        rows of ``answer_width`` words) on its owner, an op on its sender and one on its receiver."""
+        d = self.dest_by_name
+        name, lo, n = d[:, 0], d[:, 3], d[:, 3 + self.nd]
+        c, k = self.chunk[name], self.k[name]
+        meet = np.minimum(k, _ceil(lo + n, c)) - np.minimum(k, lo // c)
+        per_engine = np.bincount(d[:, 1], weights=meet, minlength=self.tp).astype(np.int64)
+        per_owner = np.bincount(self.owner, weights=pieces, minlength=self.size)
+        return {"pieces": int(pieces.sum()), "pieces_per_engine_rank": int(per_engine.max()),
+                "pieces_busiest_owner": int(per_owner.max()),
+                "busiest_owner_answer_bytes": int(per_owner.max()) * 2 * 8 * moveplan.answer_width(self.nd)}
 
     def records_per_name(self) -> np.ndarray:
         d = np.diff(self.dest_bounds) * (self.engines // self.tp)
@@ -483,11 +497,14 @@ def simulate_transfer(world: int, layout: str = "fsdp", *, engines: int | None =
     shape = MODELS[model] if layers is None else replace(MODELS[model], layers=layers)
     w = TransferWorld(shape, world, engines or world, tp, layout, shard_group, colocated)
     pieces = w.pieces_per_name()
-    total = int(pieces.sum())
-    whole = total <= WHOLE_PIECES if whole is None else whole
+    size = w.sizes(pieces)
+    whole = size["pieces"] <= WHOLE_PIECES if whole is None else whole
     sampled, busiest = sampled_ranks(w, pieces)
+    if max(size["pieces_per_engine_rank"], size["pieces_busiest_owner"]) > MAX_PIECES:
+        return _too_large(w, shape, model, size, t0)
     log(f"{world} trainer + {w.engines} engine ranks ({'colocated, ' if colocated else ''}group of {w.size}), "
-        f"{len(w.names)} tensors, {total:,} pieces in the plan; sampled ranks {sampled}; "
+        f"{len(w.names):,} tensors, {size['pieces']:,} pieces in the plan ({size['pieces_per_engine_rank']:,} an "
+        f"engine rank, {size['pieces_busiest_owner']:,} the busiest owner's); sampled ranks {sampled}; "
         f"{'every owner in full' if whole else 'owners restricted to the sampled ranks'}")
     digests = {}
     for r in sampled:
@@ -502,33 +519,41 @@ def simulate_transfer(world: int, layout: str = "fsdp", *, engines: int | None =
         res = results[-1]
         log(f"rank {r} ({res['role']}): {res['cpu']:.3f} s CPU, {res['records_received']:,} records as owner, "
             f"{res['sends']:,} sends, {res['recvs']:,} receives, {res['local']:,} local")
-    return _result(w, shape, model, sampled, busiest, results, answered, pieces, whole, t0)
+    return _result(w, shape, model, sampled, busiest, results, answered, size, whole, t0)
+
+
+def _config(w: TransferWorld, shape: Shape, model: str) -> dict[str, Any]:
+    return {"op": "transfer", "model": model, "layers": shape.layers, "tensors": len(w.names),
+            "parameters": sum(int(np.prod(s)) for s in w.shapes), "layout": w.layout, "shard_group": w.group,
+            "world": w.world, "engine_world": w.engines, "tp": w.tp, "colocated": w.colocated, "group_size": w.size}
+
+
+def _too_large(w: TransferWorld, shape: Shape, model: str, size: dict, t0: float) -> dict[str, Any]:
+    """The result when a rank's part of the plan is past :data:`MAX_PIECES`: its size, nothing run."""
+    return {**_config(w, shape, model), **size, "too_large": True, "plan_consistent": False,
+            "wall_s": time.perf_counter() - t0}
 
 
 def _result(w: TransferWorld, shape: Shape, model: str, sampled: list[int], busiest: int, results: list[dict],
-            answered: Answered, pieces: np.ndarray, whole: bool, t0: float) -> dict[str, Any]:
+            answered: Answered, size: dict, whole: bool, t0: float) -> dict[str, Any]:
     memory = results[0]["peak"] is not None
     calls = sorted({c for r in results for c in r["bytes"]}, key=list(CALLS.values()).index)
-    sent = answered.sent_bytes
     balance = None
-    if sent is not None:
-        tr = sent[: w.world]
+    if answered.sent_bytes is not None:
+        tr = answered.sent_bytes[: w.world]
         balance = {"max_bytes": float(tr.max()), "mean_bytes": float(tr.mean()), "min_bytes": float(tr.min()),
                    "max_over_mean": float(tr.max() / tr.mean()) if tr.mean() else 1.0}
-    params = sum(int(np.prod(s)) for s in w.shapes)
     return {
-        "op": "transfer", "model": model, "layers": shape.layers, "tensors": len(w.names), "parameters": params,
-        "layout": w.layout, "shard_group": w.group, "world": w.world, "engine_world": w.engines, "tp": w.tp,
-        "colocated": w.colocated, "group_size": w.size, "pieces": int(pieces.sum()),
-        "pieces_busiest_owner": int(np.bincount(w.owner, weights=pieces, minlength=w.size)[busiest]),
-        "answers": "exact (every owner in full)" if whole else "restricted (see pipeload.tools.simtransfer)",
+        **_config(w, shape, model), **size, "too_large": False,
+        "answers": "exact: every owner in full" if whole else
+        "restricted: other owners on the sampled ranks' own destinations (a trainer's sends: to those only)",
         "sampled_ranks": sampled, "busiest_owner": busiest,
         "per_rank_cpu_s": max(r["cpu"] for r in results),
         "per_rank_peak_mb": max(r["peak"] for r in results) if memory else None,
         "exchange_bytes_sent": max(sum(b[0] for b in r["bytes"].values()) for r in results),
         "exchange_bytes_received": max(sum(b[1] for b in r["bytes"].values()) for r in results),
         "received_per_call": {c: max(r["bytes"].get(c, [0, 0])[1] for r in results) for c in calls},
-        "ranks": [{k: v for k, v in r.items()} for r in results],
+        "ranks": results,
         "sender_balance": balance,
         "owners_answer_cpu_s": answered.seconds,
         "plan_consistent": all(r["covered"] and r["sends_inside"] and not r["problems"] for r in results),
@@ -538,12 +563,20 @@ def _result(w: TransferWorld, shape: Shape, model: str, sampled: list[int], busi
 
 def format_transfer_result(res: dict[str, Any]) -> str:
     mb = 1e6
-    lines = [
-        f"transfer, model {res['model']} ({res['tensors']:,} tensors, {res['parameters'] / 1e9:.0f} B parameters), "
-        f"{res['layout']}{'' if res['layout'] == 'fsdp' else ' (shard group ' + str(res['shard_group']) + ')'}: "
-        f"W = {res['world']} trainers -> E = {res['engine_world']} engine ranks at TP {res['tp']}"
-        f"{' (colocated)' if res['colocated'] else ''}; {res['pieces']:,} pieces, answers {res['answers']}",
-    ]
+    p = res["parameters"]
+    head = f"transfer, model {res['model']} ({res['tensors']:,} tensors, " + \
+        (f"{p / 1e9:.0f} B" if p >= 1e9 else f"{p / 1e6:.0f} M") + " parameters), " + \
+        (f"{res['layout']}{'' if res['layout'] == 'fsdp' else ' (shard group ' + str(res['shard_group']) + ')'}: "
+         f"W = {res['world']} trainers -> E = {res['engine_world']} engine ranks at TP {res['tp']}"
+         f"{' (colocated)' if res['colocated'] else ''}; {res['pieces']:,} pieces ({res['pieces_per_engine_rank']:,} "
+         f"an engine rank)")
+    if res["too_large"]:
+        gb = res["busiest_owner_answer_bytes"] / 1e9
+        return "\n".join([head, f"  not planned: the busiest owner would answer {res['pieces_busiest_owner']:,} pieces "
+                          f"({gb:.1f} GB of answers) and an engine rank receive {res['pieces_per_engine_rank']:,} "
+                          f"ops; a rank's share past {MAX_PIECES:,} is not simulated (the sources' shards are too "
+                          f"small for these destinations: each piece is one send and one receive)"])
+    lines = [head + f"; answers {res['answers']}"]
     for r in res["ranks"]:
         peak = f"{r['peak']:.1f} MB" if r["peak"] is not None else "-"
         recv = ", ".join(f"{c} {b[1] / mb:.2f}" for c, b in r["bytes"].items())
@@ -557,10 +590,10 @@ def format_transfer_result(res: dict[str, Any]) -> str:
         *([f"  per-rank peak       {res['per_rank_peak_mb']:.1f} MB"] if res["per_rank_peak_mb"] is not None else []),
         f"  exchange            sent {res['exchange_bytes_sent'] / mb:.3f} MB, received "
         f"{res['exchange_bytes_received'] / mb:.3f} MB per rank (max)",
-        f"  sender balance      " + (f"{b['max_over_mean']:.3f} (max {b['max_bytes'] / 2**30:.2f} GiB, mean "
-                                     f"{b['mean_bytes'] / 2**30:.2f} GiB, min {b['min_bytes'] / 2**30:.2f} GiB a "
-                                     f"trainer)" if b else "- (needs every owner in full: --whole)"),
+        "  sender balance      " + (f"{b['max_over_mean']:.3f} (max {b['max_bytes'] / 2**30:.3f} GiB, mean "
+                                    f"{b['mean_bytes'] / 2**30:.3f} GiB, min {b['min_bytes'] / 2**30:.3f} GiB a "
+                                    f"trainer)" if b else "- (needs every owner in full: --whole)"),
         f"  plan consistent     {res['plan_consistent']} (each sampled destination byte in exactly one piece, "
-        f"no problems)",
+        f"sends inside their sources, no problems)",
     ]
     return "\n".join(lines)
