@@ -8,7 +8,7 @@ and ``dst``). Shows, each checked bit for bit in the parent against the trainer'
   padding rows untouched), then again after an optimizer step with the plan reused;
 - TP 2 -> TP 4 with DTensor destinations; FSDP2 over TP (2 x 2) -> two whole-tensor engine replicas;
 - the same transfer on a group that is not the default world's (a bare ``ProcessGroupGloo`` built on a
-  store of its own, engine ranks first);
+  store of its own, engine ranks first), into destinations ``record_slices`` found in the engine's loader;
 - faults raised on every rank, naming the key: a name the source lacks, a destination of another
   shape, a version that differs, a transfer beside a load on the same group; after each the next
   transfer works.
@@ -130,11 +130,12 @@ def _fsdp_tp_to_replicas(rank) -> dict:
 
 
 def _bare_group_case(rank, root: str) -> dict:
-    """The TP 2 fused transfer on a group built from a store of its own, ranks renumbered."""
+    """The TP 2 fused transfer on a group built from a store of its own, ranks renumbered; the engine's
+    destinations recorded from its own (vLLM-style) loader by ``record_slices``."""
     import torch.distributed as dist
 
     import pipeload
-    from pipeload.tools.engineshape import engine_params, engine_slices, trainer_model
+    from pipeload.tools.engineshape import checkpoint_shapes, engine_loader, engine_params, trainer_model
 
     s = _shape()
     order = [4, 5, 0, 1, 2, 3]  # the engine ranks first
@@ -143,7 +144,13 @@ def _bare_group_case(rank, root: str) -> dict:
     full = trainer_model(s, seed=3).state_dict()
     src = dict(full) if rank in TRAINERS else None  # whole tensors on every trainer: replicated sources
     params = engine_params(s, 2, rank - 4) if rank in (4, 5) else None
-    st = pipeload.transfer(src, engine_slices(s, params, 2, rank - 4) if params else None, group=pg)
+    dst = None
+    if params is not None:
+        rec = pipeload.record_slices(engine_loader(s, params, 2, rank - 4),
+                                     {n: (sh, s.dtype) for n, sh in checkpoint_shapes(s).items()})
+        assert not rec.refused and not rec.unused, (rec.refused, rec.unused)
+        dst = rec.slices
+    st = pipeload.transfer(src, dst, group=pg)
     exact = None
     if params is not None:
         from pipeload.tools.engineshape import expected
