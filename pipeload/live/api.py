@@ -72,11 +72,14 @@ class _Kept:
 
 
 _kept: dict[tuple[int, int], _Kept] = {}  # (id(group object), slot) -> the plan its last transfer made
+_pools: dict[int, mover.BufferPool] = {}  # id(group object) -> the message buffers its transfers reuse
 
 
 def clear() -> None:
-    """Forget every kept transfer plan (the next transfer on each group plans again)."""
+    """Forget every kept transfer plan (the next transfer on each group plans again) and free the
+    message buffers kept for the next transfer."""
     _kept.clear()
+    _pools.clear()
 
 
 def transfer(src: Any, dst: Any, *, group: Any = None, version: int | None = None, cast: bool = False,
@@ -188,7 +191,7 @@ def _problems(answers: moveplan.Answers, d: Side) -> str | None:
 
 def _move(link: Link, answers, s: Side, d: Side, stats: TransferStats, what: str, late: str | None) -> None:
     t0 = time.perf_counter()
-    x = mover.Transfers(link, what, tolerant=True)
+    x = mover.Transfers(link, what, tolerant=True, pool=_pools.setdefault(id(link.pg), mover.BufferPool()))
     progress = mover_run.Progress(answers, len(d.boxes))
     error = late
     try:
