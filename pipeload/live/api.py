@@ -141,7 +141,9 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
     lap("plan")
     got, received = link.all_to_all(counts, words, what, "all-to-all of transfer boxes")
     lap("exchange")
-    acounts, awords = moveplan.answer(got, received, nd, link.size)
+    held = rows[:, R_SHAPE] >> 8
+    acounts, awords = moveplan.answer(got, received, nd, link.size,
+                                      (int(np.count_nonzero(held & 1)), int(np.count_nonzero(held & 2))))
     lap("plan")
     _, mine = link.all_to_all(acounts, awords, what, "all-to-all of transfer answers")
     lap("exchange")
@@ -204,12 +206,13 @@ def _move(link: Link, answers, s: Side, d: Side, stats: TransferStats, what: str
     except Exception as e:  # noqa: BLE001 - a local failure (a copy): every rank must learn of it
         error = f"{what}: {type(e).__name__}: {e}"
     stats.bytes_sent, stats.bytes_received, stats.messages = x.sent, x.received, x.messages
-    stats.written = [d.names[i] for i in progress.written()]
     stats.timings["move"] = time.perf_counter() - t0
     try:
         link.agree(what, error)
     except PipeloadError as e:
+        stats.written = [d.names[i] for i in progress.written(failed=True)]
         raise _failed(e, error, stats, link.rank, what) from None
+    stats.written = [d.names[i] for i in progress.written()]
     stats.complete = True
 
 

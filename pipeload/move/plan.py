@@ -19,7 +19,13 @@ exactly this code for thousands of simulated ranks. One transfer's planning, on 
    ``(name hash, receiver, destination index, offsets)``, a key both ends of a piece compute alike
    (:mod:`pipeload.move.mover` explains why that order cannot deadlock).
 
-Each destination byte is sent once per needer; nothing is assembled whole. Cost per rank: its own
+Each destination byte is sent once per needer; nothing is assembled whole. When several needers want
+the same region (engine replicas) and the holders are few against them, the owner may *relay* it
+instead (:func:`relays`, a cost model over the group's counts of source and destination ranks): the
+holders send it to some needers in hop 0, and in each later hop every rank that has it sends it to one
+more, so no holder sends more than one copy a hop. Hops go in the global order before anything else
+(``Op.key`` starts with the hop), and a rank posts a hop's messages only once the earlier ones it
+posted completed, so a relay forwards only bytes it holds and the order's argument is unchanged. Cost per rank: its own
 records out and its answers back (``O(S)`` words) plus, on an owner, ``O(holders + needers + pieces)``
 of the names it owns, with ``O(log)`` candidate search per destination box along dim 0 — never
 ``W x S``. Distinct source boxes of one name must not overlap (every DTensor layout partitions its
@@ -38,6 +44,7 @@ K_KIND, K_NAME, K_DTYPE, K_NDIM, K_INDEX, K_FLAGS = range(HEAD)
 F_CAST = 1  # a destination's flag: its dtype may differ from the source's (the sender casts)
 
 SEND, RECV, LOCAL, ERROR = range(4)
+HOP_SHIFT = 8  # an answer's kind word: kind | hop << HOP_SHIFT (hop 0: from a holder; later: a relay)
 AHEAD = 7
 A_KIND, A_NAME, A_PEER, A_SRC, A_DST, A_DTYPE, A_NDIM = range(AHEAD)
 
@@ -97,9 +104,12 @@ def encode(sources: list[Box], dests: list[Box], nd: int, size: int) -> tuple[np
     return counts, rec[order].ravel()
 
 
-def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int,
+           sides: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """An owner's answers to the records it received (``counts`` words from each rank, in rank order):
-    (words per destination rank, the answers in rank order, flat), for the second all-to-all."""
+    (words per destination rank, the answers in rank order, flat), for the second all-to-all.
+    ``sides``: (ranks holding sources, ranks holding destinations) in the group, for :func:`relays`;
+    None: never relay."""
     w = width(nd)
     rec = np.asarray(words, dtype=np.int64).reshape(-1, w)
     ranks = np.repeat(np.arange(len(counts), dtype=np.int64), np.asarray(counts) // w)
@@ -110,7 +120,7 @@ def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int) -> tuple[n
         rec, ranks = rec[order], ranks[order]
         starts = np.flatnonzero(np.r_[True, rec[1:, K_NAME] != rec[:-1, K_NAME], True])
         for a, b in zip(starts[:-1], starts[1:]):
-            out.extend(_plan_name(rec[a:b], ranks[a:b], nd, loads))
+            out.extend(_plan_name(rec[a:b], ranks[a:b], nd, loads, sides))
     aw = answer_width(nd)
     rows = np.concatenate(out) if out else np.zeros((0, aw + 1), dtype=np.int64)
     rows = rows[np.argsort(rows[:, 0], kind="stable")]
@@ -133,7 +143,7 @@ def _side(rec: np.ndarray, ranks: np.ndarray, nd: int, ndim: int) -> _Side:
                  rec[:, HEAD + nd: HEAD + nd + ndim], rec[:, HEAD + 2 * nd: HEAD + 2 * nd + ndim])
 
 
-def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: dict) -> list[np.ndarray]:
+def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: dict, sides=None) -> list[np.ndarray]:
     """Every answer row about one name, as ``[destination rank, *answer words]``."""
     name = int(rec[0, K_NAME])
     is_src = rec[:, K_KIND] == SRC
@@ -157,7 +167,7 @@ def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: dict) -> list
     if np.prod(boxes[:, 1], axis=1, dtype=np.int64).sum() > np.prod(shape, dtype=np.int64) or \
             not _disjoint(boxes):
         return out + [_errors(name, dst.ranks, dst.index, E_OVERLAP, nd)]
-    out.append(_pieces(name, dst, boxes, holders, src_rec[0, K_DTYPE], nd, ndim, loads))
+    out.append(_pieces(name, dst, boxes, holders, src_rec[0, K_DTYPE], nd, ndim, loads, sides))
     return out
 
 
@@ -215,7 +225,7 @@ def _meets(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _pieces(name: int, dst: _Side, boxes: np.ndarray, holders: list, src_dtype: int, nd: int, ndim: int,
-            loads: dict) -> np.ndarray:
+            loads: dict, sides=None) -> np.ndarray:
     """Each destination box cut by the source boxes it meets, each piece given a sender."""
     lo0 = boxes[:, 0, 0] if ndim else np.zeros(len(boxes), np.int64)
     order = np.argsort(lo0, kind="stable")
@@ -234,7 +244,7 @@ def _pieces(name: int, dst: _Side, boxes: np.ndarray, holders: list, src_dtype: 
             continue
         for k, (o, n) in zip(got[2].tolist(), zip(got[0], got[1])):
             cand.append((i, a + k, o, n))
-    rows = _assign(name, dst, cand, holders, nd, ndim, loads)
+    rows = _assign(name, dst, cand, holders, nd, ndim, loads, sides)
     if uncovered:
         u = np.asarray(uncovered)
         rows = np.concatenate([rows, _errors(name, dst.ranks[u], dst.index[u], E_UNCOVERED, nd)])
@@ -252,30 +262,95 @@ def _meet(off: np.ndarray, ln: np.ndarray, boxes: np.ndarray):
     return lo[keep], (hi - lo)[keep], which
 
 
-def _assign(name: int, dst: _Side, cand: list, holders: list, nd: int, ndim: int, loads: dict) -> np.ndarray:
-    """Answer rows for the pieces ``cand``: a local copy where the needer holds the box, else a send
-    from the holder the greedy picks and the matching receive."""
-    aw = answer_width(nd)
-    rows = np.zeros((2 * len(cand), aw + 1), dtype=np.int64)
+def _assign(name: int, dst: _Side, cand: list, holders: list, nd: int, ndim: int, loads: dict,
+            sides=None) -> np.ndarray:
+    """Answer rows for the pieces ``cand``: a local copy where the needer holds the box, else sends.
+    Pieces that several needers want alike (the same box, region and dtype) form a *fan*: served
+    straight from the holders the greedy picks, or through relays when :func:`relays` says so."""
     rot = int(np.uint64(np.int64(name).view(np.uint64)) % np.uint64(1 << 31))
-    sizes = [int(np.prod(n, dtype=np.int64)) for _, _, _, n in cand]
+    rows: list[tuple] = []
+    fans: dict[tuple, list[int]] = {}
+    for p, (i, k, o, n) in enumerate(cand):
+        if any(r == int(dst.ranks[i]) for r, _ in holders[k]):
+            x = next(x for r, x in holders[k] if r == int(dst.ranks[i]))
+            rows.append((LOCAL, 0, int(dst.ranks[i]), int(dst.ranks[i]), x, i, o, n))
+        else:
+            fans.setdefault((k, tuple(o.tolist()), tuple(n.tolist()), int(dst.dtype[i])), []).append(p)
+    size = {key: int(np.prod(cand[ps[0]][3], dtype=np.int64)) for key, ps in fans.items()}
+    for key in sorted(fans, key=lambda key: (-size[key], fans[key][0])):
+        k, ps = key[0], fans[key]
+        needers = sorted(ps, key=lambda p: int(dst.ranks[cand[p][0]]))
+        hops = relays(len(needers), len(holders[k]), sides)
+        rows.extend(_fan(needers, holders[k], cand, dst, hops, size[key], loads, rot))
+    return _rows(name, dst, rows, nd, ndim)
+
+
+def relays(needers: int, holders: int, sides: tuple[int, int] | None) -> bool:
+    """Whether a region ``needers`` ranks want alike, ``holders`` ranks hold, goes through relays.
+
+    The cost model, per byte of such regions if every region were alike, with ``T`` ranks holding
+    sources and ``D`` holding destinations: sent straight, the holders send ``needers`` copies spread
+    over ``T`` ranks and the needers receive them spread over ``D``: ``max(N/T, N/D)``. Relayed, each
+    hop has every rank that has it send one copy — the holders at most ``H/T`` of it, the receivers at
+    most ``N/D`` — and ``ceil(log2(N/H + 1))`` hops serve every needer: ``hops * max(H/T, N/D)``.
+    Relays win where the needers far outnumber the holders (many engine replicas, few trainer ranks)."""
+    if sides is None or needers < 2:
+        return False
+    t, d = max(1, sides[0]), max(1, sides[1])
+    n, h = needers, max(1, holders)
+    hops = int(np.ceil(np.log2(n / h + 1)))
+    return hops * max(h / t, n / d) < max(n / t, n / d)
+
+
+def _fan(needers: list[int], hs: list[tuple[int, int]], cand: list, dst: _Side, relayed: bool, nbytes: int,
+         loads: dict, rot: int) -> list[tuple]:
+    """(kind, hop, sender, receiver, source index, destination row, offsets, lengths) of one fan: each
+    needer from the least loaded holder, or (relayed) in hops: hop ``h`` has every rank that holds the
+    region by then (holders first, then the needers served, in that order) send it to the next needer.
+    A relay's source index is its own destination's (it forwards what it received)."""
+    out = []
+    if not relayed:
+        for p in needers:
+            i, _, o, n = cand[p]
+            sender, sindex = _least_loaded(hs, loads, rot)
+            loads[sender] = loads.get(sender, 0) + nbytes
+            out.append((SEND, 0, sender, int(dst.ranks[i]), sindex, i, o, n))
+        return out
+    start = rot % len(hs)
+    have = [(r, x, True) for r, x in hs[start:] + hs[:start]]  # (rank, its index, a holder)
+    todo, hop = list(needers), 0
+    while todo:
+        served = []
+        for r, x, holder in list(have):
+            if not todo:
+                break
+            p = todo.pop(0)
+            i, _, o, n = cand[p]
+            out.append((SEND, hop, r, int(dst.ranks[i]), x if holder else -1 - x, i, o, n))
+            loads[r] = loads.get(r, 0) + nbytes
+            served.append((int(dst.ranks[i]), int(dst.index[i]), False))
+        have += served
+        hop += 1
+    return out
+
+
+def _rows(name: int, dst: _Side, plan: list[tuple], nd: int, ndim: int) -> np.ndarray:
+    """Answer rows ``[to rank, *answer words]``: a send makes a row for its sender and one for its
+    receiver; a relay's send carries its own destination index as ``-1 - index``."""
+    aw = answer_width(nd)
+    rows = np.zeros((2 * len(plan), aw + 1), dtype=np.int64)
     used = 0
-    for p in sorted(range(len(cand)), key=lambda p: (-sizes[p], p)):
-        i, k, o, n = cand[p]
-        receiver, dindex = int(dst.ranks[i]), int(dst.index[i])
-        hs = holders[k]
-        mine = next((x for r, x in hs if r == receiver), None)
+    for kind, hop, sender, receiver, sindex, i, o, n in plan:
+        dindex, dtype = int(dst.index[i]), int(dst.dtype[i])
         region = np.r_[o, np.zeros(nd - ndim, np.int64), n, np.zeros(nd - ndim, np.int64)]
-        common = (name, 0, 0, dindex, int(dst.dtype[i]), ndim)
-        if mine is not None:
-            rows[used, :AHEAD + 1] = (receiver, LOCAL, name, receiver, mine, dindex, int(dst.dtype[i]), ndim)
+        if kind == LOCAL:
+            rows[used, :AHEAD + 1] = (receiver, LOCAL, name, receiver, sindex, dindex, dtype, ndim)
             rows[used, AHEAD + 1:] = region
             used += 1
             continue
-        sender, sindex = _least_loaded(hs, loads, rot)
-        loads[sender] = loads.get(sender, 0) + sizes[p]
-        rows[used, :AHEAD + 1] = (sender, SEND, name, receiver, sindex, dindex, common[4], ndim)
-        rows[used + 1, :AHEAD + 1] = (receiver, RECV, name, sender, sindex, dindex, common[4], ndim)
+        k = hop << HOP_SHIFT
+        rows[used, :AHEAD + 1] = (sender, SEND | k, name, receiver, sindex, dindex, dtype, ndim)
+        rows[used + 1, :AHEAD + 1] = (receiver, RECV | k, name, sender, sindex, dindex, dtype, ndim)
         rows[used: used + 2, AHEAD + 1:] = region
         used += 2
     return rows[:used]
@@ -308,15 +383,16 @@ class Op(NamedTuple):
     name: int
     receiver: int
     peer: int
-    src: int  # index into the sender's sources
+    src: int  # index into the sender's sources; a relay's send: -1 - its own destination's index
     dst: int  # index into the receiver's destinations
     dtype: int  # the destination's dtype (what travels)
     offsets: tuple[int, ...]  # global region
     lengths: tuple[int, ...]
+    hop: int = 0  # 0: sent by a holder; h > 0: relayed, after every message of hop h - 1
 
     @property
     def key(self) -> tuple:
-        return (self.name, self.receiver, self.dst, self.offsets)
+        return (self.hop, self.name, self.receiver, self.dst, self.offsets)
 
 
 class Answers(NamedTuple):
@@ -331,14 +407,14 @@ def decode(words: np.ndarray, nd: int, rank: int) -> Answers:
     rows = np.asarray(words, dtype=np.int64).reshape(-1, answer_width(nd))
     sends, recvs, local, problems = [], [], [], []
     for r in rows.tolist():
-        kind = r[A_KIND]
+        kind, hop = r[A_KIND] & ((1 << HOP_SHIFT) - 1), r[A_KIND] >> HOP_SHIFT
         if kind == ERROR:
             problems.append((r[A_DST], r[A_PEER]))
             continue
         n = r[A_NDIM]
         off, ln = tuple(r[AHEAD: AHEAD + n]), tuple(r[AHEAD + nd: AHEAD + nd + n])
         receiver = r[A_PEER] if kind == SEND else rank
-        op = Op(r[A_NAME], receiver, r[A_PEER], r[A_SRC], r[A_DST], r[A_DTYPE], off, ln)
+        op = Op(r[A_NAME], receiver, r[A_PEER], r[A_SRC], r[A_DST], r[A_DTYPE], off, ln, hop)
         (sends if kind == SEND else recvs if kind == RECV else local).append(op)
     for ops in (sends, recvs, local):
         ops.sort(key=lambda op: op.key)
