@@ -10,6 +10,7 @@ Public API::
     await pipeload.save_async(state_dict, "ckpt/")           # the same, awaited
     obj = pipeload.load_file("last.ckpt")                    # torch.load's result, the file read once
     stats = pipeload.transfer(src, dst, group=pg)            # live weights into engines' buffers
+    stats = pipeload.load([pipeload.Slice(view, name, offsets, shape), ...], "ckpt/")  # an engine's views
 """
 
 from .errors import (CheckpointFormatError, ChecksumError, DistributedError, HeaderError, PipeloadError,
