@@ -11,6 +11,7 @@ Public API::
     obj = pipeload.load_file("last.ckpt")                    # torch.load's result, the file read once
     stats = pipeload.transfer(src, dst, group=pg)            # live weights into engines' buffers
     rec = pipeload.record_slices(model.load_weights, shapes) # an engine's fused layout, as Slices
+    stats = pipeload.load(rec.slices, "ckpt/")              # the same views filled from a checkpoint
 """
 
 from .errors import (CheckpointFormatError, ChecksumError, DistributedError, HeaderError, PipeloadError,
