@@ -166,3 +166,19 @@ def test_bad_arguments():
     out = torch.zeros(3, 2)
     rec = pipeload.record_slices(lambda ws: [out.copy_(w) for _, w in ws], meta)
     assert [(sl.name, sl.shape) for sl in rec.slices] == [("w", (3, 2))]
+
+
+def test_recorded_slices_load_from_a_checkpoint(tmp_path):
+    """An engine's recorded destinations filled by pipeload.load from the trainer's checkpoint (one
+    process), as its own loader would fill them from the full tensors."""
+    s = es.Shape(vocab=1000)
+    model = es.trainer_model(s, seed=4)
+    pipeload.save(model.state_dict(), str(tmp_path / "ckpt"))
+    shapes = {n: (sh, s.dtype) for n, sh in es.checkpoint_shapes(s).items()}
+    for t in range(2):
+        params = es.engine_params(s, 2, t)
+        rec = pipeload.record_slices(es.engine_loader(s, params, 2, t), shapes, params=params)
+        pipeload.load(rec.slices, str(tmp_path / "ckpt"))
+        want = es.expected(s, model.state_dict(), 2, t)
+        for name, p in params.items():
+            assert torch.equal(p, want[name]), name
