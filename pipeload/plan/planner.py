@@ -280,6 +280,7 @@ def _missing(plan: LocalPlan, leaves: dict[str, Leaf], unnamed: list[Slice], ind
             plan.problems.append(hint)
     plan.missing += [name for name in names if name not in plan.missing]
 
+
 def _by_box(plan: LocalPlan, paths: list[str]) -> None:
     """Shards in key order (fqn index, offsets, lengths), whatever their leaves' paths, so that ranks
     holding the same boxes build the same record; a box held again by another leaf (the same slice of one
