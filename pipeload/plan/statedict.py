@@ -127,9 +127,10 @@ def tensor_box(fqn: str, value: torch.Tensor | Slice, cache: dict | None = None)
     """Resolve which box of its global tensor ``value`` holds on this rank.
 
     A :class:`Slice` holds the box it states (its view the local tensor). Plain tensors hold everything.
-    DTensors may use any mesh with ``Shard(d)`` and ``Replicate()`` placements, several mesh dims sharding one tensor dim, uneven shards, and the ``_StridedShard`` of
-    FSDP2 over TP (:mod:`pipeload.plan.placements`). Raises ``ValueError`` with a message naming ``fqn``
-    for what cannot be stored as a box (``Partial``, strided rows that are not one range).
+    DTensors may use any mesh with ``Shard(d)`` and ``Replicate()`` placements, several mesh dims sharding
+    one tensor dim, uneven shards, and the ``_StridedShard`` of FSDP2 over TP
+    (:mod:`pipeload.plan.placements`). Raises ``ValueError`` with a message naming ``fqn`` for what cannot
+    be stored as a box (``Partial``, strided rows that are not one range).
     ``cache`` (one dict per call site and state dict) memoises the box per (shape, mesh, placements):
     a model repeats few of them, and computing one costs ~0.1 ms. Its values end with the mesh
     (:func:`cached_meshes`). Compiled (:func:`pipeload.plan._leafplan.box`): the local plan runs it per leaf.
