@@ -103,7 +103,7 @@ class _Engine(nn.Module):
     def load_weights(self, weights):
         for name, w in weights:
             if name == "t":
-                self.t.data.copy_(w.t())
+                self.t.data.copy_(w.t().contiguous())
             elif name == "half":
                 self.f16.data.copy_(w)                                  # float32 -> float16
             elif name == "q":

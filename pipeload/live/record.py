@@ -209,13 +209,15 @@ def _wrap(out, args, kwargs, fname: str):
     first = probes[0]
     if len(probes) == 1 and out.dtype == first.dtype and torch._C._is_alias_of(out, first):
         return _Probe.make(out, first._pl_source, first._pl_why, first._pl_names)
-    if fname in ("contiguous", "clone") and len(probes) == 1 and out.dtype == first.dtype and not first._pl_why:
+    copy = fname in ("contiguous", "clone") and len(probes) == 1 and out.dtype == first.dtype
+    if copy and not first._pl_why:
         box = _box(first)
         if box is not None:  # a copy of a region: a new frame, the same region
             src = first._pl_source
             return _Probe.make(out, _Source(src.name, src.shape, box[0], box[1]))
     why = first._pl_why or (f"a dtype change ({first.dtype} -> {out.dtype})" if out.dtype != first.dtype
-                            else f"derived by {fname}, not a view")
+                            else "its elements are reordered (a transpose or a permutation), not a region"
+                            if copy else f"derived by {fname}, not a view")
     names = tuple(dict.fromkeys(n for p in probes for n in p._pl_names))
     return _Probe.make(out, first._pl_source, why, names)
 
