@@ -672,11 +672,11 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     rank, or, when that is many bytes (``R = 1``), only shard keys, to their key owners
     (:mod:`pipeload.plan.keyowners`, which also needs ``all_to_all``; it falls back here when some rank's
     component is more than its one holder set).
-    ``host``: this rank's :func:`~pipeload.plan.exchange.host_id` (the load's, read once; None: read here).
-    ``resharded``: some box of this rank is not exactly one stored chunk (its row says so; when any row
-    does, the global plan looks for chunk units: :mod:`pipeload.plan.chunkunits`). ``by_position``: the
-    checkpoint's readers are preferred by storage position (:mod:`pipeload.plan.storageorder`; every
-    rank alike, as every rank reads one checkpoint), and the broadcasts go in region order.
+    ``host``: this rank's :func:`~pipeload.plan.exchange.host_id` (None: read here). ``resharded``: some box
+    of this rank is not exactly one stored chunk (its row says so; when any row does, the global plan
+    looks for chunk units, and other layouts' holder sets read by runs of storage:
+    :mod:`pipeload.plan.chunkunits`, :mod:`pipeload.plan.storageorder`). ``by_position``: readers by
+    storage position (every rank alike, as every rank reads one checkpoint), broadcasts in region order.
 
     ``private_only``: every rank knows no shard will be broadcast (all on one host under gloo and the
     default policy, or broadcasting off), so nobody needs another rank's record: after the rows, one
@@ -730,12 +730,12 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     chunks = (chunk_table(md, names) if md is not None and broadcast and np.any(rows[:, F_FLAGS] & FLAG_RESHARDED)
               else None)
     positions = storageorder.key_positions(md, names, world) if by_position and md is not None else None
-    if on_phase is not None:
-        on_phase("key shapes")
+    starts = storageorder.box_starts(md, names) if chunks is not None and not by_position else None  # by runs
+    (on_phase or (lambda name: None))("key shapes")
     return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
                        batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
                        on_phase=on_phase, same_host_private=same_host_private, everything=everything,
-                       chunks=chunks, positions=positions)
+                       chunks=chunks, positions=positions, starts=starts)
 
 
 def _refused(error: PipeloadError) -> PipeloadError:
