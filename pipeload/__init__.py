@@ -10,6 +10,8 @@ Public API::
     await pipeload.save_async(state_dict, "ckpt/")           # the same, awaited
     obj = pipeload.load_file("last.ckpt")                    # torch.load's result, the file read once
     stats = pipeload.transfer(src, dst, group=pg)            # live weights into engines' buffers
+    rec = pipeload.record_slices(model.load_weights, shapes) # an engine's fused layout, as Slices
+    stats = pipeload.load(rec.slices, "ckpt/")              # the same views filled from a checkpoint
 """
 
 from .errors import (CheckpointFormatError, ChecksumError, DistributedError, HeaderError, PipeloadError,
@@ -20,7 +22,7 @@ from .save.api import save, save_async
 from .save.background import SaveHandle
 from .tier import MemoryTier
 from .slices import Slice
-from .live import TransferError, TransferStats, stream, transfer
+from .live import Recorded, TransferError, TransferStats, record_slices, stream, transfer
 
 
 def clear_plan_cache() -> None:
@@ -48,6 +50,8 @@ __all__ = [
     "clear_plan_cache",
     "transfer",
     "stream",
+    "record_slices",
+    "Recorded",
     "TransferStats",
     "TransferError",
     "Slice",

@@ -57,6 +57,11 @@ class Slice:
     def numel(self) -> int:
         return self.view.numel()
 
+    @property
+    def label(self) -> str:
+        """How messages name it: its tensor and where its box starts (several slices may share a name)."""
+        return f"Slice {self.name!r} at offsets {self.offsets}"
+
     def __repr__(self) -> str:
         return (f"Slice({self.name!r}, offsets={self.offsets}, lengths={self.lengths}, shape={self.shape}, "
                 f"{str(self.view.dtype).removeprefix('torch.')}, {self.view.device})")

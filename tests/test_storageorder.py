@@ -179,3 +179,59 @@ def test_interleaved_is_a_pure_function_of_the_pieces():
     again = storageorder.interleaved([keys[j] for j in shuffled], (cols[0][shuffled], cols[1][shuffled]),
                                      (start, row_bytes, 1200), 3)
     assert again[0] == out[0] and again[2].tolist() == out[2].tolist()
+
+
+# -- runs of holder sets (loads whose boxes cut stored chunks, any layout) ------------------------------
+
+
+def test_box_starts_place_a_box_at_its_first_byte(hf):
+    md = hf.metadata
+    names = list(fqn_index(md))
+    at = storageorder.box_starts(md, names)
+    start, row_bytes, _ = storageorder.key_positions(md, names, 2)
+    i = names.index("layer03.a_col")  # (64, 32) float32, stored whole: rows of 128 bytes
+    width = md.width()
+    offsets = np.zeros((3, width), np.int64)
+    lengths = np.zeros((3, width), np.int64)
+    offsets[1, 0], offsets[2, :2] = 32, (32, 16)
+    lengths[:, :2] = (32, 32)
+    got = at(np.array([i, i, -1 - i]), offsets, lengths)
+    assert got[0] == start[i] and got[1] == start[i] + 32 * row_bytes[i]
+    assert got[2] == start[i] + (32 * 32 + 16) * 4  # a unit row (-1 - index) and an inner column
+    assert at(np.array([len(names) + 5]), offsets[:1], lengths[:1])[0] == -1  # no such key: no position
+
+
+def _runs(sid, weight, at, members, loads):
+    keys = [np.arange(len(sid))]  # key order = row order here
+    return storageorder.runs(np.asarray(sid), np.asarray(weight), np.asarray(at), keys, members,
+                             np.asarray(loads, np.int64), G._water_fill)
+
+
+def test_runs_give_each_member_one_contiguous_run_of_its_set():
+    rng = random.Random(5)
+    n = 60
+    sid = [rng.choice([1, 2]) for _ in range(n)]
+    weight = [rng.randint(1, 9) * 1000 for _ in range(n)]
+    at = rng.sample(range(10**6), n)  # storage positions, unrelated to row order
+    members = {1: (0, 2), 2: (1, 3, 5)}
+    prefer, offset = _runs(sid, weight, at, members, [0] * 6)
+    for s, m in members.items():
+        rows = sorted((at[j], j) for j in range(n) if sid[j] == s)
+        readers = [int(prefer[j]) for _, j in rows]
+        assert readers == sorted(readers) and set(readers) == set(m)  # runs in storage order, every member
+        total = sum(weight[j] for _, j in rows)
+        for r in m:  # each within one row of the even share
+            mine = sum(weight[j] for _, j in rows if prefer[j] == r)
+            assert abs(mine - total / len(m)) <= 9000
+        # the offset inside a run grows along it, from within a row of 0
+        for r in m:
+            offs = [int(offset[j]) for _, j in rows if prefer[j] == r]
+            assert 0 <= offs[0] <= 9000 and offs == sorted(offs)
+    # a member that reads alone already gets less of the set (water filling)
+    prefer2, _ = _runs(sid, weight, at, members, [10**5, 0, 0, 0, 0, 0])
+    assert sum(w for w, p, s in zip(weight, prefer2, sid) if p == 0) < sum(
+        w for w, p, s in zip(weight, prefer2, sid) if p == 2)
+    # a pure function of the rows: permuted rows, the same member and offset each
+    perm = rng.sample(range(n), n)
+    p3, o3 = _runs([sid[j] for j in perm], [weight[j] for j in perm], [at[j] for j in perm], members, [0] * 6)
+    assert p3.tolist() == prefer[perm].tolist() and o3.tolist() == offset[perm].tolist()

@@ -8,7 +8,8 @@ and ``dst``). Shows, each checked bit for bit in the parent against the trainer'
   padding rows untouched), then again after an optimizer step with the plan reused;
 - TP 2 -> TP 4 with DTensor destinations; FSDP2 over TP (2 x 2) -> two whole-tensor engine replicas;
 - the same transfer on a group that is not the default world's (a bare ``ProcessGroupGloo`` built on a
-  store of its own, engine ranks first);
+  store of its own, engine ranks first), into destinations ``record_slices`` found in the engine's loader;
+- one holder and five engine replicas: the regions relayed in hops (the holder sends three copies);
 - faults raised on every rank, naming the key: a name the source lacks, a destination of another
   shape, a version that differs, a transfer beside a load on the same group; after each the next
   transfer works.
@@ -130,11 +131,12 @@ def _fsdp_tp_to_replicas(rank) -> dict:
 
 
 def _bare_group_case(rank, root: str) -> dict:
-    """The TP 2 fused transfer on a group built from a store of its own, ranks renumbered."""
+    """The TP 2 fused transfer on a group built from a store of its own, ranks renumbered; the engine's
+    destinations recorded from its own (vLLM-style) loader by ``record_slices``."""
     import torch.distributed as dist
 
     import pipeload
-    from pipeload.tools.engineshape import engine_params, engine_slices, trainer_model
+    from pipeload.tools.engineshape import checkpoint_shapes, engine_loader, engine_params, trainer_model
 
     s = _shape()
     order = [4, 5, 0, 1, 2, 3]  # the engine ranks first
@@ -143,7 +145,13 @@ def _bare_group_case(rank, root: str) -> dict:
     full = trainer_model(s, seed=3).state_dict()
     src = dict(full) if rank in TRAINERS else None  # whole tensors on every trainer: replicated sources
     params = engine_params(s, 2, rank - 4) if rank in (4, 5) else None
-    st = pipeload.transfer(src, engine_slices(s, params, 2, rank - 4) if params else None, group=pg)
+    dst = None
+    if params is not None:
+        rec = pipeload.record_slices(engine_loader(s, params, 2, rank - 4),
+                                     {n: (sh, s.dtype) for n, sh in checkpoint_shapes(s).items()})
+        assert not rec.refused and not rec.unused, (rec.refused, rec.unused)
+        dst = rec.slices
+    st = pipeload.transfer(src, dst, group=pg)
     exact = None
     if params is not None:
         from pipeload.tools.engineshape import expected
@@ -255,6 +263,29 @@ def _stream_case(rank, mesh, s) -> dict:
     return out
 
 
+def _relay_case(rank) -> dict:
+    """One rank holds the weights, five engine replicas need them: relayed in hops, each exact."""
+    import pipeload
+
+    g = torch.Generator().manual_seed(5)
+    full = {"w": torch.randn(40, 8, generator=g), "b": torch.randn(6, generator=g)}
+    src = full if rank == 0 else None
+    dst = None
+    if rank:
+        d = {k: torch.zeros_like(v) for k, v in full.items()}
+        part = torch.zeros(4, 8)
+        dst = [pipeload.Slice(d["w"], "w", (0, 0), (40, 8)), pipeload.Slice(d["b"], "b", (0,), (6,)),
+               pipeload.Slice(part, "w", (8, 0), (40, 8))]
+    out = {}
+    for step in (1, 2):
+        st = pipeload.transfer(src, dst)
+        out[step] = {"sent": st.bytes_sent, "planned": st.planned, "received": st.bytes_received,
+                     "exact": dst is None or all(torch.equal(sl.view, full[sl.name][sl.offsets[0]:][:len(sl.view)])
+                                                 for sl in dst)}
+        full["w"].mul_(2)  # the trainer steps (every rank keeps the values to compare with)
+    return out
+
+
 def world6(rank: int, world: int, root: str) -> dict:
     import pipeload
     from torch.distributed.device_mesh import DeviceMesh
@@ -269,6 +300,7 @@ def world6(rank: int, world: int, root: str) -> dict:
     res["faults"] = _faults(rank, root)
     res["layout"] = _layout_changed(rank)
     res["stream"] = _stream_case(rank, mesh, s)
+    res["relay"] = _relay_case(rank)
     return _plain(res)
 
 
@@ -386,3 +418,15 @@ def test_stream_full_tensors_into_the_engine_loader(results):
     for rank in range(WORLD):
         f = results[rank]["stream"]["failed"]
         assert "rank 5" in f and "load_weights raised" in f and "engine out of memory" in f, f
+
+
+def test_replicas_served_through_relays(results):
+    """Five needers, one holder: three hops; the holder sends three copies, not five (bytes: w, b and
+    the row block w[8:12], float32), every replica exact, again with the plan reused."""
+    one = (40 * 8 + 6 + 4 * 8) * 4
+    for step in (1, 2):
+        assert results[0]["relay"][step]["sent"] == 3 * one
+        assert sum(results[r]["relay"][step]["sent"] for r in range(WORLD)) == 5 * one
+        for r in range(1, WORLD):
+            assert results[r]["relay"][step]["exact"] and results[r]["relay"][step]["received"] == one
+        assert [results[r]["relay"][step]["planned"] for r in range(WORLD)] == [step == 1] * WORLD

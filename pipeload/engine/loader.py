@@ -50,8 +50,8 @@ from ..plan.planner import (Binding, fqn_index, local_plan, piece_shard, plan_re
 from ..formats.chunks import box_span
 from ..io.reader import ChunkReader
 from ..save.saver import data_file_name
-from .scheduler import Counters, SharedPhase, read_private
-from ..plan.statedict import Leaf, check_top, flatten, mesh_groups, meshes_of
+from .scheduler import Counters, SharedPhase, fill_twins, read_private
+from ..plan.statedict import Leaf, check_top, flatten, load_target, mesh_groups, meshes_of
 
 DEFAULT_BATCH_BYTES = 6 * 2**20
 DEFAULT_MAX_INFLIGHT = 8
@@ -195,6 +195,7 @@ def _progress_bar(enabled: bool, rank: int, total: int):
 
 async def load_async(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) -> LoadStats:
     """Fill ``state_dict`` in place from ``checkpoint_dir``; see :func:`load` for the options."""
+    state_dict = load_target(state_dict)  # (a list of Slices: a dict of them)
     if not isinstance(checkpoint_dir, (str, os.PathLike)) and _is_tier(checkpoint_dir):
         from ..tier.restore import restore  # the tier's only door into the engine, and back (fallback)
 
@@ -428,7 +429,8 @@ async def _execute_and_agree(run: _Run, opts: _Options, prep: _Prepared, reader:
     comm, keep = run.comm, False
     try:
         decoded = await _execute(comm, reader, pool, prep.shared, prep.private, prep.plan.objects, prep.groups,
-                                 prep.gp, counters, opts.max_inflight, opts.progress, run.clock, prep.skip)
+                                 prep.gp, counters, opts.max_inflight, opts.progress, run.clock, prep.skip,
+                                 prep.plan.twins)
         error = counters.error_report() or run.guard.late(comm)
         if run.collective:
             comm.agree(run.what, error)
@@ -483,6 +485,7 @@ def _strip(prep: _Prepared) -> None:
     reuses the plan binds it in one step (:func:`_rebind`) and each tensor is found when first used.
     """
     unbind(prep.plan.shards)
+    unbind([twin for _, twin, _ in prep.plan.twins])
     unbind([piece for piece, _ in prep.cut])
     for obj in prep.plan.objects:
         obj.leaf = None
@@ -494,7 +497,7 @@ def _attach(prep: _Prepared) -> None:
     """Before a plan is first kept: each shard learns its leaf position, each cut piece its shard's and its
     rows (the shared pieces stay: an uncut one is its shard itself)."""
     binding = prep.binding = Binding()
-    for shard, i in zip(prep.plan.shards, prep.leaf_pos):
+    for shard, i in zip([*prep.plan.shards, *(twin for _, twin, _ in prep.plan.twins)], prep.leaf_pos):
         shard.leaf = (binding, i, 0, None)
     for piece, shard in prep.cut:
         piece.leaf = (binding, shard.leaf[1], piece.key[1][0] - shard.key[1][0], piece.key[2][0])
@@ -504,7 +507,7 @@ def _rebind(prep: _Prepared, values: list, homes: dict) -> None:
     """Point a kept plan at this load's tensors and containers: ``values``/``homes`` are the leaves of a
     state dict whose signature matched (same containers, keys, boxes, dtypes), so each is where it was."""
     prep.binding.values = values
-    for obj, i in zip(prep.plan.objects, prep.leaf_pos[len(prep.plan.shards):]):
+    for obj, i in zip(prep.plan.objects, prep.leaf_pos[len(prep.plan.shards) + len(prep.plan.twins):]):
         obj.leaf = Leaf(obj.fqn, *homes[i], values[i])
 
 
@@ -593,8 +596,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                      units=(len({k for k in pieces_of if k[0] < 0}), spanned - read_units))
     if keepable:  # taken now, as planned: an object a later load replaces is a leaf in it either way
         prep.signature = plancache.signature(state_dict)[0]
-        prep.leaf_pos = plancache.leaf_positions(leaves, [*(s.fqn for s in plan.shards),
-                                                          *(o.fqn for o in plan.objects)])
+        prep.leaf_pos = plancache.leaf_positions(leaves, [*plan.leaf_paths(), *(o.fqn for o in plan.objects)])
     return prep
 
 
@@ -670,11 +672,11 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     rank, or, when that is many bytes (``R = 1``), only shard keys, to their key owners
     (:mod:`pipeload.plan.keyowners`, which also needs ``all_to_all``; it falls back here when some rank's
     component is more than its one holder set).
-    ``host``: this rank's :func:`~pipeload.plan.exchange.host_id` (the load's, read once; None: read here).
-    ``resharded``: some box of this rank is not exactly one stored chunk (its row says so; when any row
-    does, the global plan looks for chunk units: :mod:`pipeload.plan.chunkunits`). ``by_position``: the
-    checkpoint's readers are preferred by storage position (:mod:`pipeload.plan.storageorder`; every
-    rank alike, as every rank reads one checkpoint), and the broadcasts go in region order.
+    ``host``: this rank's :func:`~pipeload.plan.exchange.host_id` (None: read here). ``resharded``: some box
+    of this rank is not exactly one stored chunk (its row says so; when any row does, the global plan
+    looks for chunk units, and other layouts' holder sets read by runs of storage:
+    :mod:`pipeload.plan.chunkunits`, :mod:`pipeload.plan.storageorder`). ``by_position``: readers by
+    storage position (every rank alike, as every rank reads one checkpoint), broadcasts in region order.
 
     ``private_only``: every rank knows no shard will be broadcast (all on one host under gloo and the
     default policy, or broadcasting off), so nobody needs another rank's record: after the rows, one
@@ -728,12 +730,12 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     chunks = (chunk_table(md, names) if md is not None and broadcast and np.any(rows[:, F_FLAGS] & FLAG_RESHARDED)
               else None)
     positions = storageorder.key_positions(md, names, world) if by_position and md is not None else None
-    if on_phase is not None:
-        on_phase("key shapes")
+    starts = storageorder.box_starts(md, names) if chunks is not None and not by_position else None  # by runs
+    (on_phase or (lambda name: None))("key shapes")
     return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
                        batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
                        on_phase=on_phase, same_host_private=same_host_private, everything=everything,
-                       chunks=chunks, positions=positions)
+                       chunks=chunks, positions=positions, starts=starts)
 
 
 def _refused(error: PipeloadError) -> PipeloadError:
@@ -748,8 +750,9 @@ def _key_arrays(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.n
 
 
 async def _execute(comm, reader, pool, shared, private, objects, groups, gp, counters, max_inflight,
-                   progress, clock, skip=frozenset()) -> list:
-    """The shared phase, then the private phase, reading in ``pool``; returns decoded objects."""
+                   progress, clock, skip=frozenset(), twins=()) -> list:
+    """The shared phase, then the private phase, reading in ``pool``, then the copies into ``twins``
+    (:func:`~pipeload.engine.scheduler.fill_twins`); returns decoded objects."""
     bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in [*shared.values(), *private]))
     on_bytes = bar.update if bar is not None else None
     reader.expect(_my_reads(comm.rank, shared, private, gp.ops, skip))  # how each file is requested
@@ -761,6 +764,8 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
         clock.lap("shared")
         loop = asyncio.get_running_loop()
         decoded = await loop.run_in_executor(pool, read_private, reader, private, objects, counters, on_bytes, skip)
+        if twins:
+            await loop.run_in_executor(pool, fill_twins, twins, counters, reader.ring)
         clock.lap("private")
         return decoded
     finally:
@@ -793,7 +798,7 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
     no whole step, ``fallback=`` (a checkpoint directory or URL) is loaded instead, with the same options.
     ``LoadStats.source`` says which ("tier" / "fallback") and ``LoadStats.step`` the tier's step.
 
-    Tensors and DTensor local shards are copied into; Python objects are replaced in their containers. A
+    Tensors, DTensor shards and :class:`pipeload.Slice` views (a list of Slices too) are filled; objects replaced. A
     ``Stateful`` value (``state_dict()``/``load_state_dict()``: a model, an optimizer, a wrapper of both)
     at any depth is loaded as torch.distributed.checkpoint does: its ``state_dict()`` is loaded into, then
     its ``load_state_dict()`` called with it, only when the load succeeded (:mod:`pipeload.engine.stateful`).

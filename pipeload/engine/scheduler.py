@@ -311,6 +311,23 @@ def read_private(
     return decoded
 
 
+def fill_twins(twins: list, counters: Counters, ring=None) -> None:
+    """Copy each shard's destination into its twins (``(shard, twin, path)``: another view this rank
+    holds of the same box, :attr:`pipeload.plan.planner.LocalPlan.twins`), once every read and broadcast
+    of the load has landed: the box is read once per rank however many views hold it. A shard whose
+    read failed is not copied (the load fails anyway). Runs in the worker thread, after the private phase."""
+    if ring is not None:  # the reads' copies into an accelerator, ordered before these
+        ring.join()
+    failed = {fqn for fqns in counters.failed.values() for fqn in fqns}
+    for shard, twin, _ in twins:
+        if shard.fqn in failed:
+            continue
+        try:
+            twin.dest.copy_(shard.dest)
+        except Exception as e:  # noqa: BLE001 - gathered and raised on every rank by the loader
+            counters.fail(shard.fqn, "(a copy between two views of one box)", e)
+
+
 PREFETCH_WINDOW = 64 << 20  # bytes requested ahead of the private reads
 
 
@@ -331,4 +348,4 @@ def _prefetch(reader: ChunkReader, window: list) -> None:
     reader.prefetch(w[4] for w in window if w[4] is not None)
 
 
-__all__ = ["Counters", "SharedPhase", "read_private"]
+__all__ = ["Counters", "SharedPhase", "fill_twins", "read_private"]

@@ -200,20 +200,24 @@ def cast_metadata(md: Metadata, leaves: dict) -> Metadata:
     chunk is decoded), so a load whose dtypes all match pays one lookup per tensor leaf.
     """
     from ..plan.statedict import is_tensor
+    from ..slices import Slice
 
     changed = {}
     for fqn, leaf in leaves.items():
-        if not is_tensor(leaf.value):
+        value = leaf.value
+        if isinstance(value, Slice):  # (its tensor is the one it names; its dtype its view's)
+            fqn, value = value.name, value.view
+        elif not is_tensor(value):
             continue
         stored = _stored_dtype(md.tensors, fqn)
         if stored is None:
             continue
         try:
-            want = dtype_name(leaf.value.dtype)
+            want = dtype_name(value.dtype)
         except KeyError:
             continue  # the planner reports the unsupported dtype
         if want != stored:
-            changed[fqn] = want
+            changed.setdefault(fqn, want)  # (slices of one tensor in two dtypes: the planner names the other)
     if not changed:
         return md
     # every other field kept: an indexed table without its index_file/data_files is not one

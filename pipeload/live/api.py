@@ -73,11 +73,14 @@ class _Kept:
 
 
 _kept: dict[tuple[int, int], _Kept] = {}  # (id(group object), slot) -> the plan its last transfer made
+_pools: dict[int, mover.BufferPool] = {}  # id(group object) -> the message buffers its transfers reuse
 
 
 def clear() -> None:
-    """Forget every kept transfer plan (the next transfer on each group plans again)."""
+    """Forget every kept transfer plan (the next transfer on each group plans again) and free the
+    message buffers kept for the next transfer."""
     _kept.clear()
+    _pools.clear()
 
 
 def transfer(src: Any, dst: Any, *, group: Any = None, version: int | None = None, cast: bool = False,
@@ -144,7 +147,9 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
     lap("plan")
     got, received = link.all_to_all(counts, words, what, "all-to-all of transfer boxes")
     lap("exchange")
-    acounts, awords = moveplan.answer(got, received, nd, link.size)
+    held = rows[:, R_SHAPE] >> 8
+    acounts, awords = moveplan.answer(got, received, nd, link.size,
+                                      (int(np.count_nonzero(held & 1)), int(np.count_nonzero(held & 2))))
     lap("plan")
     _, mine = link.all_to_all(acounts, awords, what, "all-to-all of transfer answers")
     lap("exchange")
@@ -194,7 +199,7 @@ def _problems(answers: moveplan.Answers, d: Side) -> str | None:
 
 def _move(link: Link, answers, s: Side, d: Side, stats: TransferStats, what: str, late: str | None) -> None:
     t0 = time.perf_counter()
-    x = mover.Transfers(link, what, tolerant=True)
+    x = mover.Transfers(link, what, tolerant=True, pool=_pools.setdefault(id(link.pg), mover.BufferPool()))
     progress = mover_run.Progress(answers, len(d.boxes))
     error = late
     try:
@@ -207,12 +212,13 @@ def _move(link: Link, answers, s: Side, d: Side, stats: TransferStats, what: str
     except Exception as e:  # noqa: BLE001 - a local failure (a copy): every rank must learn of it
         error = f"{what}: {type(e).__name__}: {e}"
     stats.bytes_sent, stats.bytes_received, stats.messages = x.sent, x.received, x.messages
-    stats.written = [d.names[i] for i in progress.written()]
     stats.timings["move"] = time.perf_counter() - t0
     try:
         link.agree(what, error)
     except PipeloadError as e:
+        stats.written = [d.names[i] for i in progress.written(failed=True)]
         raise _failed(e, error, stats, link.rank, what) from None
+    stats.written = [d.names[i] for i in progress.written()]
     stats.complete = True
 
 

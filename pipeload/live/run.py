@@ -17,6 +17,7 @@ say exactly which destination views hold this step's bytes and which do not.
 
 from __future__ import annotations
 
+import ctypes
 from collections import defaultdict
 from typing import Callable
 
@@ -28,12 +29,15 @@ from .sides import DTYPES, Side
 
 
 class Progress:
-    """Pieces still to land per destination index; the ones with none left are written."""
+    """Pieces still to land per destination index; the ones with none left are written. After a failure
+    a destination that received a relayed piece is not counted as written: its relay may have forwarded
+    bytes it never received."""
 
     def __init__(self, answers: Answers, n_dst: int):
         self.left = [0] * n_dst
         for op in answers.recvs + answers.local:
             self.left[op.dst] += 1
+        self.relayed = {op.dst for op in answers.recvs if op.hop}
         self.done = 0
 
     def landed(self, ops: list[Op]) -> None:
@@ -41,8 +45,8 @@ class Progress:
             self.left[op.dst] -= 1
         self.done += len(ops)
 
-    def written(self) -> list[int]:
-        return [i for i, n in enumerate(self.left) if n == 0]
+    def written(self, failed: bool = False) -> list[int]:
+        return [i for i, n in enumerate(self.left) if n == 0 and not (failed and i in self.relayed)]
 
 
 def _view(side: Side, box_index: int, op: Op) -> torch.Tensor:
@@ -76,10 +80,10 @@ def layout(msg: list[Op]) -> tuple[list[int], int]:
 
 
 def messages(ops: list[Op]) -> list[list[Op]]:
-    """``ops`` (one direction, sorted by key) cut into messages per peer, as both ends cut them."""
-    by_peer: dict[int, list[Op]] = defaultdict(list)
+    """``ops`` (one direction, sorted by key) cut into messages per peer and hop, as both ends cut them."""
+    by_peer: dict[tuple[int, int], list[Op]] = defaultdict(list)
     for op in ops:
-        by_peer[op.peer].append(op)
+        by_peer[op.hop, op.peer].append(op)
     out: list[list[Op]] = []
     for peer_ops in by_peer.values():
         sizes = [(i, _nbytes(op)) for i, op in enumerate(peer_ops)]
@@ -88,13 +92,19 @@ def messages(ops: list[Op]) -> list[list[Op]]:
 
 
 def run(x: mover.Transfers, answers: Answers, src: Side, dst: Side, progress: Progress, wire: torch.device) -> int:
-    """Post every message in the global order, copy the local pieces, wait for all; bytes copied locally."""
+    """Post every message in the global order, copy the local pieces, wait for all; bytes copied locally.
+    Before the first message of a later hop, every message posted so far completes (a relay forwards
+    what it received; waiting only on earlier messages keeps the order's argument)."""
     plan = [(m[0].key, True, m) for m in messages(answers.sends)] + \
            [(m[0].key, False, m) for m in messages(answers.recvs)]
     plan.sort(key=lambda item: item[0])
+    hop = 0
     for _, sending, msg in plan:
+        if msg[0].hop != hop:
+            x.drain()
+            hop = msg[0].hop
         if sending:
-            x.send(msg[0].peer, layout(msg)[1], _packer(x, msg, src, wire))
+            x.send(msg[0].peer, layout(msg)[1], _packer(x, msg, src, dst, wire))
         else:
             _post_recv(x, msg, dst, progress, wire)
     copied = 0
@@ -113,9 +123,10 @@ def _flat(t: torch.Tensor, wire: torch.device) -> torch.Tensor | None:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _packer(x: mover.Transfers, msg: list[Op], src: Side, wire: torch.device) -> Callable:
-    """``part(lo, hi)`` for :meth:`Transfers.send`: the message's bytes, packed at the first call."""
-    views = [_view(src, op.src, op) for op in msg]
+def _packer(x: mover.Transfers, msg: list[Op], src: Side, dst: Side, wire: torch.device) -> Callable:
+    """``part(lo, hi)`` for :meth:`Transfers.send`: the message's bytes, packed at the first call (a
+    relay's from its own destination views)."""
+    views = [_view(src, op.src, op) if op.src >= 0 else _view(dst, -1 - op.src, op) for op in msg]
     if len(msg) == 1 and views[0].dtype == DTYPES[msg[0].dtype]:
         flat = _flat(views[0], wire)
         if flat is not None:
@@ -127,14 +138,29 @@ def _packer(x: mover.Transfers, msg: list[Op], src: Side, wire: torch.device) ->
         if not packed:
             buf = _buffer(x, n, wire)
             try:
-                for op, v, at in zip(msg, views, starts):
-                    buf[at: at + _nbytes(op)].view(DTYPES[op.dtype]).view(op.lengths).copy_(v)
+                _copies(msg, views, starts, buf, into_buffer=True)
             except Exception as e:  # noqa: BLE001 - still sent (the receiver waits for it), and reported
                 x.errors.append(f"packing a message for rank {msg[0].peer}: {type(e).__name__}: {e}")
             packed.append(buf)
         return packed[0][lo:hi]
 
     return part
+
+
+def _copies(msg: list[Op], views: list[torch.Tensor], starts: list[int], buf: torch.Tensor, into_buffer: bool) -> None:
+    """Each piece of a packed message between ``buf`` and its view: one ``memmove`` for a contiguous host
+    view of the wire's dtype (most pieces are small; torch's cost per call was most of the time), a
+    strided ``copy_`` (which also casts) for the rest."""
+    base = buf.data_ptr() if buf.device.type == "cpu" else None
+    for op, v, at in zip(msg, views, starts):
+        n = _nbytes(op)
+        ptr = mover.direct_ptr(v) if base is not None and v.dtype == DTYPES[op.dtype] else None
+        if ptr is not None:
+            ctypes.memmove(base + at, ptr, n) if into_buffer else ctypes.memmove(ptr, base + at, n)
+        elif into_buffer:
+            buf[at: at + n].view(DTYPES[op.dtype]).view(op.lengths).copy_(v)
+        else:
+            v.copy_(buf[at: at + n].view(DTYPES[op.dtype]).view(op.lengths))
 
 
 def _post_recv(x: mover.Transfers, msg: list[Op], dst: Side, progress: Progress, wire: torch.device) -> None:
@@ -148,8 +174,7 @@ def _post_recv(x: mover.Transfers, msg: list[Op], dst: Side, progress: Progress,
     buf = _buffer(x, n, wire)
 
     def unpack() -> None:
-        for op, v, at in zip(msg, views, starts):
-            v.copy_(buf[at: at + _nbytes(op)].view(v.dtype).view(op.lengths))
+        _copies(msg, views, starts, buf, into_buffer=False)
         progress.landed(msg)
 
     x.recv(msg[0].peer, buf, unpack)

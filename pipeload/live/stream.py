@@ -80,6 +80,13 @@ def _wants(want: Any, load_weights) -> list[tuple[str, tuple[int, ...], torch.dt
         return []
     if not callable(load_weights):
         raise TypeError("pipeload.stream: an engine rank (want given) needs a callable load_weights")
+    return specs(want, "pipeload.stream")
+
+
+def specs(want: Any, what: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Named tensor specifications as (name, shape, dtype), in their order, each name once: from a
+    mapping name -> ``(shape, dtype)`` or a tensor (its shape and dtype; a meta tensor will do), or from
+    an iterable of ``(name, shape, dtype)``."""
     items: Iterable = want.items() if isinstance(want, dict) else want
     out, seen = [], set()
     for item in items:
@@ -89,9 +96,9 @@ def _wants(want: Any, load_weights) -> list[tuple[str, tuple[int, ...], torch.dt
         else:
             name, shape, dtype = item
         if not isinstance(name, str) or name in seen:
-            raise StateDictError(f"pipeload.stream: want names {name!r} twice, or not as a string")
+            raise StateDictError(f"{what}: names {name!r} twice, or not as a string")
         if not isinstance(dtype, torch.dtype):
-            raise StateDictError(f"pipeload.stream: want {name!r}: dtype {dtype!r} is not a torch.dtype")
+            raise StateDictError(f"{what}: {name!r}: dtype {dtype!r} is not a torch.dtype")
         seen.add(name)
         out.append((name, tuple(int(x) for x in shape), dtype))
     return out

@@ -18,7 +18,9 @@ in-flight bound.
 Messages that are not a destination's own memory (a sender's parts, a receiver's packed messages) go
 through a few :data:`PIECE`-byte buffers reused as their messages complete (:meth:`Transfers.buffer`):
 fresh memory for every message made the first restore of a process fault in every byte it moved (59,000
-page faults and 0.74 s of system time on the rank that sent 256 MiB, on this project's 2-core VM).
+page faults and 0.74 s of system time on the rank that sent 256 MiB, on this project's 2-core VM). An
+operation that repeats (a live transfer every training step) passes the same :class:`BufferPool` to
+each, so its steps after the first fault in nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +38,31 @@ SMALL = 1 << 20  # chunks below this travel packed with their neighbours, up to 
 INFLIGHT = 64 << 20  # bytes a rank has posted and not yet seen complete
 
 
+class BufferPool:
+    """:data:`PIECE`-byte host buffers, kept while the pool lives: at most INFLIGHT / PIECE + 2 of them
+    (the posted ones and the one being filled)."""
+
+    def __init__(self):
+        self.free: list[torch.Tensor] = []  # buffers whose message completed
+        self.pooled: dict[int, torch.Tensor] = {}  # address -> buffer, every buffer of the pool
+
+    def take(self, n: int) -> torch.Tensor:
+        if not self.free:
+            base = torch.empty(PIECE, dtype=torch.uint8)
+            self.pooled[base.data_ptr()] = base
+            self.free.append(base)
+        return self.free.pop()[:n]
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = self.pooled.get(buf.data_ptr()) if self.pooled else None
+        if base is not None:  # (a buffer of the pool carries one message of one part: complete, and read)
+            self.free.append(base)
+
+    def clear(self) -> None:
+        self.free.clear()
+        self.pooled.clear()
+
+
 class Transfers:
     """One rank's sends and receives, posted in the global order, at most :data:`INFLIGHT` bytes in flight.
 
@@ -46,7 +73,8 @@ class Transfers:
     argument, restricted to them), so every survivor reaches the operation's final agreement at once.
     A ``then`` callback that raises is recorded in :attr:`errors` (the peer is fine: its messages go on)."""
 
-    def __init__(self, comm, what: str, limit: int | None = None, tolerant: bool = False):
+    def __init__(self, comm, what: str, limit: int | None = None, tolerant: bool = False,
+                 pool: BufferPool | None = None):
         self.comm, self.what, self.limit = comm, what, INFLIGHT if limit is None else limit
         self.tolerant = tolerant
         self.failed: dict[int, str] = {}  # peer -> the first failure of a message with it
@@ -54,8 +82,7 @@ class Transfers:
         self.pending: deque = deque()  # (work, bytes, buffer kept alive, then-callback, peer)
         self.inflight = 0
         self.sent = self.received = self.messages = 0
-        self._free: list[torch.Tensor] = []  # PIECE-byte buffers whose message completed
-        self._pooled: dict[int, torch.Tensor] = {}  # address -> buffer, every buffer of the pool
+        self.pool = BufferPool() if pool is None else pool
 
     def buffer(self, n: int) -> torch.Tensor:
         """A flat uint8 buffer for one message of ``n`` bytes (its single part: ``n`` <= :data:`PIECE`),
@@ -63,11 +90,7 @@ class Transfers:
         ``then``). At most INFLIGHT / PIECE + 2 buffers exist: the posted ones and the one being filled."""
         if n == 0 or n > PIECE:
             return torch.empty(n, dtype=torch.uint8)
-        if not self._free:
-            base = torch.empty(PIECE, dtype=torch.uint8)
-            self._pooled[base.data_ptr()] = base
-            self._free.append(base)
-        return self._free.pop()[:n]
+        return self.pool.take(n)
 
     def send(self, peer: int, nbytes: int, part: Callable[[int, int], torch.Tensor]) -> None:
         """Send ``nbytes`` to ``peer``: ``part(lo, hi)`` gives bytes [lo, hi) as a uint8 tensor."""
@@ -106,7 +129,7 @@ class Transfers:
 
     def _post(self, work, n: int, buf, then, peer: int) -> None:
         if work is None:  # skipped: its peer failed
-            self._release(buf)
+            self.pool.give(buf)
             return
         self.pending.append((work, n, buf, then, peer))
         self.inflight += n
@@ -131,12 +154,7 @@ class Transfers:
                 if not self.tolerant:
                     raise
                 self.errors.append(f"{self.what}: after a message from rank {peer}: {type(e).__name__}: {e}")
-        self._release(buf)
-
-    def _release(self, buf: torch.Tensor) -> None:
-        base = self._pooled.get(buf.data_ptr()) if self._pooled else None
-        if base is not None:  # (a buffer of the pool carries one message of one part: complete, and read)
-            self._free.append(base)
+        self.pool.give(buf)
 
     def drain(self) -> None:
         """Wait for everything posted (the oldest first)."""

@@ -16,10 +16,16 @@ exactly this code for thousands of simulated ranks. One transfer's planning, on 
    that each see few names do not all start at the lowest rank. One more all-to-all returns to every
    rank exactly its own sends, receives, local copies and the problems found with its boxes.
 3. :func:`decode` (each rank alone): its answers as :class:`Op` lists, in the one global order —
-   ``(name hash, receiver, destination index, offsets)``, a key both ends of a piece compute alike
+   ``(hop, name hash, receiver, destination index, offsets)``, a key both ends of a piece compute alike
    (:mod:`pipeload.move.mover` explains why that order cannot deadlock).
 
-Each destination byte is sent once per needer; nothing is assembled whole. Cost per rank: its own
+Each destination byte is sent once per needer; nothing is assembled whole. When several needers want
+the same region (engine replicas) and the holders are few against them, the owner may *relay* it
+instead (:func:`relays`, a cost model over the group's counts of source and destination ranks): the
+holders send it to some needers in hop 0, and in each later hop every rank that has it sends it to one
+more, so no holder sends more than one copy a hop. Hops go first in the global order, and a rank posts
+a hop's messages only once the earlier ones it posted completed, so a relay forwards only bytes it
+holds and the order's argument is unchanged. Cost per rank: its own
 records out and its answers back (``O(S)`` words) plus, on an owner, ``O(holders + needers + pieces)``
 of the names it owns, with ``O(log)`` candidate search per destination box along dim 0 — never
 ``W x S``. Distinct source boxes of one name must not overlap (every DTensor layout partitions its
@@ -38,6 +44,7 @@ K_KIND, K_NAME, K_DTYPE, K_NDIM, K_INDEX, K_FLAGS = range(HEAD)
 F_CAST = 1  # a destination's flag: its dtype may differ from the source's (the sender casts)
 
 SEND, RECV, LOCAL, ERROR = range(4)
+HOP_SHIFT = 8  # an answer's kind word: kind | hop << HOP_SHIFT (hop 0: from a holder; later: a relay)
 AHEAD = 7
 A_KIND, A_NAME, A_PEER, A_SRC, A_DST, A_DTYPE, A_NDIM = range(AHEAD)
 
@@ -113,9 +120,12 @@ def _fill(rec: np.ndarray, base: int, kind: int, boxes: list[Box], nd: int) -> N
             rec[base + at] = block
 
 
-def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int,
+           sides: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """An owner's answers to the records it received (``counts`` words from each rank, in rank order):
-    (words per destination rank, the answers in rank order, flat), for the second all-to-all."""
+    (words per destination rank, the answers in rank order, flat), for the second all-to-all.
+    ``sides``: (ranks holding sources, ranks holding destinations) in the group, for :func:`relays`;
+    None: never relay."""
     w = width(nd)
     rec = np.asarray(words, dtype=np.int64).reshape(-1, w)
     ranks = np.repeat(np.arange(len(counts), dtype=np.int64), np.asarray(counts) // w)
@@ -127,7 +137,7 @@ def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int) -> tuple[n
         rec, ranks = rec[order], ranks[order]
         starts = np.flatnonzero(np.r_[True, rec[1:, K_NAME] != rec[:-1, K_NAME], True])
         for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
-            out.extend(_plan_name(rec[a:b], ranks[a:b], nd, loads))
+            out.extend(_plan_name(rec[a:b], ranks[a:b], nd, loads, sides))
     aw = answer_width(nd)
     rows = np.concatenate(out) if out else np.zeros((0, aw + 1), dtype=np.int64)
     del out
@@ -152,7 +162,7 @@ def _side(rec: np.ndarray, ranks: np.ndarray, nd: int, ndim: int) -> _Side:
                  rec[:, HEAD + nd: HEAD + nd + ndim], rec[:, HEAD + 2 * nd: HEAD + 2 * nd + ndim])
 
 
-def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: np.ndarray) -> list[np.ndarray]:
+def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: np.ndarray, sides=None) -> list[np.ndarray]:
     """Every answer row about one name, as ``[destination rank, *answer words]``."""
     name = int(rec[0, K_NAME])
     is_src = rec[:, K_KIND] == SRC
@@ -176,7 +186,7 @@ def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: np.ndarray) -
     if np.prod(boxes[:, 1], axis=1, dtype=np.int64).sum() > np.prod(shape, dtype=np.int64) or \
             not _disjoint(boxes):
         return out + [_errors(name, dst.ranks, dst.index, E_OVERLAP, nd)]
-    out.append(_pieces(name, dst, boxes, holders, src_rec[0, K_DTYPE], nd, ndim, loads))
+    out.append(_pieces(name, dst, boxes, holders, src_rec[0, K_DTYPE], nd, ndim, loads, sides))
     return out
 
 
@@ -253,7 +263,7 @@ def _meets(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _pieces(name: int, dst: _Side, boxes: np.ndarray, holders: _Holders, src_dtype: int, nd: int, ndim: int,
-            loads: np.ndarray) -> np.ndarray:
+            loads: np.ndarray, sides=None) -> np.ndarray:
     """Each destination box cut by the source boxes it meets, each piece given a sender."""
     lo0 = boxes[:, 0, 0] if ndim else np.zeros(len(boxes), np.int64)
     order = np.argsort(lo0, kind="stable")
@@ -279,7 +289,7 @@ def _pieces(name: int, dst: _Side, boxes: np.ndarray, holders: _Holders, src_dty
     if len(uncovered):
         ok = ~np.isin(i, uncovered)
         i, k, o, n, size = i[ok], k[ok], o[ok], n[ok], size[ok]
-    rows = _assign(name, dst, _Cand(i, k, o, n, size), holders, nd, ndim, loads)
+    rows = _assign(name, dst, _Cand(i, k, o, n, size), holders, nd, ndim, loads, sides)
     if len(uncovered):
         rows = np.concatenate([rows, _errors(name, dst.ranks[uncovered], dst.index[uncovered], E_UNCOVERED, nd)])
     return rows
@@ -295,24 +305,33 @@ class _Cand(NamedTuple):
     size: np.ndarray
 
 
-def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: int, loads: np.ndarray) -> np.ndarray:
+def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: int, loads: np.ndarray,
+            sides=None) -> np.ndarray:
     """Answer rows for the pieces ``c``, heaviest first: a local copy where the needer holds the box, else
-    a send from the holder the greedy picks and the matching receive."""
+    a send from the holder the greedy picks (or, for a fan :func:`relays` relays, from the fan's hops)
+    and the matching receive."""
     order = np.argsort(-c.size, kind="stable")  # heaviest first, then in candidate order
     receiver = dst.ranks[c.dst[order]]
     mine = _own_index(holders, c.box, dst.ranks[c.dst])[order]
     local = mine >= 0
-    remote = order[~local]
     rot = int(np.uint64(np.int64(name).view(np.uint64)) % np.uint64(1 << 31))
+    fans = _fans(c, dst, order, local, holders, sides)
+    greedy = ~local
+    for fan in fans:
+        greedy[fan] = False
+    remote = order[greedy]
     pick = (_greedy if _disjoint_holders(holders) else _greedy_sequential)(remote, c.box, c.size, holders, loads, rot)
     sender = np.full(len(order), -1, np.int64)
-    sender[~local] = holders.rank[pick]
+    sender[greedy] = holders.rank[pick]
     source = mine.copy()
-    source[~local] = holders.index[pick]
+    source[greedy] = holders.index[pick]
+    hop = np.zeros(len(order), np.int64)
+    for fan in fans:
+        _relay(fan, order, c, dst, holders, loads, rot, sender, source, hop)
     # per piece in that order: its send (or local copy) row, then, for a send, the receive row
     first = np.zeros((len(order), answer_width(nd) + 1), dtype=np.int64)
     first[:, 0] = np.where(local, receiver, sender)
-    first[:, 1 + A_KIND] = np.where(local, LOCAL, SEND)
+    first[:, 1 + A_KIND] = np.where(local, LOCAL, SEND | hop << HOP_SHIFT)
     first[:, 1 + A_NAME] = name
     first[:, 1 + A_PEER] = receiver
     first[:, 1 + A_SRC] = source
@@ -323,7 +342,7 @@ def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: i
     first[:, 1 + AHEAD + nd: 1 + AHEAD + nd + ndim] = c.len[order]
     second = first[~local]
     second[:, 0] = receiver[~local]
-    second[:, 1 + A_KIND] = RECV
+    second[:, 1 + A_KIND] = RECV | hop[~local] << HOP_SHIFT
     second[:, 1 + A_PEER] = sender[~local]
     if not np.any(local):
         return np.stack([first, second], axis=1).reshape(-1, first.shape[1])
@@ -332,6 +351,69 @@ def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: i
     rows[at[:-1]] = first
     rows[at[:-1][~local] + 1] = second
     return rows
+
+
+def relays(needers: int, holders: int, sides: tuple[int, int] | None) -> bool:
+    """Whether a region ``needers`` ranks want alike, ``holders`` ranks hold, goes through relays.
+
+    The cost model, per byte of such regions if every region were alike, with ``T`` ranks holding
+    sources and ``D`` holding destinations: sent straight, the holders send ``needers`` copies spread
+    over ``T`` ranks and the needers receive them spread over ``D``: ``max(N/T, N/D)``. Relayed, each
+    hop has every rank that has it send one copy — the holders at most ``H/T`` of it, the receivers at
+    most ``N/D`` — and ``ceil(log2(N/H + 1))`` hops serve every needer: ``hops * max(H/T, N/D)``.
+    Relays win where the needers far outnumber the holders (many engine replicas, few trainer ranks)."""
+    if sides is None or needers < 2:
+        return False
+    t, d = max(1, sides[0]), max(1, sides[1])
+    n, h = needers, max(1, holders)
+    hops = int(np.ceil(np.log2(n / h + 1)))
+    return hops * max(h / t, n / d) < max(n / t, n / d)
+
+
+def _fans(c: _Cand, dst: _Side, order: np.ndarray, local: np.ndarray, holders: _Holders, sides) -> list[np.ndarray]:
+    """The fans to relay: positions (in ``order``) of the remote pieces that several needers want alike
+    (the same box, region and destination dtype), by receiver rank, for each fan :func:`relays` relays."""
+    if sides is None:
+        return []
+    at = np.flatnonzero(~local)
+    if len(at) < 2:
+        return []
+    p = order[at]
+    key = np.column_stack([c.box[p], c.off[p], c.len[p], dst.dtype[c.dst[p]]])
+    _, inv, count = np.unique(key, axis=0, return_inverse=True, return_counts=True)
+    inv = inv.ravel()
+    out = []
+    for g in np.flatnonzero(count > 1).tolist():
+        members = at[inv == g]
+        k = int(c.box[order[members[0]]])
+        if relays(len(members), int(holders.start[k + 1] - holders.start[k]), sides):
+            by = np.lexsort((dst.index[c.dst[order[members]]], dst.ranks[c.dst[order[members]]]))
+            out.append(members[by])
+    return out
+
+
+def _relay(fan: np.ndarray, order: np.ndarray, c: _Cand, dst: _Side, holders: _Holders, loads: np.ndarray,
+           rot: int, sender: np.ndarray, source: np.ndarray, hop: np.ndarray) -> None:
+    """One fan in hops: hop ``h`` has every rank that holds the region by then (the box's holders from
+    the name's rotation, then the needers served, in that order) send it to the next needer. A relay's
+    source index is its own destination's, as ``-1 - index`` (it forwards what it received)."""
+    k = int(c.box[order[fan[0]]])
+    h0, h1 = int(holders.start[k]), int(holders.start[k + 1])
+    turn = (np.arange(h1 - h0) + rot) % (h1 - h0)
+    have = [(int(holders.rank[h0 + j]), int(holders.index[h0 + j])) for j in turn.tolist()]
+    todo, step, size = fan.tolist(), 0, int(c.size[order[fan[0]]])
+    while todo:
+        served = []
+        for rank, index in list(have):
+            if not todo:
+                break
+            q = todo.pop(0)
+            sender[q], source[q], hop[q] = rank, index, step
+            loads[rank] += size
+            d = c.dst[order[q]]
+            served.append((int(dst.ranks[d]), -1 - int(dst.index[d])))
+        have += served
+        step += 1
 
 
 def _own_index(holders: _Holders, box: np.ndarray, receiver: np.ndarray) -> np.ndarray:
@@ -436,15 +518,16 @@ class Op(NamedTuple):
     name: int
     receiver: int
     peer: int
-    src: int  # index into the sender's sources
+    src: int  # index into the sender's sources; a relay's send: -1 - its own destination's index
     dst: int  # index into the receiver's destinations
     dtype: int  # the destination's dtype (what travels)
     offsets: tuple[int, ...]  # global region
     lengths: tuple[int, ...]
+    hop: int = 0  # 0: sent by a holder; h > 0: relayed, after every message of hop h - 1
 
     @property
     def key(self) -> tuple:
-        return (self.name, self.receiver, self.dst, self.offsets)
+        return (self.hop, self.name, self.receiver, self.dst, self.offsets)
 
 
 class Answers(NamedTuple):
@@ -457,7 +540,7 @@ class Answers(NamedTuple):
 def decode(words: np.ndarray, nd: int, rank: int) -> Answers:
     """This rank's answers as ops in the one global order (:attr:`Op.key`)."""
     rows = np.asarray(words, dtype=np.int64).reshape(-1, answer_width(nd))
-    kind = rows[:, A_KIND]
+    kind = rows[:, A_KIND] & ((1 << HOP_SHIFT) - 1)
     err = rows[kind == ERROR]
     problems = sorted(zip(err[:, A_DST].tolist(), err[:, A_PEER].tolist()))
     ops = [_ops(rows[kind == k], k, nd, rank) for k in (SEND, RECV, LOCAL)]
@@ -468,13 +551,14 @@ _op = tuple.__new__  # Op(...) without the NamedTuple's Python-level __new__
 
 
 def _ops(r: np.ndarray, kind: int, nd: int, rank: int) -> list[Op]:
-    """Rows of one kind as ops, sorted by their key (name, receiver, destination, offsets)."""
+    """Rows of one kind as ops, sorted by their key (hop, name, receiver, destination, offsets)."""
     if not len(r):
         return []
     receiver = r[:, A_PEER] if kind == SEND else np.full(len(r), rank, dtype=np.int64)
+    hop = r[:, A_KIND] >> HOP_SHIFT
     off, ln = r[:, AHEAD: AHEAD + nd], r[:, AHEAD + nd: AHEAD + 2 * nd]
-    order = np.lexsort(tuple(off[:, j] for j in range(nd - 1, -1, -1)) + (r[:, A_DST], receiver, r[:, A_NAME]))
-    r, receiver, off, ln = r[order], receiver[order], off[order], ln[order]
+    order = np.lexsort(tuple(off[:, j] for j in range(nd - 1, -1, -1)) + (r[:, A_DST], receiver, r[:, A_NAME], hop))
+    r, receiver, off, ln, hop = r[order], receiver[order], off[order], ln[order], hop[order]
     ndims = r[:, A_NDIM]
     n = int(ndims[0])
     if np.all(ndims == n):  # (one tensor rank: the tuples column by column)
@@ -484,5 +568,5 @@ def _ops(r: np.ndarray, kind: int, nd: int, rank: int) -> list[Op]:
         offs = [tuple(o[:k]) for o, k in zip(off.tolist(), ndims.tolist())]
         lens = [tuple(x[:k]) for x, k in zip(ln.tolist(), ndims.tolist())]
     cols = (r[:, A_NAME].tolist(), receiver.tolist(), r[:, A_PEER].tolist(), r[:, A_SRC].tolist(),
-            r[:, A_DST].tolist(), r[:, A_DTYPE].tolist(), offs, lens)
+            r[:, A_DST].tolist(), r[:, A_DTYPE].tolist(), offs, lens, hop.tolist())
     return [_op(Op, t) for t in zip(*cols)]

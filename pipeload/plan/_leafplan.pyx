@@ -19,8 +19,9 @@ cdef extern from "Python.h":
 import numpy as np
 import torch
 
+from ..slices import Slice
 from .placements import _StridedShard, mesh_box
-from .tensorkinds import adopt, problem as kind_problem
+from .tensorkinds import adopt, problem as kind_problem, refusal
 
 try:  # DTensor moved out of the private namespace in torch 2.4
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -30,6 +31,7 @@ except ImportError:  # pragma: no cover - older torch
 cdef object _Tensor = torch.Tensor
 cdef object _Parameter = torch.nn.Parameter
 cdef object _strided = torch.strided
+cdef object _Slice = Slice
 cdef PyTypeObject* _TensorType = <PyTypeObject*>_Tensor  # (kept alive by _Tensor)
 
 
@@ -62,9 +64,9 @@ cdef tuple _placement_key(tuple placements):
 
 cpdef local_of(value):
     """A DTensor's local tensor itself (``to_local()`` goes through autograd: ~50 us a call on 3,000
-    tensors); any other value as it is."""
+    tensors), a :class:`pipeload.Slice`'s view; any other value as it is."""
     if not isinstance(value, DTensor):
-        return value
+        return value.view if isinstance(value, _Slice) else value
     local = getattr(value, "_local_tensor", None)
     return local if local is not None else value.to_local()
 
@@ -93,6 +95,8 @@ def box(str fqn, value, dict cache):
     its values end with the mesh (``statedict.cached_meshes``).
     """
     cdef tuple shape, hit = None
+    if isinstance(value, _Slice):
+        return _slice_box(value)
     if not isinstance(value, DTensor):
         shape = tuple(value.shape)
         return shape, (0,) * len(shape), shape, value
@@ -139,6 +143,29 @@ def box(str fqn, value, dict cache):
     return shape, offsets, lengths, local
 
 
+cdef tuple _slice_box(value):
+    """A Slice's box: the one it states, its view the local tensor. Raises ``ValueError`` naming the slice
+    for a view pipeload cannot write through (a DTensor, a meta tensor, a kind :mod:`tensorkinds` refuses)."""
+    view = value.view
+    if isinstance(view, DTensor):
+        raise ValueError(f"{value.label}: its view is a DTensor; a Slice views a plain tensor (a DTensor's "
+                         f"local tensor, or an engine's parameter)")
+    if not _plain(view):
+        why = refusal(view, load=True)
+        if why is None and view.device.type == "meta":
+            why = "a view on the meta device has no memory to fill; materialise the parameter first"
+        if why is not None:
+            raise ValueError(f"{value.label}: {why}")
+    return value.shape, value.offsets, tuple(view.shape), view
+
+
+cdef inline tuple _slice_facts(value):
+    """What a kept plan depends on in a Slice: its tensor, box and global shape, and its view's facts."""
+    view = value.view
+    return (_Slice, value.name, value.offsets, value.shape, view.shape, view.dtype, view.device.type, type(view),
+            view.layout)
+
+
 cdef inline bint _plain(t):
     """The common kind of destination (see :mod:`pipeload.plan.tensorkinds`): a plain tensor or parameter,
     dense, on the CPU or a CUDA device. Anything else goes to ``tensorkinds.adopt``."""
@@ -149,13 +176,17 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
             exact_of, reads_of, make_shard, broadcastable, writer_of):
     """The tensor leaves of ``names`` (sorted fqns of ``leaves``) resolved against ``md``.
 
-    Returns ``(shards, offsets, lengths, problems, unboxed, others, adopted)``: one ``make_shard(...)`` per
-    box this rank loads, in ``names`` order, and their boxes as ``n x width`` int64 arrays (zero-padded);
-    the problems found (dtype, shape, box, a kind of tensor pipeload refuses); the tensors whose box was
-    not resolved (their meshes still count); the fqns of every leaf that is not a tensor of the
-    checkpoint, for the caller; ``(fqn, tensor)`` for each leaf loaded into a tensor that stands in for it
-    (``tensorkinds.adopt``: a meta tensor's materialised copy; only when ``box_of`` is None, as the
-    simulation's boxes hold meta tensors on purpose).
+    Returns ``(shards, offsets, lengths, problems, unboxed, others, adopted, paths)``: one
+    ``make_shard(...)`` per box this rank loads, in ``names`` order, and their boxes as ``n x width`` int64
+    arrays (zero-padded); the problems found (dtype, shape, box, a kind of tensor pipeload refuses); the
+    tensors whose box was not resolved (their meshes still count); the fqns of every leaf that is not a
+    tensor of the checkpoint, for the caller; ``(fqn, tensor)`` for each leaf loaded into a tensor that
+    stands in for it (``tensorkinds.adopt``: a meta tensor's materialised copy; only when ``box_of`` is
+    None, as the simulation's boxes hold meta tensors on purpose); and, when some leaf is a
+    :class:`pipeload.Slice`, the leaf path of each shard (None otherwise: each shard's path is its fqn).
+
+    A Slice leaf loads the tensor it names (the shard's fqn is that name, not its path) into the box it
+    states (:func:`_slice_box`); a Slice whose name the checkpoint lacks is one of ``others``.
 
     ``box_of(fqn, value, cache)`` gives a leaf's box as :func:`box` does (None: :func:`box` itself);
     ``exact_of(rows, offsets, lengths)`` the ``(file, checksum)`` of the stored chunk that is exactly each
@@ -179,40 +210,49 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
     cdef long long[::1] rows = rows_a
     cdef list problems = [], unboxed = [], others = [], todo = [], adopted = []
     cdef tuple shape, offsets, lengths, b
-    cdef bint mismatch
+    cdef bint mismatch, sliced, any_slice = False
     for fqn in names:
         value = leaves[fqn].value
-        if not isinstance(value, _Tensor):
+        sliced = False
+        if isinstance(value, _Tensor):
+            name = fqn
+        elif isinstance(value, _Slice):
+            name = value.name
+            sliced = any_slice = True
+        else:
             others.append(fqn)
             continue
         if indexed:
-            p = pos.get(fqn)
+            p = pos.get(name)
             if p is None:
-                unboxed.append(value)
+                if not sliced:
+                    unboxed.append(value)
                 others.append(fqn)
                 continue
             i = p
             want_dtype = dtypes[i]
             nd = ndims[i]
         else:
-            m = metas.get(fqn)
+            m = metas.get(name)
             if m is None:
-                unboxed.append(value)
+                if not sliced:
+                    unboxed.append(value)
                 others.append(fqn)
                 continue
             want_dtype, want_shape = m[0], m[1]
         try:
-            b = box(fqn, value, cache) if box_of is None else tuple(box_of(fqn, value, cache))
+            b = box(fqn, value, cache) if box_of is None or sliced else tuple(box_of(fqn, value, cache))
             shape, offsets, lengths, local = b
-            if box_of is None and local is not None and not _plain(local):
+            if box_of is None and not sliced and local is not None and not _plain(local):
                 local = adopt(fqn, value, local)
                 if local is not b[3]:
                     adopted.append((fqn, local))
         except (ValueError, RuntimeError) as e:  # (a nested tensor has no .shape)
-            problems.append(kind_problem(fqn, value, e))
-            unboxed.append(value)
+            problems.append(str(e) if sliced else kind_problem(fqn, value, e))
+            if not sliced:
+                unboxed.append(value)
             continue
-        dtype = value.dtype
+        dtype = local.dtype if sliced else value.dtype
         have = dtype_names.get(dtype)
         if have is None:
             have = str(dtype)
@@ -229,16 +269,17 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
             mismatch = shape != want_shape
         if mismatch or have != want_dtype:
             problems.append(
-                f"{fqn!r}: the state dict has dtype {have} shape {list(shape)}, "
-                f"the checkpoint {want_dtype} {list(want_shape if mismatch else shape)}"
+                f"{value.label if sliced else repr(fqn)}: the {'slice' if sliced else 'state dict'} has dtype "
+                f"{have} {'global ' if sliced else ''}shape {list(shape)}, the checkpoint {want_dtype} "
+                f"{list(want_shape if mismatch else shape)}"
             )
             continue
         if local is None or 0 in lengths:
             continue
         nd = len(shape)
         if len(offsets) != nd or len(lengths) != nd or nd > width:  # (indexed below without bounds checks)
-            problems.append(f"{fqn!r}: a box of {len(offsets)} offsets and {len(lengths)} lengths for a tensor of "
-                            f"{nd} dimensions, in a checkpoint of at most {width}")
+            problems.append(f"{value.label if sliced else repr(fqn)}: a box of {len(offsets)} offsets and "
+                            f"{len(lengths)} lengths for a tensor of {nd} dimensions, in a checkpoint of at most {width}")
             continue
         for d in range(nd):
             off[j, d] = offsets[d]
@@ -246,14 +287,14 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
         if indexed:
             rows[j] = i
         j += 1
-        todo.append((fqn, dtype, offsets, lengths, local, lengths == shape))
+        todo.append((name, dtype, offsets, lengths, local, lengths == shape, fqn))
     offsets_a, lengths_a = offsets_a[:j], lengths_a[:j]
     exact = exact_of(rows_a[:j], offsets_a, lengths_a) if indexed and j else None
     cdef list shards = []
     cdef dict writers = {}
     cdef long long numel
     for k in range(j):
-        fqn, dtype, offsets, lengths, local, whole = todo[k]
+        fqn, dtype, offsets, lengths, local, whole, _ = todo[k]
         itemsize = dtype.itemsize
         numel = 1
         for x in lengths:
@@ -274,7 +315,8 @@ def resolve(list names, dict leaves, dict key_index, md, box_of, dict cache, Py_
             reads, affinity = reads_of(fqn, offsets, lengths, itemsize)
         shards.append(make_shard(fqn, (key_index[fqn], offsets, lengths), dtype, numel * itemsize, reads, local,
                                  broadcastable(local), affinity))
-    return shards, offsets_a, lengths_a, problems, unboxed, others, adopted
+    paths = [t[6] for t in todo] if any_slice else None
+    return shards, offsets_a, lengths_a, problems, unboxed, others, adopted, paths
 
 
 def walk(object state_dict, is_container):
@@ -283,8 +325,8 @@ def walk(object state_dict, is_container):
     Visits containers as ``statedict.flatten`` does (a stack, children in order; ``is_container`` is its
     rule). Per container: a dict's keys with their types, or a list's length, then the keys of its children
     that are containers. Per leaf in visiting order: its value, and its facts (a DTensor's spec; a plain
-    tensor's shape, dtype, device type, class and layout; None for an object, whose ``(container, key)`` goes to
-    ``homes`` under the leaf's position). A tensor is an instance of a subclass of ``torch.Tensor``, tested
+    tensor's shape, dtype, device type, class and layout; a Slice's name, box and global shape and its view's
+    facts; None for an object, whose ``(container, key)`` goes to ``homes`` under the leaf's position). A tensor is an instance of a subclass of ``torch.Tensor``, tested
     without ``isinstance``'s call to the metaclass's ``__instancecheck__`` (an object that claims the class
     by its ``__class__`` alone is an object here, and so in every kept plan's ``homes``: the plan's objects,
     which ``flatten`` tells by ``isinstance``, are among them).
@@ -305,6 +347,8 @@ def walk(object state_dict, is_container):
             if _is_subtype(Py_TYPE(v), _TensorType):  # (isinstance, without the metaclass's __instancecheck__)
                 spec = getattr(v, "_spec", None)
                 facts.append(spec if spec is not None else (v.shape, v.dtype, v.device.type, type(v), v.layout))
+            elif isinstance(v, _Slice):
+                facts.append(_slice_facts(v))
             elif is_container(v):
                 stack.append(v)
                 inner.append(k)
@@ -337,6 +381,13 @@ cdef class _Match:
                 if spec is not f and not (spec == f):
                     return -1
             elif f is None or not (f == (v.shape, v.dtype, v.device.type, type(v), v.layout)):
+                return -1
+        elif isinstance(v, _Slice):
+            if self.fi >= self.nf:
+                return -1
+            f = self.facts[self.fi]
+            self.fi += 1
+            if f is None or not (f == _slice_facts(v)):
                 return -1
         elif self.is_container(v):
             if m[0] >= len(inner):

@@ -65,8 +65,10 @@ Rules (DESIGN.md, "Global plan"):
 - **storage position** (:mod:`pipeload.plan.storageorder`, files no rank wrote): the records'
   affinities are the ranks whose equal share of the files' bytes holds each shard, honoured as a named
   writer is; a unit takes the affinity of the first row touching it (a strided box's is its chunk's);
+  for other layouts when boxes cut stored chunks (``starts``), each holder set's rows in storage order are
+  cut into one run per member, and a row's run member is its affinity (:func:`storageorder.runs`);
 - order: pieces sorted by (fqn index, offsets, lengths) — by storage position, by (offset inside the
-  region, key), so that every region's reader reads at once; pieces under ``batch_bytes`` join the pending
+  region, key) or, by runs, (offset inside the run, key), so that every reader reads at once; pieces under ``batch_bytes`` join the pending
   batch of their (holder set, reader), which is sent at the position of the piece that fills it; the
   batches left at the end follow in the order of their first piece.
 """
@@ -83,7 +85,7 @@ import numpy as np
 
 from ._greedy import assign_readers, batch_ops, cut_stream
 from .chunkunits import ChunkTable, Touch, encode, find_units
-from .storageorder import interleaved
+from .storageorder import interleaved, runs
 from .exchange import F_FLAGS, F_GROUPS, F_HOST, F_NGROUPS, FLAG_RESHARDED, Classes, Record, group_digest
 
 ShardKey = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -212,6 +214,7 @@ class _CutSet:
         rows = rows[np.lexsort(_key_columns(sh.index[rows], sh.offsets[rows], sh.lengths[rows]))]
         width = sh.offsets.shape[1]
         self.sid = sid
+        self.row_ids = rows  # rows of the Shared table, in key order
         self.index, self.offsets, self.lengths = sh.index[rows], sh.offsets[rows], sh.lengths[rows]
         self.ndim = sh.nd[rows]
         self.weight = sh.weight[rows].astype(np.int64, copy=False)
@@ -586,22 +589,37 @@ def cut_streams(s: Shared, cut: list[int], sets: dict[int, HolderSet], load_arr:
     return out
 
 
-def rank_pieces(s: Shared, reader_of: np.ndarray, whole: np.ndarray, cut_sets: list[_CutSet], mine_sets: set[int]):
+def rank_pieces(s: Shared, reader_of: np.ndarray, whole: np.ndarray, cut_sets: list[_CutSet], mine_sets: set[int],
+                run_offset: np.ndarray | None = None):
     """Step 4a: this rank's pieces (of the sets it is in), in key order, as (keys, weight, set, reader)
-    columns, and each of its shared shards -> its pieces (one, itself, unless cut; in row order)."""
+    columns, and each of its shared shards -> its pieces (one, itself, unless cut; in row order).
+    ``run_offset`` (per row, :func:`pipeload.plan.storageorder.runs`): the pieces are then ordered by
+    (offset inside the reader's run, key); a piece of a cut shard takes its shard's offset plus its rows'."""
     mine = whole[np.isin(s.sid[whole], list(mine_sets))]
     mine = mine[np.lexsort(_key_columns(s.index[mine], s.offsets[mine], s.lengths[mine]))]
     mine_keys = _keys(s.index[mine], s.offsets[mine], s.lengths[mine], s.nd[mine])
     pieces: dict[ShardKey, list[ShardKey]] = {k: [k] for k in mine_keys}
     cols = mine_keys, s.weight[mine], s.sid[mine], reader_of[mine]
-    my_cut = [p for cs in cut_sets if cs.sid in mine_sets for p in cs.pieces()]
-    if my_cut:  # (pk, weight, set, shard key, reader) of each piece, merged with the whole shards by key
-        for pk, _, _, key, _ in my_cut:  # (a shard's pieces come in row order: key order)
+    off = run_offset[mine] if run_offset is not None else np.zeros(len(mine), dtype=np.int64)
+    my_cut = []  # (pk, weight, set, shard key, reader, offset) of each piece of a cut shard
+    for cs in cut_sets:
+        if cs.sid in mine_sets:
+            for (pk, pw, sid, key, reader), j in zip(cs.pieces(), cs.shard.tolist()):
+                o = 0 if run_offset is None else int(run_offset[cs.row_ids[j]])
+                if run_offset is not None and pk != key:  # a row range: the rows before it in its shard
+                    o += (pk[1][0] - key[1][0]) * (pw // max(1, pk[2][0]))
+                my_cut.append((pk, pw, sid, key, reader, o))
+    if my_cut:  # merged with the whole shards by key
+        for pk, _, _, key, _, _ in my_cut:  # (a shard's pieces come in row order: key order)
             pieces.setdefault(key, []).append(pk)
-        merged = sorted([*zip(mine_keys, cols[1].tolist(), cols[2].tolist(), cols[3].tolist()),
-                         *((pk, pw, sid, reader) for pk, pw, sid, _, reader in my_cut)], key=itemgetter(0))
+        merged = sorted([*zip(mine_keys, cols[1].tolist(), cols[2].tolist(), cols[3].tolist(), off.tolist()),
+                         *((pk, pw, sid, reader, o) for pk, pw, sid, _, reader, o in my_cut)], key=itemgetter(0))
         p_keys, *rest = zip(*merged)
-        cols = (p_keys, *(np.array(c, dtype=np.int64) for c in rest))
+        cols = (p_keys, *(np.array(c, dtype=np.int64) for c in rest[:3]))
+        off = np.array(rest[3], dtype=np.int64)
+    if run_offset is not None and len(off):  # key order already: a stable sort by offset is (offset, key)
+        order = np.argsort(off, kind="stable")
+        cols = ([cols[0][j] for j in order.tolist()], *(np.asarray(c)[order] for c in cols[1:]))
     return cols, pieces
 
 
@@ -642,12 +660,21 @@ def _readers_of(s: Shared, reader_of: np.ndarray, whole: np.ndarray, cut_sets: l
 
 def plan_component(s: Shared, sets: dict[int, HolderSet], loads: list[int], extra: np.ndarray, me: int, *,
                    component_of: Callable[[int], int], requested: np.ndarray, in_use: set[int], stripe: bool,
-                   min_stripe: int, batch_bytes: int, lap=lambda name: None, positions: tuple | None = None
-                   ) -> GlobalPlan:
+                   min_stripe: int, batch_bytes: int, lap=lambda name: None, positions: tuple | None = None,
+                   starts: Callable | None = None) -> GlobalPlan:
     """Steps 3-4 for the shared rows ``s`` of one rank's component: readers, cutting, this rank's
     broadcasts. ``loads``: bytes each rank reads alone; ``extra``: per rank, bytes of private copies it
-    reads (reported in ``loads`` only); ``in_use``: the set ids some broadcast of the load uses. Every
+    reads (reported in ``loads`` only); ``in_use``: the set ids some broadcast of the load uses.
+    ``starts`` (:func:`pipeload.plan.storageorder.box_starts`): readers by runs of each holder set in
+    storage order (:func:`pipeload.plan.storageorder.runs`), broadcasts by offset inside the runs. Every
     rank of a component, given the same rows in any order, returns the same decisions."""
+    run_offset = None
+    if starts is not None and len(s.sid):
+        prefer, run_offset = runs(s.sid, s.weight, starts(s.index, s.offsets, s.lengths),
+                                  _key_columns(s.index, s.offsets, s.lengths),
+                                  {sid: sets[sid].members for sid in np.unique(s.sid).tolist()},
+                                  np.asarray(loads, dtype=np.int64), _water_fill)
+        s = s._replace(prefer=prefer)
     reader_of, is_cut, cut, load_arr = choose_readers(s, sets, loads, component_of, stripe=stripe,
                                                       min_stripe=min_stripe)
     cut_sets = cut_streams(s, cut, sets, load_arr)
@@ -659,7 +686,7 @@ def plan_component(s: Shared, sets: dict[int, HolderSet], loads: list[int], extr
     readers = _readers_of(s, reader_of, whole, cut_sets)
     lap("readers")
     mine_sets = {sid for sid, hs in sets.items() if contains(hs.members, me)}
-    cols, pieces = rank_pieces(s, reader_of, whole, cut_sets, mine_sets)
+    cols, pieces = rank_pieces(s, reader_of, whole, cut_sets, mine_sets, run_offset)
     if positions is not None:
         cols = interleaved(cols[0], cols[1:], positions, len(loads))
     ops = batch(*cols, batch_bytes)
@@ -687,6 +714,7 @@ def global_plan(
     on_phase: Callable[[str], None] | None = None,
     chunks: ChunkTable | None = None,
     positions: tuple | None = None,
+    starts: Callable | None = None,
 ) -> GlobalPlan:
     """This rank's view of the one global plan (see the module docstring for the rules): the steps
     above, in order.
@@ -698,7 +726,8 @@ def global_plan(
     component (for reporting), not only this rank's. ``chunks``: the checkpoint's chunk table
     (:func:`pipeload.plan.chunkunits.chunk_table`); without it no chunk unit is planned. ``positions``
     (:func:`pipeload.plan.storageorder.key_positions`): the records' affinities are storage regions,
-    and the broadcasts go in region order.
+    and the broadcasts go in region order. ``starts`` (:func:`pipeload.plan.storageorder.box_starts`;
+    only without ``positions``): readers by runs of each holder set in storage order.
     """
     lap = on_phase or (lambda name: None)
     sizes = np.array([len(m) for m in cls.members], dtype=np.int64)
@@ -733,7 +762,7 @@ def global_plan(
     return plan_component(shared, table.sets, loads, extra[cls.of_rank] if len(rows) else extra, me,
                           component_of=lambda sid: find(table.classes[sid][0]), requested=sh.requested,
                           in_use=in_use, stripe=stripe, min_stripe=min_stripe, batch_bytes=batch_bytes, lap=lap,
-                          positions=positions)
+                          positions=positions, starts=starts if positions is None else None)
 
 
 

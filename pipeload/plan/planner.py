@@ -24,6 +24,7 @@ from .globalplan import ShardKey
 from ._leafplan import local_of, resolve, unbind  # noqa: F401 - unbind is the planner's, compiled
 from ..formats.chunks import box_span
 from ..formats.metadata import NAMES_OF_DTYPES, ChunkMeta, Metadata, ObjectMeta, chunk_key, torch_dtype
+from ..slices import Slice
 from .statedict import Box, Leaf, cached_meshes, mesh_of
 
 
@@ -142,6 +143,16 @@ class LocalPlan:
     meshes: list = field(default_factory=list)  # every DTensor mesh of the state dict (its groups may be reused)
     # (leaf, tensor) of each meta leaf, loaded into a new CPU tensor put in its place after a successful load
     adopted: list = field(default_factory=list)
+    # Slice leaves (pipeload.Slice): each shard's leaf path where some differ from their fqns (None: none
+    # does), and (shard, twin, twin's path) for each further leaf holding a box a shard holds already
+    # (a replicated KV head held twice): filled by a copy of the shard's destination once the load read it
+    paths: list[str] | None = None
+    twins: list = field(default_factory=list)
+
+    def leaf_paths(self) -> list[str]:
+        """The leaf path of each shard, then of each twin: where a kept plan finds their tensors."""
+        return [*(self.paths if self.paths is not None else (s.fqn for s in self.shards)),
+                *(path for _, _, path in self.twins)]
 
 
 def fqn_index(md: Metadata) -> dict[str, int]:
@@ -193,6 +204,10 @@ def local_plan(
     box is one stored chunk, found for all boxes at once (:meth:`Metadata.exact_chunks`) and kept
     unbuilt (:class:`DestShard`); other boxes are matched with the chunks they overlap. The loop over
     the leaves is compiled (:func:`pipeload.plan._leafplan.resolve`).
+
+    A :class:`pipeload.Slice` leaf is a box of the tensor it names: one shard per distinct box, whatever
+    its path, so one tensor may have several shards on a rank (:func:`_by_box` orders them by key, and
+    keeps a box held twice once, its other holders as ``twins``).
     """
     index = fqn_index(md)
     plan = LocalPlan()
@@ -210,15 +225,34 @@ def local_plan(
         one_file = writer_of is not None and reads and all(r.file == reads[0].file for r in reads)
         return reads, writer_of(reads[0].file) if one_file else -1
 
-    plan.shards, offsets, lengths, plan.problems, unboxed, others, adopted = resolve(
+    plan.shards, offsets, lengths, plan.problems, unboxed, others, adopted, paths = resolve(
         sorted(leaves), leaves, index, md, box_of, boxes, width, NAMES_OF_DTYPES, _exact_or_inside(md), reads_of, DestShard,
         broadcastable, writer_of)
     plan.boxes = (offsets, lengths)  # one shard per box, in order
+    if paths is not None:
+        _by_box(plan, paths)
     plan.adopted = [(leaves[fqn], t) for fqn, t in adopted]
-    for fqn in others:  # every leaf that is not a tensor of the checkpoint, in fqn order
+    unnamed = _others(plan, leaves, others, md, index)
+    meshes = {id(m): m for m in cached_meshes(boxes)}
+    meshes.update((id(m), m) for m in map(mesh_of, unboxed) if m is not None)
+    plan.meshes = list(meshes.values())
+    _missing(plan, leaves, unnamed, index, strict)
+    return plan
+
+
+def _others(plan: LocalPlan, leaves: dict[str, Leaf], others: list[str], md: Metadata, index: dict) -> list[Slice]:
+    """Sort the leaves that are no tensor of the checkpoint (``others``, in fqn order) into the plan's
+    objects, missing keys and problems; return the slices whose tensor the checkpoint lacks."""
+    unnamed: list[Slice] = []
+    for fqn in others:
         leaf = leaves[fqn]
         value = leaf.value
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, Slice):
+            if value.name in md.objects:
+                plan.problems.append(f"{value.label}: the checkpoint holds a Python object under that name")
+            else:
+                unnamed.append(value)
+        elif isinstance(value, torch.Tensor):
             if fqn in md.objects:
                 plan.problems.append(f"{fqn!r}: the checkpoint holds a Python object, the state dict a tensor")
             else:
@@ -229,17 +263,39 @@ def local_plan(
             plan.problems.append(f"{fqn!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
         else:
             plan.missing.append(fqn)
-    meshes = {id(m): m for m in cached_meshes(boxes)}
-    meshes.update((id(m), m) for m in map(mesh_of, unboxed) if m is not None)
-    plan.meshes = list(meshes.values())
+    return unnamed
+
+
+def _missing(plan: LocalPlan, leaves: dict[str, Leaf], unnamed: list[Slice], index: dict, strict) -> None:
+    """The missing keys (tied weights filled by their twin are not), and under ``strict`` a problem for
+    each, naming a slice by its tensor and offsets."""
     if plan.missing:
-        plan.missing = _untied(leaves, plan.missing, [s.fqn for s in plan.shards])
-    if strict and plan.missing:
+        plan.missing = _untied(leaves, plan.missing, plan.leaf_paths())
+    names = list(dict.fromkeys(s.name for s in unnamed))
+    if strict and (plan.missing or names):
         plan.problems += [f"{fqn!r}: missing from the checkpoint" for fqn in plan.missing]
-        hint = rename_hint(plan.missing, index)
+        plan.problems += list(dict.fromkeys(f"{s.label}: missing from the checkpoint" for s in unnamed))
+        hint = rename_hint([*plan.missing, *names], index)
         if hint:
             plan.problems.append(hint)
-    return plan
+    plan.missing += [name for name in names if name not in plan.missing]
+
+
+def _by_box(plan: LocalPlan, paths: list[str]) -> None:
+    """Shards in key order (fqn index, offsets, lengths), whatever their leaves' paths, so that ranks
+    holding the same boxes build the same record; a box held again by another leaf (the same slice of one
+    tensor twice) stays one shard, read once, and the other leaf becomes a twin filled from it."""
+    shards = plan.shards
+    order = sorted(range(len(shards)), key=lambda k: (shards[k].key, paths[k]))
+    kept: list[int] = []
+    for k in order:
+        if kept and shards[kept[-1]].key == shards[k].key:
+            plan.twins.append((shards[kept[-1]], shards[k], paths[k]))
+        else:
+            kept.append(k)
+    plan.shards = [shards[k] for k in kept]
+    plan.paths = [paths[k] for k in kept]
+    plan.boxes = (plan.boxes[0][kept], plan.boxes[1][kept])
 
 
 def rename_hint(missing: list[str], names) -> str | None:

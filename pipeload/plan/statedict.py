@@ -4,6 +4,10 @@ A state dict is a nested structure of ``dict``/``list`` containers whose leaves 
 (this rank holds the whole tensor), ``DTensor`` (this rank holds the local shard its mesh and
 placements say) or plain Python objects. Leaves are named by their dotted path ("optim.state.0.step");
 the path is the fqn stored in the checkpoint, so save and load flatten alike by construction.
+
+A load destination may also be a :class:`pipeload.Slice`, a view that names its own tensor and box: its
+path only places it in the state dict, its checkpoint key is its ``name`` (several leaves may name one
+tensor, with different boxes or the same one), and its box is the one it states (:func:`tensor_box`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..slices import Slice
 from ._leafplan import box
 
 try:  # DTensor moved out of the private namespace in torch 2.4
@@ -79,7 +84,23 @@ def is_container(v: Any) -> bool:
 
 
 def _is_node(x: Any) -> bool:
-    return isinstance(x, (dict, list, torch.Tensor))
+    return isinstance(x, (dict, list, torch.Tensor, Slice))
+
+
+def load_target(dst: Any) -> Any:
+    """What a load fills: a state dict as it is; a list or tuple of :class:`Slice` (an engine's fused
+    layout) as ``{"0": slice, "1": ...}`` (the slices name their tensors, so their positions are only
+    their paths). Anything else is returned for :func:`check_top` to name."""
+    if isinstance(dst, (list, tuple)):
+        for i, v in enumerate(dst):
+            if not isinstance(v, Slice):
+                raise TypeError(
+                    f"state_dict must be a dict (or a dict subclass such as the OrderedDict nn.Module.state_dict() "
+                    f"returns), or a list or tuple of pipeload.Slice only; got a {type(dst).__name__} whose item {i} "
+                    f"is a {type(v).__module__}.{type(v).__qualname__}"
+                )
+        return {str(i): v for i, v in enumerate(dst)}
+    return dst
 
 
 def is_tensor(value: Any) -> bool:
@@ -102,13 +123,14 @@ class Box(NamedTuple):
         return math.prod(self.lengths)
 
 
-def tensor_box(fqn: str, value: torch.Tensor, cache: dict | None = None) -> Box:
+def tensor_box(fqn: str, value: torch.Tensor | Slice, cache: dict | None = None) -> Box:
     """Resolve which box of its global tensor ``value`` holds on this rank.
 
-    Plain tensors hold everything. DTensors may use any mesh with ``Shard(d)`` and ``Replicate()``
-    placements, several mesh dims sharding one tensor dim, uneven shards, and the ``_StridedShard`` of
-    FSDP2 over TP (:mod:`pipeload.plan.placements`). Raises ``ValueError`` with a message naming ``fqn``
-    for what cannot be stored as a box (``Partial``, strided rows that are not one range).
+    A :class:`Slice` holds the box it states (its view the local tensor). Plain tensors hold everything.
+    DTensors may use any mesh with ``Shard(d)`` and ``Replicate()`` placements, several mesh dims sharding
+    one tensor dim, uneven shards, and the ``_StridedShard`` of FSDP2 over TP
+    (:mod:`pipeload.plan.placements`). Raises ``ValueError`` with a message naming ``fqn`` for what cannot
+    be stored as a box (``Partial``, strided rows that are not one range).
     ``cache`` (one dict per call site and state dict) memoises the box per (shape, mesh, placements):
     a model repeats few of them, and computing one costs ~0.1 ms. Its values end with the mesh
     (:func:`cached_meshes`). Compiled (:func:`pipeload.plan._leafplan.box`): the local plan runs it per leaf.

@@ -1,4 +1,5 @@
-"""Readers by storage position: for checkpoints no rank of the load wrote (Hugging Face files).
+"""Readers by storage position: for checkpoints no rank of the load wrote (Hugging Face files), and by
+runs of each holder set's bytes for loads whose boxes cut stored chunks in any other layout.
 
 A layout written by the ranks of a job names the writer of each file, and its load prefers that rank
 as reader (the *affinity* of :mod:`pipeload.plan.globalplan`). Files written by another tool name no
@@ -18,6 +19,12 @@ is still being made (:func:`speculative`).
 A pure function of the metadata every rank holds and the shard's box: replicas of one box compute the
 same affinity, so their exchange records stay identical. ``O(C)`` for the ``C`` stored chunks, once
 per metadata, then ``O(n)`` vectorised for the ``n`` boxes of a rank.
+
+A layout some rank wrote (pipeload's own, DCP's) loaded into another one names writers whose files no
+longer hold the boxes whole; a holder set then gets pieces of several files. There the same storage
+order decides after the exchange, per holder set (:func:`runs`): the set's rows by the position of
+their first byte (:func:`box_starts`, which places boxes of tensors stored in several chunks too), cut
+into one run per member. ``O(n log n)`` for the ``n`` shared rows of a rank's component.
 """
 
 from __future__ import annotations
@@ -221,3 +228,91 @@ def interleaved(p_keys, cols: tuple, positions: tuple, world: int) -> tuple:
     keyed.sort()
     order = [j for _, _, j in keyed]
     return ([p_keys[j] for j in order], *(np.asarray(c)[order] for c in cols))
+
+
+# -- runs of holder sets: loads whose boxes cut stored chunks, in any layout --------------------------
+
+
+def box_starts(md, names: list[str]):
+    """A function ``at(index, offsets, lengths) -> positions``: for rows of the global plan (checkpoint key
+    index, a unit row's ``-1 - index``; zero-padded offsets and lengths), the storage position of the
+    row's first byte — in the stored chunk holding the box's first element, the chunk's position plus
+    that element's row-major offset in it. -1 where no chunk holds it. None: the metadata has no index.
+
+    Unlike :func:`key_positions` this places boxes of tensors stored in several chunks (a save at TP 4
+    loaded at TP 2: a box's first byte is in the first of the chunks it spans). A pure function of the
+    metadata and the row: every rank of a component computes the same positions."""
+    o = _order(md)
+    if o is None or not len(o.pos):
+        return None
+    t = md.tensors
+    a = t.index.a
+    trow = np.fromiter((t.pos.get(x, -1) for x in names), dtype=np.int64, count=len(names))
+    cstart = a["chunk_start"].astype(np.int64, copy=False)
+    c_off = a["chunk_offsets"].astype(np.int64, copy=False)
+    c_len = a["chunk_lengths"].astype(np.int64, copy=False)
+
+    def at(index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        out = np.full(len(index), -1, dtype=np.int64)
+        if not len(index):
+            return out
+        key = np.where(index < 0, -1 - index, index)
+        rows = np.where((key >= 0) & (key < len(trow)), trow[np.clip(key, 0, max(0, len(trow) - 1))], -1)
+        ok = rows >= 0
+        r = np.maximum(rows, 0)
+        lo, n = cstart[r], np.where(ok, cstart[r + 1] - cstart[r], 0)
+        j = np.repeat(np.arange(len(index)), n)  # (row, chunk) pairs: a tensor's chunks are few
+        c = np.repeat(lo, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        nd = o.ndim[r][j]
+        w = min(offsets.shape[1] if offsets.ndim == 2 else 0, c_off.shape[1] if c_off.ndim == 2 else 0)
+        off = offsets[j, :w].astype(np.int64) if w else np.zeros((len(j), 0), dtype=np.int64)
+        hit = np.ones(len(j), dtype=bool)
+        first = np.zeros(len(j), dtype=np.int64)
+        stride = np.ones(len(j), dtype=np.int64)
+        for d in reversed(range(w)):
+            real = nd > d
+            inside = (off[:, d] >= c_off[c, d]) & (off[:, d] < c_off[c, d] + c_len[c, d])
+            hit &= ~real | inside
+            first += np.where(real, (off[:, d] - c_off[c, d]) * stride, 0)
+            stride *= np.where(real, c_len[c, d], 1)
+        j, c, first = j[hit], c[hit], first[hit]
+        # the first chunk holding the box's first element (chunks of a tensor do not overlap: one)
+        keep = np.unique(j, return_index=True)[1]
+        out[j[keep]] = o.pos[c[keep]] + first[keep] * o.itemsize[r[j[keep]]]
+        return out
+
+    return at
+
+
+def runs(sid: np.ndarray, weight: np.ndarray, at: np.ndarray, keycols: list[np.ndarray], members: dict,
+         loads: np.ndarray, fill) -> tuple[np.ndarray, np.ndarray]:
+    """(the member whose run holds each row, the row's byte offset inside that run): readers by storage
+    position inside each holder set.
+
+    A load whose boxes cut stored chunks gives each holder set pieces of every file; the greedy hands
+    neighbours on storage to different members, and every page where two readers meet is read from
+    storage by both. Here each set's rows, in storage order (``at``; ties and rows without a position by
+    key, ``keycols`` as for ``np.lexsort``), form one stream cut into one run per member (``members[s]``,
+    ascending), sized by ``fill`` (water filling over the members' ``loads``): each member reads one
+    contiguous run of the set's bytes. Rows are never cut (a row goes to the run holding its middle).
+    The result is the rows' affinity, honoured as a named writer's is. A pure function of the rows."""
+    n = len(sid)
+    prefer = np.full(n, -1, dtype=np.int64)
+    offset = np.zeros(n, dtype=np.int64)
+    if not n:
+        return prefer, offset
+    big = np.iinfo(np.int64).max
+    order = np.lexsort([*keycols, np.where(at >= 0, at, big), sid])
+    s_sorted = sid[order]
+    cuts = np.flatnonzero(np.diff(s_sorted)) + 1
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), n]):
+        rows = order[lo:hi]
+        m = np.asarray(members[int(s_sorted[lo])], dtype=np.int64)
+        w = weight[rows].astype(np.int64, copy=False)
+        before = np.cumsum(w) - w
+        sizes = np.asarray(fill(loads[m].tolist(), int(w.sum())), dtype=np.int64)
+        ends = np.cumsum(sizes)
+        k = np.minimum(np.searchsorted(ends, before + w // 2, side="right"), len(m) - 1)
+        prefer[rows] = m[k]
+        offset[rows] = np.maximum(0, before - (ends[k] - sizes[k]))  # (a row astride two runs: its start)
+    return prefer, offset

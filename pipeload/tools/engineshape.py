@@ -225,19 +225,65 @@ def engine_slices(s: Shape, params: dict[str, torch.Tensor], tp: int, t: int) ->
 
 
 def engine_loader(s: Shape, params: dict[str, torch.Tensor], tp: int, t: int) -> Callable[[Iterable], None]:
-    """The engine's ``load_weights(weights)``: full checkpoint tensors in, its own shard fused in place
-    (the same regions :func:`engine_slices` names, found the way engines find them)."""
-    slices: dict[str, list[Slice]] = {}
-    for sl in engine_slices(s, params, tp, t):
-        slices.setdefault(sl.name, []).append(sl)
+    """The engine's ``load_weights(weights)``: full checkpoint tensors in, its own shard fused in place,
+    written as vLLM's loaders are (stacked parameter mapping, per-parameter weight loaders narrowing by
+    the TP rank, KV heads replicated past their count, fused-MoE expert loaders, a vocabulary shard
+    padded per rank) and independent of :func:`engine_slices`, so that each checks the other."""
+    q_size = s.q_rows() // tp
+    kv_replicas = max(1, tp // s.kv_heads)
+    kv_size = max(1, s.kv_heads // tp) * s.head_dim
+    stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+               ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+
+    def qkv(param, w, shard):
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard]
+        index = t if shard == "q" else t // kv_replicas
+        param.data.narrow(0, offset, size).copy_(w.narrow(0, index * size, size))
+
+    def merged(param, w, shard):
+        size = param.shape[0] // 2
+        param.data.narrow(0, shard * size, size).copy_(w.narrow(0, t * size, size))
+
+    def row_parallel(param, w):
+        size = param.shape[1]
+        param.data.copy_(w.narrow(1, t * size, size))
+
+    def vocab(param, w):
+        start = t * param.shape[0]
+        n = max(0, min(param.shape[0], w.shape[0] - start))
+        if n:
+            param[:n].data.copy_(w.narrow(0, start, n))
+
+    def expert(param, w, e, shard):
+        data = param.data[e]
+        if shard == "w2":
+            size = data.shape[1]
+            data.copy_(w.narrow(1, t * size, size))
+        else:
+            size = data.shape[0] // 2
+            data.narrow(0, 0 if shard == "w1" else size, size).copy_(w.narrow(0, t * size, size))
 
     def load_weights(weights: Iterable) -> None:
-        for name, full in weights:
-            for sl in slices.get(name, ()):
-                region = full
-                for d, (o, n) in enumerate(zip(sl.offsets, sl.view.shape)):
-                    region = region.narrow(d, o, n)
-                sl.view.copy_(region)
+        for name, w in weights:
+            if ".mlp.experts." in name:
+                prefix, rest = name.split(".mlp.experts.")
+                e, proj, _ = rest.split(".")
+                fused = "w2_weight" if proj == "down_proj" else "w13_weight"
+                expert(params[f"{prefix}.mlp.experts.{fused}"], w, int(e),
+                       {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj])
+                continue
+            for fused, part, shard in stacked:
+                if part in name:
+                    (qkv if fused == "qkv_proj" else merged)(params[name.replace(part, fused)], w, shard)
+                    break
+            else:
+                if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    vocab(params[name], w)
+                elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                    row_parallel(params[name], w)
+                else:
+                    assert params[name].shape == w.shape, name
+                    params[name].data.copy_(w)
 
     return load_weights
 
