@@ -128,12 +128,25 @@ def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int) -> tuple[n
         starts = np.flatnonzero(np.r_[True, rec[1:, K_NAME] != rec[:-1, K_NAME], True])
         for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
             out.extend(_plan_name(rec[a:b], ranks[a:b], nd, loads))
+    return _by_destination(out, nd, size)
+
+
+def _by_destination(blocks: list[np.ndarray], nd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(words per destination rank, the answers by destination rank, flat) from blocks of
+    ``[destination rank, *answer]`` rows; a rank's answers keep the blocks' order. Each block is moved
+    into its place and dropped (no concatenated copy of every row: a busy owner's answers are tens of MB)."""
     aw = answer_width(nd)
-    rows = np.concatenate(out) if out else np.zeros((0, aw + 1), dtype=np.int64)
-    del out
-    dest = rows[:, 0]
+    dest = np.concatenate([b[:, 0] for b in blocks]) if blocks else np.zeros(0, np.int64)
     order = np.argsort(dest.astype(np.uint16) if size <= 1 << 16 else dest, kind="stable")  # (a radix sort)
-    return np.bincount(dest, minlength=size) * aw, rows[order, 1:].ravel()
+    at = np.empty(len(order), np.int64)
+    at[order] = np.arange(len(order))
+    words = np.empty((len(order), aw), dtype=np.int64)
+    a = 0
+    for i, b in enumerate(blocks):
+        words[at[a: a + len(b)]] = b[:, 1:]
+        a += len(b)
+        blocks[i] = None
+    return np.bincount(dest, minlength=size) * aw, words.ravel()
 
 
 class _Side(NamedTuple):
@@ -310,7 +323,8 @@ def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: i
     source = mine.copy()
     source[~local] = holders.index[pick]
     # per piece in that order: its send (or local copy) row, then, for a send, the receive row
-    first = np.zeros((len(order), answer_width(nd) + 1), dtype=np.int64)
+    pairs = None if np.any(local) else np.zeros((2 * len(order), answer_width(nd) + 1), dtype=np.int64)
+    first = pairs[0::2] if pairs is not None else np.zeros((len(order), answer_width(nd) + 1), dtype=np.int64)
     first[:, 0] = np.where(local, receiver, sender)
     first[:, 1 + A_KIND] = np.where(local, LOCAL, SEND)
     first[:, 1 + A_NAME] = name
@@ -321,12 +335,16 @@ def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: i
     first[:, 1 + A_NDIM] = ndim
     first[:, 1 + AHEAD: 1 + AHEAD + ndim] = c.off[order]
     first[:, 1 + AHEAD + nd: 1 + AHEAD + nd + ndim] = c.len[order]
-    second = first[~local]
+    if pairs is not None:
+        second = pairs[1::2]
+        second[:] = first
+    else:
+        second = first[~local]
     second[:, 0] = receiver[~local]
     second[:, 1 + A_KIND] = RECV
     second[:, 1 + A_PEER] = sender[~local]
-    if not np.any(local):
-        return np.stack([first, second], axis=1).reshape(-1, first.shape[1])
+    if pairs is not None:
+        return pairs
     at = np.r_[0, np.cumsum(np.where(local, 1, 2))]
     rows = np.empty((int(at[-1]), first.shape[1]), dtype=np.int64)
     rows[at[:-1]] = first
