@@ -20,10 +20,14 @@ exactly this code for thousands of simulated ranks. One transfer's planning, on 
    (:mod:`pipeload.move.mover` explains why that order cannot deadlock).
 
 Each destination byte is sent once per needer; nothing is assembled whole. Cost per rank: its own
-records out and its answers back (``O(S)`` words) plus, on an owner, ``O(holders + needers + pieces)``
-of the names it owns, with ``O(log)`` candidate search per destination box along dim 0 — never
-``W x S``. Distinct source boxes of one name must not overlap (every DTensor layout partitions its
-tensor, replicas repeat a box exactly); an owner that finds overlap reports it instead of guessing.
+records out (``O(S)`` words) and one answer row back per piece it sends or receives, plus, on an
+owner, ``O(holders + needers + pieces)`` of the names it owns, in numpy (no Python step per piece or
+per holder: the greedy runs as a water-filling per run of equal pieces), with ``O(log)`` candidate
+search per destination box along dim 0 — never ``W x S``. A rank's pieces are what its layout makes
+them: a destination row block meets every source shard of its rows, so sources sharded finer than the
+destinations multiply them (``docs/SCALE.md``, "Live transfers"). Distinct source boxes of one name
+must not overlap (every DTensor layout partitions its tensor, replicas repeat a box exactly); an owner
+that finds overlap reports it instead of guessing.
 """
 
 from __future__ import annotations
