@@ -84,14 +84,33 @@ class Box(NamedTuple):
 
 def encode(sources: list[Box], dests: list[Box], nd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     """(words per owner rank, the records in owner order, flat) for one all-to-all."""
-    w = width(nd)
-    rec = np.zeros((len(sources) + len(dests), w), dtype=np.int64)
+    return by_owner(records(sources, dests, nd), size)
+
+
+def records(sources: list[Box], dests: list[Box], nd: int) -> np.ndarray:
+    """One record per box (``width(nd)`` words), sources then destinations, each in its list's order."""
+    rec = np.zeros((len(sources) + len(dests), width(nd)), dtype=np.int64)
     _fill(rec, 0, SRC, sources, nd)
     _fill(rec, len(sources), DST, dests, nd)
+    return rec
+
+
+def widen(rec: np.ndarray, nd: int, to: int) -> np.ndarray:
+    """Records of tensor rank ``nd`` padded to ``to`` (the group's widest)."""
+    if to == nd:
+        return rec
+    out = np.zeros((len(rec), width(to)), dtype=np.int64)
+    out[:, :HEAD] = rec[:, :HEAD]
+    for j in range(3):
+        out[:, HEAD + j * to: HEAD + j * to + nd] = rec[:, HEAD + j * nd: HEAD + (j + 1) * nd]
+    return out
+
+
+def by_owner(rec: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(words per owner rank, ``rec`` in owner order, flat), each owner's records in their order."""
     owners = owner_of(rec[:, K_NAME], size)
     order = np.argsort(owners, kind="stable")
-    counts = np.bincount(owners, minlength=size) * w
-    return counts, rec[order].ravel()
+    return np.bincount(owners, minlength=size) * rec.shape[1], rec[order].ravel()
 
 
 def _fill(rec: np.ndarray, base: int, kind: int, boxes: list[Box], nd: int) -> None:
