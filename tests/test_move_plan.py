@@ -124,6 +124,16 @@ def test_encode_and_decode_are_the_row_by_row_layouts(seed):
         assert all(type(op) is P.Op for op in got.sends + got.recvs + got.local)
 
 
+def test_records_widened_are_the_records_at_the_wider_rank():
+    boxes = [P.Box(5, 1, (4, 3), (0, 0), (2, 3), 1), P.Box(7, 2, (4,), (1,), (2,)), P.Box(8, 0, (), (), ())]
+    dests = [P.Box(9, 1, (2, 2), (0, 1), (1, 1))]
+    for to in (2, 3, 4):
+        assert np.array_equal(P.widen(P.records(boxes, dests, 2), 2, to), P.records(boxes, dests, to))
+    counts, words = P.encode(boxes, dests, 3, 5)
+    again = P.by_owner(P.widen(P.records(boxes, dests, 2), 2, 3), 5)
+    assert np.array_equal(counts, again[0]) and np.array_equal(words, again[1])
+
+
 F32 = 7  # any dtype code: the planner only compares them
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import StateDictError
-from ..move.plan import F_CAST, Box
+from ..move.plan import F_CAST, Box, records as plan_records
 from ..plan.exchange import hash64
 from ..plan.statedict import flatten, tensor_box
 from ..slices import Slice
@@ -117,10 +118,13 @@ def _add(side: Side, name: str, view: torch.Tensor, shape, offsets, lengths, fla
     side.names.append(name)
 
 
-def digest(src: Side, dst: Side) -> int:
-    """The layout of both sides, in order (see the module docstring); never 0 (0 means "no plan")."""
-    words = repr(([tuple(b) for b in src.boxes], [tuple(b) for b in dst.boxes])).encode()
-    return hash64(words) or 1
+def digest(src: Side, dst: Side, records: np.ndarray | None = None) -> int:
+    """The layout of both sides, in order (see the module docstring): a hash of their plan records
+    (:func:`pipeload.move.plan.records` at their widest tensor rank: every box's name, dtype, shape,
+    offsets, lengths and flags), given or made here; never 0 (0 means "no plan")."""
+    if records is None:
+        records = plan_records(src.boxes, dst.boxes, max(ndim(src), ndim(dst)))
+    return hash64(np.ascontiguousarray(records).tobytes()) or 1
 
 
 def ndim(side: Side) -> int:

@@ -25,11 +25,16 @@ instead (:func:`relays`, a cost model over the group's counts of source and dest
 holders send it to some needers in hop 0, and in each later hop every rank that has it sends it to one
 more, so no holder sends more than one copy a hop. Hops go first in the global order, and a rank posts
 a hop's messages only once the earlier ones it posted completed, so a relay forwards only bytes it
-holds and the order's argument is unchanged. Cost per rank: its own
-records out and its answers back (``O(S)`` words) plus, on an owner, ``O(holders + needers + pieces)``
-of the names it owns, with ``O(log)`` candidate search per destination box along dim 0 — never
-``W x S``. Distinct source boxes of one name must not overlap (every DTensor layout partitions its
-tensor, replicas repeat a box exactly); an owner that finds overlap reports it instead of guessing.
+holds and the order's argument is unchanged.
+
+Cost per rank: its own records out (``O(S)`` words) and one answer row back per piece it sends or
+receives, plus, on an owner, ``O(holders + needers + pieces)`` of the names it owns, in numpy (no Python
+step per piece or per holder: the greedy runs as a water-filling per run of equal pieces; a relayed fan
+is assigned per fan), with ``O(log)`` candidate search per destination box along dim 0 — never
+``W x S``. A rank's pieces are what its layout makes them: a destination row block meets every source
+shard of its rows, so sources sharded finer than the destinations multiply them (``docs/SCALE.md``,
+"Live transfers"). Distinct source boxes of one name must not overlap (every DTensor layout partitions
+its tensor, replicas repeat a box exactly); an owner that finds overlap reports it instead of guessing.
 """
 
 from __future__ import annotations
@@ -87,14 +92,33 @@ class Box(NamedTuple):
 
 def encode(sources: list[Box], dests: list[Box], nd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     """(words per owner rank, the records in owner order, flat) for one all-to-all."""
-    w = width(nd)
-    rec = np.zeros((len(sources) + len(dests), w), dtype=np.int64)
+    return by_owner(records(sources, dests, nd), size)
+
+
+def records(sources: list[Box], dests: list[Box], nd: int) -> np.ndarray:
+    """One record per box (``width(nd)`` words), sources then destinations, each in its list's order."""
+    rec = np.zeros((len(sources) + len(dests), width(nd)), dtype=np.int64)
     _fill(rec, 0, SRC, sources, nd)
     _fill(rec, len(sources), DST, dests, nd)
+    return rec
+
+
+def widen(rec: np.ndarray, nd: int, to: int) -> np.ndarray:
+    """Records of tensor rank ``nd`` padded to ``to`` (the group's widest)."""
+    if to == nd:
+        return rec
+    out = np.zeros((len(rec), width(to)), dtype=np.int64)
+    out[:, :HEAD] = rec[:, :HEAD]
+    for j in range(3):
+        out[:, HEAD + j * to: HEAD + j * to + nd] = rec[:, HEAD + j * nd: HEAD + (j + 1) * nd]
+    return out
+
+
+def by_owner(rec: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(words per owner rank, ``rec`` in owner order, flat), each owner's records in their order."""
     owners = owner_of(rec[:, K_NAME], size)
     order = np.argsort(owners, kind="stable")
-    counts = np.bincount(owners, minlength=size) * w
-    return counts, rec[order].ravel()
+    return np.bincount(owners, minlength=size) * rec.shape[1], rec[order].ravel()
 
 
 def _fill(rec: np.ndarray, base: int, kind: int, boxes: list[Box], nd: int) -> None:
@@ -138,12 +162,25 @@ def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int,
         starts = np.flatnonzero(np.r_[True, rec[1:, K_NAME] != rec[:-1, K_NAME], True])
         for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
             out.extend(_plan_name(rec[a:b], ranks[a:b], nd, loads, sides))
+    return _by_destination(out, nd, size)
+
+
+def _by_destination(blocks: list[np.ndarray], nd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(words per destination rank, the answers by destination rank, flat) from blocks of
+    ``[destination rank, *answer]`` rows; a rank's answers keep the blocks' order. Each block is moved
+    into its place and dropped (no concatenated copy of every row: a busy owner's answers are tens of MB)."""
     aw = answer_width(nd)
-    rows = np.concatenate(out) if out else np.zeros((0, aw + 1), dtype=np.int64)
-    del out
-    dest = rows[:, 0]
+    dest = np.concatenate([b[:, 0] for b in blocks]) if blocks else np.zeros(0, np.int64)
     order = np.argsort(dest.astype(np.uint16) if size <= 1 << 16 else dest, kind="stable")  # (a radix sort)
-    return np.bincount(dest, minlength=size) * aw, rows[order, 1:].ravel()
+    at = np.empty(len(order), np.int64)
+    at[order] = np.arange(len(order))
+    words = np.empty((len(order), aw), dtype=np.int64)
+    a = 0
+    for i, b in enumerate(blocks):
+        words[at[a: a + len(b)]] = b[:, 1:]
+        a += len(b)
+        blocks[i] = None
+    return np.bincount(dest, minlength=size) * aw, words.ravel()
 
 
 class _Side(NamedTuple):
@@ -329,7 +366,8 @@ def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: i
     for fan in fans:
         _relay(fan, order, c, dst, holders, loads, rot, sender, source, hop)
     # per piece in that order: its send (or local copy) row, then, for a send, the receive row
-    first = np.zeros((len(order), answer_width(nd) + 1), dtype=np.int64)
+    pairs = None if np.any(local) else np.zeros((2 * len(order), answer_width(nd) + 1), dtype=np.int64)
+    first = pairs[0::2] if pairs is not None else np.zeros((len(order), answer_width(nd) + 1), dtype=np.int64)
     first[:, 0] = np.where(local, receiver, sender)
     first[:, 1 + A_KIND] = np.where(local, LOCAL, SEND | hop << HOP_SHIFT)
     first[:, 1 + A_NAME] = name
@@ -340,12 +378,16 @@ def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: i
     first[:, 1 + A_NDIM] = ndim
     first[:, 1 + AHEAD: 1 + AHEAD + ndim] = c.off[order]
     first[:, 1 + AHEAD + nd: 1 + AHEAD + nd + ndim] = c.len[order]
-    second = first[~local]
+    if pairs is not None:
+        second = pairs[1::2]
+        second[:] = first
+    else:
+        second = first[~local]
     second[:, 0] = receiver[~local]
     second[:, 1 + A_KIND] = RECV | hop[~local] << HOP_SHIFT
     second[:, 1 + A_PEER] = sender[~local]
-    if not np.any(local):
-        return np.stack([first, second], axis=1).reshape(-1, first.shape[1])
+    if pairs is not None:
+        return pairs
     at = np.r_[0, np.cumsum(np.where(local, 1, 2))]
     rows = np.empty((int(at[-1]), first.shape[1]), dtype=np.int64)
     rows[at[:-1]] = first

@@ -317,7 +317,7 @@ def owners_answers(w: TransferWorld, sampled: list[int], whole: bool,
         at = np.r_[0, np.cumsum(ac)]
         for x in sampled:
             counts[x][o] = ac[x]
-            parts[x].append(words[at[x]: at[x + 1]])
+            parts[x].append(words[at[x]: at[x + 1]].copy())  # (a view would keep every answer alive)
         if sent is not None:
             sent += _send_bytes(words.reshape(-1, aw), ac // aw, nd)
         if time.perf_counter() - t_log > 30:
