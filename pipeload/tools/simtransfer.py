@@ -312,7 +312,7 @@ def owners_answers(w: TransferWorld, sampled: list[int], whole: bool,
     for n, o in enumerate(owners):
         inc = w.incoming(o) if whole or o in only else w.incoming(o, only=only)
         t0 = time.process_time()
-        ac, words = moveplan.answer(*inc, nd, size)
+        ac, words = moveplan.answer(*inc, nd, size, (w.world, w.engines))  # api._plan's sides, for relays
         cpu += time.process_time() - t0
         at = np.r_[0, np.cumsum(ac)]
         for x in sampled:
