@@ -210,7 +210,8 @@ def _simulate_transfer_args(s) -> None:
     t.add_argument("--colocated", action="store_true", help="the engine ranks are the first E trainer ranks")
     t.add_argument("--whole", action=argparse.BooleanOptionalAction, default=None,
                    help="run every owner's answers in full: exact answers and the sender balance (default: when "
-                   "the plan has at most 40 M pieces)")
+                   "the plan has at most 2 G pieces, ~11 minutes at 8k+8k; a plan giving one rank over 20 M pieces "
+                   "is sized, not run)")
 
 
 def _simulate(args: argparse.Namespace) -> int:

@@ -18,20 +18,25 @@ Every rank's boxes come from arithmetic on the model, with the name hashing and 
 
 For a few sampled ranks — rank 0, a trainer rank, an engine rank and the busiest owner (the rank whose
 names carry the most pieces) — exactly what :func:`pipeload.transfer` runs to plan
-(:func:`pipeload.live.api._plan`: the layout digest, the first gather, :func:`~pipeload.move.plan.encode`,
-the all-to-all, :func:`~pipeload.move.plan.answer` as owner, the second all-to-all,
-:func:`~pipeload.move.plan.decode`, the agreement) runs against :class:`SimLink`, which hands the rank
+(:func:`pipeload.live.api._plan`: its records, :func:`~pipeload.move.plan.records`, hashed for the layout
+digest, the first gather, the records by owner, the all-to-all, :func:`~pipeload.move.plan.answer` as
+owner, the second all-to-all, :func:`~pipeload.move.plan.decode`, the agreement; the cyclic GC paused as
+:func:`pipeload.transfer` pauses it) runs against :class:`SimLink`, which hands the rank
 what the collectives would: every rank's four-word row; as owner, the records every rank sends it
 (generated per owner, columnar: :meth:`TransferWorld.incoming`); the answers every owner sends back
 (:func:`~pipeload.move.plan.answer` run on each owner's own records: :func:`owners_answers`). The rank's
 own rows and records must equal the generated ones, or the simulation fails.
 
 Answers back are exact when every owner of a name the sampled ranks touch is run in full (``whole``,
-the default when the world's pieces are few enough); that also gives the sender balance (the busiest
-trainer's bytes sent over the mean). Otherwise (``whole=False``) every owner that is not sampled is
-run on its names' sources and the sampled ranks' own destination records only: the pieces are the full
-plan's (they depend on the destination and the sources alone), the sender among a box's replicas can
-differ, and a trainer rank receives only the sends for the sampled engine ranks.
+the default up to :data:`WHOLE_PIECES` pieces in the plan); that also gives the sender balance (the
+busiest trainer's bytes sent over the mean). Otherwise (``whole=False``) every owner that is not
+sampled is run on its names' sources and the sampled ranks' own destination records only: the pieces
+are the full plan's (they depend on the destination and the sources alone), the sender among a box's
+replicas can differ, and a trainer rank receives only the sends for the sampled engine ranks.
+
+The plan's size comes from the arithmetic first (:meth:`TransferWorld.sizes`: a destination row block
+meets every source shard of its rows); a layout that gives one rank more than :data:`MAX_PIECES` pieces
+(FSDP over all of 1k trainers of the 671B model: 19 M an engine rank) is reported and not run.
 """
 
 from __future__ import annotations
@@ -268,10 +273,6 @@ class TransferWorld:
         return {"pieces": int(pieces.sum()), "pieces_per_engine_rank": int(per_engine.max()),
                 "pieces_busiest_owner": int(per_owner.max()),
                 "busiest_owner_answer_bytes": int(per_owner.max()) * 2 * 8 * moveplan.answer_width(self.nd)}
-
-    def records_per_name(self) -> np.ndarray:
-        d = np.diff(self.dest_bounds) * (self.engines // self.tp)
-        return self.k * (self.world // self.group) + d
 
     def row(self, rank: int, sampled: dict[int, int]) -> np.ndarray:
         """``rank``'s four words of the first gather: no kept plan, its digest (a sampled rank's real one,
