@@ -1,14 +1,24 @@
 """Loads into another layout than the save's read each stored byte about once from the device.
 
 One spawned world of 4 gloo ranks, each its own host and its own copy of every checkpoint (separate
-nodes: no shared page cache), runs every case: a pipeload checkpoint saved at TP 1 (every tensor whole
-on every rank, DP 4) loaded at TP2 x DP2 and at TP4, one saved at TP4 loaded at TP2 x DP2, and the
-checkpoint ``dcp.save`` wrote at TP 1 loaded at TP2 x DP2 with ``pipeload.load``. Each rank's share of
-every file is then scattered (pieces of 128-256 KiB interleaved with the other ranks'): requests merged
-across other ranks' pieces, or kernel readahead, make every node read them too (1.27-3.2x the unique
-bytes here before the reader requested scattered files exactly). Device bytes come from
-``/proc/self/io`` after the rank's copy was dropped from the page cache; what is left over the unique
-bytes is pages two pieces share. Values are compared bit for bit.
+nodes: no shared page cache), runs every case, for two models:
+
+- ``large`` (512 KiB float32 tensors): a pipeload checkpoint saved at TP 1 (every tensor whole on every
+  rank, DP 4) loaded at TP2 x DP2 and at TP4, one saved at TP4 loaded at TP2 x DP2, and the checkpoint
+  ``dcp.save`` wrote at TP 1 loaded at TP2 x DP2 with ``pipeload.load``. Each rank's share of every
+  file is then scattered (pieces of 128-256 KiB interleaved with the other ranks'): requests merged
+  across other ranks' pieces, or kernel readahead, made every node read them too (1.27-3.2x the unique
+  bytes before the reader requested scattered files exactly).
+- ``small`` (48-64 KiB tensors, as an MoE's experts): readers by runs of storage. A checkpoint saved at
+  TP 4 loaded at TP2 x DP2 gives each DP pair half of every tensor, from two files; the greedy handed
+  neighbouring halves to the pair's members by turns, so both read nearly every page of both files.
+  With each holder set's shards in storage order cut into one run per member, each member reads one
+  half of each file. Before / after: pipeload's save at TP 4 1.205 / 1.034, ``dcp.save``'s 1.744 /
+  1.125, a save at TP2 x DP2 loaded whole on every rank 1.101 / 1.021.
+
+Device bytes come from ``/proc/self/io`` after the rank's copy was dropped from the page cache (byte
+counts, stable from run to run); what is left over the unique bytes is pages two pieces share. Values
+are compared bit for bit, and every stored byte is copied out once.
 """
 
 from __future__ import annotations
@@ -26,18 +36,28 @@ from pipeload.tools._world import run_world
 
 import layouts as L
 
-# (shape, placement on the tp dimension): 512 KiB float32 tensors, cut in halves and quarters at TP
-MODEL = {f"l{i}.{kind}.weight": (shape, kind) for i in range(8)
-         for kind, shape in (("col", (128, 1024)), ("row", (1024, 128)), ("qkv", (256, 512)))}
-UNIQUE = sum(math.prod(s) * 4 for s, _ in MODEL.values())
-TOLERANCE = 1.10  # page boundaries two ranks' pieces share (measured 1.017-1.034); before: 1.27-3.22
+# (shape, placement on the tp dimension) of each tensor
+MODELS = {
+    "large": {f"l{i}.{kind}.weight": (shape, kind) for i in range(8)
+              for kind, shape in (("col", (128, 1024)), ("row", (1024, 128)), ("qkv", (256, 512)))},
+    "small": {f"e{i:02d}.{kind}.weight": (shape, kind) for i in range(16)
+              for kind, shape in (("col", (64, 256)), ("row", (256, 64)), ("qkv", (96, 128)))},
+}
+UNIQUE = {m: sum(math.prod(s) * 4 for s, _ in model.values()) for m, model in MODELS.items()}
+# (model, saved as, loaded as) -> the most device bytes / unique bytes allowed
+AT_MOST = {
+    ("large", "tp1", "dp2tp2"): 1.10, ("large", "tp1", "tp4"): 1.10,  # measured 1.017-1.034
+    ("large", "tp4", "dp2tp2"): 1.10, ("large", "dcp-tp1", "dp2tp2"): 1.10,
+    ("small", "tp4", "dp2tp2"): 1.10, ("small", "dcp-tp4", "dp2tp2"): 1.35,  # after runs: 1.034, 1.125
+    ("small", "dp2tp2", "tp1"): 1.06,  # 1.021
+}
 
 
-def _state_dict(mesh, fill: bool) -> dict:
+def _state_dict(model: str, mesh, fill: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
 
     out = {}
-    for name, (shape, kind) in MODEL.items():
+    for name, (shape, kind) in MODELS[model].items():
         g = L.global_value(name, shape, torch.float32) if fill else torch.zeros(shape)
         if mesh is None:  # TP 1: the whole tensor on every rank
             out[name] = g
@@ -46,12 +66,15 @@ def _state_dict(mesh, fill: bool) -> dict:
     return out
 
 
-def _check(sd: dict, where: str) -> None:
+def _check(model: str, sd: dict, where: str) -> None:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    for name, (shape, _) in MODEL.items():
+    for name, (shape, _) in MODELS[model].items():
         g = L.global_value(name, shape, torch.float32)
         t = sd[name]
+        if not hasattr(t, "to_local"):
+            assert torch.equal(t, g), f"{where}: {name} differs"
+            continue
         lengths, offsets = compute_local_shape_and_global_offset(g.shape, t.device_mesh, t.placements)
         assert torch.equal(t.to_local(), L.narrow(g, offsets, lengths)), f"{where}: {name} differs"
 
@@ -71,22 +94,25 @@ def world_layouts(rank: int, world: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     meshes = L.Meshes(world)
-    tp2, tp4 = meshes.get((2, 2)), meshes.get((1, 4))
-    pipeload.save(_state_dict(None, True), os.path.join(root, "tp1"))
-    pipeload.save(_state_dict(tp4, True), os.path.join(root, "tp4"))
-    dcp.save(_state_dict(None, True), checkpoint_id=os.path.join(root, "dcp-tp1"))
+    mesh = {"tp1": None, "dp2tp2": meshes.get((2, 2)), "tp4": meshes.get((1, 4))}
+    saved = sorted({(m, s) for m, s, _ in AT_MOST})
+    for model, layout in saved:
+        d = os.path.join(root, f"{model}-{layout}")
+        if layout.startswith("dcp-"):
+            dcp.save(_state_dict(model, mesh[layout[4:]], True), checkpoint_id=d)
+        else:
+            pipeload.save(_state_dict(model, mesh[layout], True), d)
     dist.barrier()
-    for name in ("tp1", "tp4", "dcp-tp1"):  # each rank its own copy: the emulated nodes share no page cache
-        shutil.copytree(os.path.join(root, name), os.path.join(root, f"{name}-{rank}"))
+    for model, layout in saved:  # each rank its own copy: the emulated nodes share no page cache
+        shutil.copytree(os.path.join(root, f"{model}-{layout}"), os.path.join(root, f"{model}-{layout}-{rank}"))
     dist.barrier()
     out: dict = {}
-    for case, ck, mesh in (("tp1-dp2tp2", "tp1", tp2), ("tp1-tp4", "tp1", tp4), ("tp4-dp2tp2", "tp4", tp2),
-                           ("dcp-tp1-dp2tp2", "dcp-tp1", tp2)):
-        d = os.path.join(root, f"{ck}-{rank}")
-        sd = _state_dict(mesh, False)
+    for model, layout, into in AT_MOST:
+        d = os.path.join(root, f"{model}-{layout}-{rank}")
+        sd = _state_dict(model, mesh[into], False)
         stats, read = _device_bytes(d, lambda: pipeload.load(sd, d, reuse_plan=False))
-        _check(sd, f"{case} on rank {rank}")
-        out[case] = (stats.bytes_read, read)
+        _check(model, sd, f"{model} {layout} -> {into} on rank {rank}")
+        out[model, layout, into] = (stats.bytes_read, read)
     return out
 
 
@@ -94,8 +120,8 @@ def world_layouts(rank: int, world: int, root: str) -> dict:
 def test_layout_changes_read_each_stored_byte_about_once_from_the_device(tmp_path):
     results = run_world(world_layouts, 4, str(tmp_path), timeout=240, separate_hosts=True)
     ratio = {}
-    for case in results[0]:
-        assert sum(r[case][0] for r in results) == UNIQUE, case  # every stored byte copied out once
-        ratio[case] = round(sum(r[case][1] for r in results) / UNIQUE, 3)
+    for case in AT_MOST:
+        assert sum(r[case][0] for r in results) == UNIQUE[case[0]], case  # every stored byte copied out once
+        ratio[case] = round(sum(r[case][1] for r in results) / UNIQUE[case[0]], 3)
     print(f"device bytes / unique bytes: {ratio}")
-    assert all(x <= TOLERANCE for x in ratio.values()), ratio
+    assert all(ratio[case] <= at_most for case, at_most in AT_MOST.items()), ratio
