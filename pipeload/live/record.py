@@ -165,7 +165,7 @@ def _side_effect(rec: _Recorder, func, fname: str, args, kwargs):
 
 
 def _moved(p: "_Probe", args, kwargs) -> "_Probe":
-    """``p.to(...)`` / ``.cpu()`` / ``.cuda()`` / ``.type(...)``: ``p`` itself unless the dtype changes."""
+    """``p.to(...)`` / ``.cpu()`` / ``.cuda()``: ``p`` itself unless the dtype changes."""
     dtype = kwargs.get("dtype")
     for a in args:
         if isinstance(a, torch.dtype):
