@@ -264,6 +264,28 @@ def test_fsdp_to_tp_replicas_exact_and_balanced():
     assert len(set(sent)) == 1
 
 
+def test_itemsizes_follow_the_dtype_codes():
+    from pipeload.live.sides import DTYPES
+    assert [d.itemsize for d in DTYPES] == P.ITEMSIZES.tolist()
+
+
+def test_senders_balanced_by_bytes_across_dtypes():
+    """Two holders of every tensor; one owner plans a float32 tensor and six bfloat16 ones of as many
+    elements. By bytes both holders send 512: by elements the float32 one counts as a bfloat16 one."""
+    f32, bf16 = 0, 1  # codes of pipeload.live.sides.DTYPES
+    shape = (8, 8)
+    names = [3 * k for k in range(1, 8)]  # one owner in a group of 3
+    assert len(set(P.owner_of(np.array(names), 3).tolist())) == 1
+
+    def boxes():
+        return [P.Box(n, f32 if n == names[0] else bf16, shape, (0, 0), shape) for n in names]
+
+    answers = _group_plan({0: boxes(), 1: boxes()}, {2: boxes()}, 3)
+    _check_exact({0: boxes(), 1: boxes()}, {2: boxes()}, answers)
+    sent = [sum(int(np.prod(op.lengths)) * int(P.ITEMSIZES[op.dtype]) for op in answers[r].sends) for r in (0, 1)]
+    assert sent == [512, 512]
+
+
 def test_plan_does_not_depend_on_record_order():
     srcs, dsts = _replicas(6)
     a = _group_plan(srcs, dsts, 6)

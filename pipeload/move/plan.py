@@ -64,6 +64,9 @@ PROBLEMS = {
     E_CONFLICT: "the source ranks disagree on its global shape or dtype",
 }
 _MASK = np.uint64((1 << 63) - 1)
+# bytes per element of each dtype code (``pipeload.live.sides.DTYPES``'s order): the greedy balances the
+# bytes each sender puts on the wire, in the destination's dtype (a cast happens on the sender)
+ITEMSIZES = np.array([4, 2, 2, 8, 8, 4, 2, 1, 1, 1, 1, 1, 8, 2, 4, 8, 16], dtype=np.int64)
 
 
 def width(nd: int) -> int:
@@ -154,7 +157,7 @@ def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int,
     rec = np.asarray(words, dtype=np.int64).reshape(-1, w)
     ranks = np.repeat(np.arange(len(counts), dtype=np.int64), np.asarray(counts) // w)
     out: list[np.ndarray] = []
-    loads = np.zeros(size, dtype=np.int64)  # elements each rank sends so far, over this owner's names
+    loads = np.zeros(size, dtype=np.int64)  # bytes each rank sends so far, over this owner's names
     if len(rec):
         # by name, kind, index, rank: the records arrive by rank, which the stable sort keeps among ties
         order = np.lexsort((rec[:, K_INDEX], rec[:, K_KIND], rec[:, K_NAME]))
@@ -326,14 +329,16 @@ def _pieces(name: int, dst: _Side, boxes: np.ndarray, holders: _Holders, src_dty
     if len(uncovered):
         ok = ~np.isin(i, uncovered)
         i, k, o, n, size = i[ok], k[ok], o[ok], n[ok], size[ok]
-    rows = _assign(name, dst, _Cand(i, k, o, n, size), holders, nd, ndim, loads, sides)
+    wire = size * ITEMSIZES[dst.dtype[i]]
+    rows = _assign(name, dst, _Cand(i, k, o, n, wire), holders, nd, ndim, loads, sides)
     if len(uncovered):
         rows = np.concatenate([rows, _errors(name, dst.ranks[uncovered], dst.index[uncovered], E_UNCOVERED, nd)])
     return rows
 
 
 class _Cand(NamedTuple):
-    """The pieces of one name, by destination then box: destination row, box, region, its elements."""
+    """The pieces of one name, by destination then box: destination row, box, region, its bytes on the
+    wire (elements x the destination dtype's size: what the greedy balances)."""
 
     dst: np.ndarray
     box: np.ndarray
@@ -515,7 +520,7 @@ def _greedy(pieces: np.ndarray, box: np.ndarray, size: np.ndarray, holders: _Hol
 
 
 def _water_fill(load: np.ndarray, pos: np.ndarray, w: int, m: int) -> np.ndarray:
-    """The holders (indices into ``load``) that ``m`` pieces of ``w`` elements go to, one by one to the
+    """The holders (indices into ``load``) that ``m`` pieces of ``w`` bytes go to, one by one to the
     least loaded, ties to the lowest ``pos``: the order of ``(load + t * w, pos)`` over t = 0, 1, ...."""
     lo, hi = int(load.min()), int(load.min()) + (m - 1) * w  # the m-th smallest value lies in [lo, hi]
     while lo < hi:
