@@ -13,14 +13,25 @@ unique tensor bytes. Every load is verified bitwise against the synthetic values
 counts, not times: other work on the machine does not move them.
 
 A layout is ``tpN`` (``N``-way tensor parallel, the rest data parallel: ``tp1`` is whole tensors on
-every rank) or ``dpXtpY`` (``pipeload.tools.bench.config.layout_dims``). A case is ``SAVE:LOAD``.
+every rank) or ``dpXtpY`` (``pipeload.tools.bench.config.layout_dims``), or ``fsdpXtpY``: FSDP2 over TP on the same
+2-D mesh, every DTensor's first dim also sharded over dp (``Shard(0)`` on dp, the TP placement on tp). A
+case is ``SAVE:LOAD``.
 Times: ``pipeload bench --save-layout LAYOUT --modes throttled``.
+
+``--storage s3``: the same cases from ``s3://`` instead (a moto server on 127.0.0.1 behind
+:class:`pipeload.tools.s3testing.FaultProxy`, one proxy port per rank, no faults): rank 0 uploads each
+saved checkpoint, every rank loads it with ``part_size`` ``--part-mib``; reported are the body bytes
+fetched (``LoadStats.bytes_fetched``, summed over the ranks) over the objects' bytes, and the GETs the
+proxy saw for the checkpoint's prefix during the case (LIST, headers, metadata and data) against
+``ceil(bytes fetched / part size) + 2 x objects``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -30,6 +41,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CASES = "tp1:tp1,tp1:dp2tp2,tp1:tp4,tp4:dp2tp2,dp2tp2:tp1,dcp-tp1:dp2tp2"
+FSDP_CASES = "fsdp2tp2:dp2tp2,dp2tp2:fsdp2tp2,tp1:fsdp2tp2,fsdp2tp2:tp4,tp4:fsdp2tp2"
+
+
+def _layout(name: str, world: int) -> tuple[int, int, bool]:
+    """(dp, tp, fsdp) of a layout name: ``tpN``, ``dpXtpY`` or ``fsdpXtpY``."""
+    from pipeload.tools.bench.config import layout_dims
+
+    fsdp = name.startswith("fsdp")
+    return (*layout_dims(name[2:] if fsdp else name, world), fsdp)
 
 
 def _save_all(rank: int, world: int, args, root: str, saves: list[str]) -> None:
@@ -39,18 +59,26 @@ def _save_all(rank: int, world: int, args, root: str, saves: list[str]) -> None:
 
     import pipeload
     from pipeload.tools import synth
-    from pipeload.tools.bench.config import layout_dims
 
     for name in saves:
         via_dcp = name.startswith("dcp-")
-        dp, tp = layout_dims(name[4:] if via_dcp else name, world)
-        sd = synth.build_state_dict(synth.make_mesh(world, tp, dp), args.seed, args.size, **_shape(args))
+        dp, tp, fsdp = _layout(name[4:] if via_dcp else name, world)
+        sd = synth.build_state_dict(synth.make_mesh(world, tp, dp), args.seed, args.size, fsdp=fsdp,
+                                    **_shape(args))
         where = os.path.join(root, name)
         if via_dcp:
             dcp.save(sd, checkpoint_id=where)
         else:
             pipeload.save(sd, where)
         dist.barrier()
+    if args.storage == "s3":
+        if rank == 0:
+            from pipeload.tools.s3testing import LocalS3
+
+            for name in saves:
+                LocalS3(args.port).upload(os.path.join(root, name), "layouts", name)
+        dist.barrier()
+        return
     shutil.rmtree(os.path.join(root, f"{rank}"), ignore_errors=True)
     for name in saves:
         shutil.copytree(os.path.join(root, name), os.path.join(root, f"{rank}", name))
@@ -66,16 +94,18 @@ def _rank(rank: int, world: int, args, root: str) -> list[dict]:
 
     import pipeload
     from pipeload.tools import synth
-    from pipeload.tools.bench.config import layout_dims
     from pipeload.tools.bench.system import data_files, drop_cache, proc_io, resident_bytes
 
     cases = [tuple(c.split(":")) for c in args.cases.split(",")]
     _save_all(rank, world, args, root, sorted({s for s, _ in cases}))
     out = []
     for save, load in cases:
-        dp, tp = layout_dims(load, world)
+        dp, tp, fsdp = _layout(load, world)
         dest = synth.build_state_dict(synth.make_mesh(world, tp, dp), args.seed, args.size, fill=False,
-                                      **_shape(args))
+                                      fsdp=fsdp, **_shape(args))
+        if args.storage == "s3":
+            out += _s3_case(rank, args, dest, save, load)
+            continue
         mine = os.path.join(root, f"{rank}", save)
         for _ in range(args.repeats):
             synth.zero_(dest)
@@ -93,6 +123,53 @@ def _rank(rank: int, world: int, args, root: str) -> list[dict]:
     return out
 
 
+def _s3_case(rank: int, args, dest: dict, save: str, load: str) -> list[dict]:
+    """One case from ``s3://layouts/SAVE``: each repeat's bytes fetched, requests and time window."""
+    import torch.distributed as dist
+
+    import pipeload
+    from pipeload.tools import synth
+    from pipeload.tools.s3testing import LocalS3
+
+    opts = LocalS3.options(args.links[rank], part_size=int(args.part_mib * 2**20))
+    out = []
+    for _ in range(args.repeats):
+        synth.zero_(dest)
+        dist.barrier()
+        t0, start = time.perf_counter(), time.time()
+        stats = pipeload.load(dest, f"s3://layouts/{save}", storage_options=opts, reuse_plan=False)
+        wall, end = time.perf_counter() - t0, time.time()
+        problems = synth.verify_state_dict(dest, args.seed, args.size, **_shape(args))
+        dist.barrier()
+        out.append({"case": f"{save}:{load}", "read": stats.bytes_fetched, "requested": stats.bytes_read,
+                    "wall": wall, "start": start, "end": end, "requests": stats.requests,
+                    "problems": problems[:5], "unique": synth.unique_bytes(dest), "by_file": {}})
+    return out
+
+
+def _s3_rows(rows: list[dict], res: list, root: str, proxy, part: int) -> None:
+    """Each row's S3 figures: fetched over the objects' bytes, the GETs of its window, the bound."""
+    for i, row in enumerate(rows):
+        save = row["case"].split(":")[0]
+        names = [n for n in os.listdir(os.path.join(root, save)) if os.path.isfile(os.path.join(root, save, n))]
+        objects = sum(os.path.getsize(os.path.join(root, save, n)) for n in names)
+        lo, hi = min(r[i]["start"] for r in res), max(r[i]["end"] for r in res)
+        gets = [g for g in proxy.requests("GET") if lo <= g.start <= hi]  # the case's: LIST, headers, data
+        fetched = sum(r[i]["read"] for r in res)
+        row.update(fetched_x=fetched / objects, gets=len(gets), objects=len(names),
+                   get_bound=math.ceil(fetched / part) + 2 * len(names),
+                   requests=sum(r[i]["requests"] for r in res))
+
+
+def _print_s3(rows: list[dict], args) -> None:
+    print(f"{'save:load':<18} {'fetched/objects':>15} {'GETs':>5} {'bound':>5} {'requests':>8} {'wall s':>7}  values")
+    for r in rows:
+        print(f"{r['case']:<18} {r['fetched_x']:15.4f} {r['gets']:5d} {r['get_bound']:5d} {r['requests']:8d} "
+              f"{r['wall_s']:7.2f}  {'bit-exact' if r['exact'] else 'MISMATCH ' + '; '.join(r['problems'])}")
+    print(f"(unique {rows[0]['unique_mib']:.1f} MiB, {args.world} ranks, s3:// through moto, part size "
+          f"{args.part_mib:g} MiB; bound = ceil(fetched / part size) + 2 x objects)")
+
+
 def main(argv=None) -> int:
     from pipeload.tools._world import run_world
 
@@ -102,14 +179,40 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--experts", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cases", default=CASES, help=f"SAVE:LOAD,... (default {CASES})")
+    p.add_argument("--cases", default=CASES, help=f"SAVE:LOAD,... (default {CASES}; 'fsdp': {FSDP_CASES})")
     p.add_argument("--repeats", type=int, default=1, help="loads per case (byte counts barely vary)")
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     p.add_argument("--by-file", action="store_true", help="also print each rank's MiB read per file")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--storage", choices=("file", "s3"), default="file",
+                   help="s3: load from a local moto server (bytes fetched and GETs instead of device bytes)")
+    p.add_argument("--part-mib", type=float, default=8.0, help="s3: part size of ranged GETs, MiB (default 8)")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="pipeload-layout-bytes-", dir=args.dir) as d:
+    args.cases = FSDP_CASES if args.cases == "fsdp" else args.cases
+    with tempfile.TemporaryDirectory(prefix="pipeload-layout-bytes-", dir=args.dir) as d, \
+            contextlib.ExitStack() as stack:
+        proxy = None
+        if args.storage == "s3":
+            from pipeload.tools.s3testing import FaultProxy, Faults, LocalS3
+
+            server = stack.enter_context(LocalS3())
+            server.bucket("layouts")
+            proxy = stack.enter_context(FaultProxy(server.port, links=args.world, faults=Faults(rules=[])))
+            args.port, args.links = server.port, [proxy.url(i) for i in range(args.world)]
         res = run_world(_rank, args.world, args, d, timeout=1800, separate_hosts=True)
+        rows = _rows(res)
+        if proxy is not None:
+            _s3_rows(rows, res, d, proxy, int(args.part_mib * 2**20))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    elif args.storage == "s3":
+        _print_s3(rows, args)
+    else:
+        _print(rows, args)
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+def _rows(res: list) -> list[dict]:
     rows = []
     for i, run in enumerate(res[0]):
         per_rank = [r[i] for r in res]
@@ -120,17 +223,17 @@ def main(argv=None) -> int:
                      "exact": not any(r["problems"] for r in per_rank),
                      "by_file_mib": [r["by_file"] for r in per_rank],
                      "problems": [p for r in per_rank for p in r["problems"]][:5]})
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print(f"{'save:load':<18} {'device/unique':>13} {'requested':>9} {'wall s':>7}  values")
-        for r in rows:
-            print(f"{r['case']:<18} {r['device_x']:13.3f} {r['requested_x']:9.3f} {r['wall_s']:7.2f}  "
-                  f"{'bit-exact' if r['exact'] else 'MISMATCH ' + '; '.join(r['problems'])}")
-            for rank, files in enumerate(r["by_file_mib"] if args.by_file else []):
-                print(f"    rank {rank}: " + ", ".join(f"{k} {v}" for k, v in files.items() if v))
-        print(f"(unique {rows[0]['unique_mib']:.1f} MiB, {args.world} ranks, each its own copy, cache dropped)")
-    return 0 if all(r["exact"] for r in rows) else 1
+    return rows
+
+
+def _print(rows: list[dict], args) -> None:
+    print(f"{'save:load':<18} {'device/unique':>13} {'requested':>9} {'wall s':>7}  values")
+    for r in rows:
+        print(f"{r['case']:<18} {r['device_x']:13.3f} {r['requested_x']:9.3f} {r['wall_s']:7.2f}  "
+              f"{'bit-exact' if r['exact'] else 'MISMATCH ' + '; '.join(r['problems'])}")
+        for rank, files in enumerate(r["by_file_mib"] if args.by_file else []):
+            print(f"    rank {rank}: " + ", ".join(f"{k} {v}" for k, v in files.items() if v))
+    print(f"(unique {rows[0]['unique_mib']:.1f} MiB, {args.world} ranks, each its own copy, cache dropped)")
 
 
 if __name__ == "__main__":

@@ -287,20 +287,30 @@ def make_mesh(world_size: int, tp: int, dp: int | None = None):
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def _placements(role: str):
+def _placements(role: str, fsdp: int = 0):
+    """The DTensor placements of a tensor with ``role`` on the ``("dp", "tp")`` mesh: ``Replicate`` on dp,
+    or with ``fsdp`` (the mesh's tp size; 0: off) FSDP2 over TP: the dp ranks split the TP shard's first
+    dim (``Shard(0)`` on dp, written ``_StridedShard(0, split_factor=tp)`` when TP cuts dim 0 too, as
+    FSDP2 writes it)."""
     from torch.distributed.tensor import Replicate, Shard
 
     tp = {"col": Shard(0), "row": Shard(1), "replicate": Replicate()}[role]
-    return (Replicate(), tp)
+    if not fsdp:
+        return (Replicate(), tp)
+    if role == "col":
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        return (_StridedShard(0, split_factor=fsdp), tp)
+    return (Shard(0), tp)
 
 
-def _local_box(mesh, role: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _local_box(mesh, role: str, shape: tuple[int, ...], fsdp: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(local shape, global offset)`` of this rank's shard of a tensor with ``role``."""
     if mesh is None or role == "plain":
         return shape, (0,) * len(shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local, offset = compute_local_shape_and_global_offset(shape, mesh, _placements(role))
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, _placements(role, fsdp))
     return tuple(local), tuple(offset)
 
 
@@ -321,16 +331,19 @@ def build_state_dict(
     *,
     layers: int = DEFAULT_LAYERS,
     experts: int = DEFAULT_EXPERTS,
+    fsdp: bool = False,
 ) -> dict[str, Any]:
     """This rank's part of the synthetic state dict on ``mesh`` (``None``: one process, plain tensors).
 
     ``fill=False`` gives destinations of the same layout to load into: zeroed tensors, zero steps,
-    and the Python values' dicts and lists with ``None`` at every leaf.
+    and the Python values' dicts and lists with ``None`` at every leaf. ``fsdp``: FSDP2 over TP, each
+    DTensor's first dim also sharded over the mesh's dp dim (:func:`_placements`).
     """
     spec = model_spec(size_mb, layers=layers, experts=experts)
     model: dict[str, Any] = {}
+    fsdp = mesh.size(1) if fsdp and mesh is not None else 0
     for fqn, shape, role in spec.tensors():
-        local_shape, offset = _local_box(mesh, role, shape)
+        local_shape, offset = _local_box(mesh, role, shape, fsdp)
         local = torch.zeros(local_shape, dtype=DTYPE) if not fill else torch.empty(local_shape, dtype=DTYPE)
         if fill:
             fill_box(local, seed, fqn, shape, offset)
@@ -339,7 +352,7 @@ def build_state_dict(
 
             stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
             local = DTensor.from_local(
-                local, mesh, _placements(role), run_check=False, shape=torch.Size(shape), stride=stride
+                local, mesh, _placements(role, fsdp), run_check=False, shape=torch.Size(shape), stride=stride
             )
         model[fqn] = local
     state = {
