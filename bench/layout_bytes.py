@@ -24,6 +24,14 @@ saved checkpoint, every rank loads it with ``part_size`` ``--part-mib``; reporte
 fetched (``LoadStats.bytes_fetched``, summed over the ranks) over the objects' bytes, and the GETs the
 proxy saw for the checkpoint's prefix during the case (LIST, headers, metadata and data) against
 ``ceil(bytes fetched / part size) + 2 x objects``.
+
+``--pages``: the page model of part delivery. Each rank records the file span of every box it copies
+(``ChunkReader.read_into``, wrapped in this script only); per page of each file, the ranks touching it
+and the bytes each needs there. Printed: the pages the ranks touch, summed (the device bytes the model
+predicts), the distinct pages (what each page read once, by one owner, would cost), the pages two or
+more nodes touch, and what delivering would move: every non-owner's bytes of a shared page sent to it
+by the page's owner (the rank needing most of it; ties to the lower rank), in bytes and in messages if
+packed per (owner, receiver) pair — beside the bytes the load's broadcasts moved (``bytes_received``).
 """
 
 from __future__ import annotations
@@ -111,16 +119,72 @@ def _rank(rank: int, world: int, args, root: str) -> list[dict]:
             synth.zero_(dest)
             drop_cache(data_files(mine))
             dist.barrier()
+            spans: list = []
             io0, t0 = proc_io()["read_bytes"], time.perf_counter()
-            stats = pipeload.load(dest, mine, reuse_plan=False)
+            with _recording(spans if args.pages else None):
+                stats = pipeload.load(dest, mine, reuse_plan=False)
             wall, read = time.perf_counter() - t0, proc_io()["read_bytes"] - io0
             # this rank's copy was dropped before the load: what is cached now is what it read
             by_file = {os.path.basename(f): round(resident_bytes(f)[0] / 2**20, 2) for f in data_files(mine)}
             problems = synth.verify_state_dict(dest, args.seed, args.size, **_shape(args))
             dist.barrier()
             out.append({"case": f"{save}:{load}", "read": read, "requested": stats.bytes_read, "wall": wall,
-                        "problems": problems[:5], "unique": synth.unique_bytes(dest), "by_file": by_file})
+                        "problems": problems[:5], "unique": synth.unique_bytes(dest), "by_file": by_file,
+                        "spans": spans, "received": stats.bytes_received})
     return out
+
+
+@contextlib.contextmanager
+def _recording(spans: list | None):
+    """While active, every box this process copies out of a file appends (file, first byte, end) to
+    ``spans`` (None: nothing is wrapped)."""
+    if spans is None:
+        yield
+        return
+    from pipeload.io.reader import ChunkReader
+
+    real = ChunkReader.read_into
+
+    def read_into(self, item, out, advise=True, file=None):
+        f = file if file is not None else self.file(item.file)
+        if item.nbytes and hasattr(f, "entry"):
+            lo, hi = self._span(f, item)
+            spans.append((item.file, lo, hi))
+        return real(self, item, out, advise, file)
+
+    ChunkReader.read_into = read_into
+    try:
+        yield
+    finally:
+        ChunkReader.read_into = real
+
+
+def page_model(per_rank: list[list], page: int = 4096) -> dict:
+    """The page model of part delivery (module docstring) from each rank's spans. ``parts``: the bytes
+    moved if instead each non-owner's whole span (its part) touching a shared page were delivered."""
+    need: dict[tuple[str, int], dict[int, int]] = {}  # (file, page) -> rank -> bytes it needs there
+    span_of: dict[tuple[str, int, int], list[tuple[int, int]]] = {}  # (file, page, rank) -> its spans there
+    for rank, spans in enumerate(per_rank):
+        for name, lo, hi in spans:
+            for p in range(lo // page, (hi - 1) // page + 1):
+                got = need.setdefault((name, p), {})
+                got[rank] = got.get(rank, 0) + min(hi, (p + 1) * page) - max(lo, p * page)
+                span_of.setdefault((name, p, rank), []).append((lo, hi))
+    touched = sum(len(r) for r in need.values())
+    shared = wire = 0
+    pairs, parts = set(), set()
+    for (name, p), ranks in need.items():
+        if len(ranks) < 2:
+            continue
+        shared += 1
+        owner = min(ranks, key=lambda r: (-ranks[r], r))
+        for r, n in ranks.items():
+            if r != owner:
+                wire += n
+                pairs.add((owner, r))
+                parts.update((name, r, *sp) for sp in span_of[name, p, r])
+    return {"touched": touched * page, "distinct": len(need) * page, "shared_pages": shared,
+            "delivered": wire, "pairs": len(pairs), "parts": sum(hi - lo for _, _, lo, hi in parts)}
 
 
 def _s3_case(rank: int, args, dest: dict, save: str, load: str) -> list[dict]:
@@ -156,7 +220,12 @@ def _s3_rows(rows: list[dict], res: list, root: str, proxy, part: int) -> None:
         lo, hi = min(r[i]["start"] for r in res), max(r[i]["end"] for r in res)
         gets = [g for g in proxy.requests("GET") if lo <= g.start <= hi]  # the case's: LIST, headers, data
         fetched = sum(r[i]["read"] for r in res)
-        row.update(fetched_x=fetched / objects, gets=len(gets), objects=len(names),
+        by: dict[str, int] = {}  # object (or LIST) -> GETs of the case, over the ranks
+        for g in gets:
+            name = g.path.rsplit("/", 1)[-1] if f"/{save}/" in g.path else "LIST"
+            kind = "header" if (g.range or "").startswith("bytes=0-") else "data"
+            by[f"{name} {kind}"] = by.get(f"{name} {kind}", 0) + 1
+        row.update(fetched_x=fetched / objects, gets=len(gets), objects=len(names), gets_by=by,
                    get_bound=math.ceil(fetched / part) + 2 * len(names),
                    requests=sum(r[i]["requests"] for r in res))
 
@@ -166,6 +235,8 @@ def _print_s3(rows: list[dict], args) -> None:
     for r in rows:
         print(f"{r['case']:<18} {r['fetched_x']:15.4f} {r['gets']:5d} {r['get_bound']:5d} {r['requests']:8d} "
               f"{r['wall_s']:7.2f}  {'bit-exact' if r['exact'] else 'MISMATCH ' + '; '.join(r['problems'])}")
+        if args.by_file:
+            print("    GETs: " + ", ".join(f"{k} {v}" for k, v in sorted(r["gets_by"].items())))
     print(f"(unique {rows[0]['unique_mib']:.1f} MiB, {args.world} ranks, s3:// through moto, part size "
           f"{args.part_mib:g} MiB; bound = ceil(fetched / part size) + 2 x objects)")
 
@@ -187,6 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--storage", choices=("file", "s3"), default="file",
                    help="s3: load from a local moto server (bytes fetched and GETs instead of device bytes)")
     p.add_argument("--part-mib", type=float, default=8.0, help="s3: part size of ranged GETs, MiB (default 8)")
+    p.add_argument("--pages", action="store_true", help="also the page model of part delivery (docstring)")
     args = p.parse_args(argv)
     args.cases = FSDP_CASES if args.cases == "fsdp" else args.cases
     with tempfile.TemporaryDirectory(prefix="pipeload-layout-bytes-", dir=args.dir) as d, \
@@ -223,6 +295,11 @@ def _rows(res: list) -> list[dict]:
                      "exact": not any(r["problems"] for r in per_rank),
                      "by_file_mib": [r["by_file"] for r in per_rank],
                      "problems": [p for r in per_rank for p in r["problems"]][:5]})
+        if any(r.get("spans") for r in per_rank):
+            m = page_model([r["spans"] for r in per_rank])
+            rows[-1]["pages"] = {**{k: m[k] / unique for k in ("touched", "distinct", "delivered", "parts")},
+                                 "shared_pages": m["shared_pages"], "pairs": m["pairs"],
+                                 "received": sum(r["received"] for r in per_rank) / unique}
     return rows
 
 
@@ -233,6 +310,12 @@ def _print(rows: list[dict], args) -> None:
               f"{'bit-exact' if r['exact'] else 'MISMATCH ' + '; '.join(r['problems'])}")
         for rank, files in enumerate(r["by_file_mib"] if args.by_file else []):
             print(f"    rank {rank}: " + ", ".join(f"{k} {v}" for k, v in files.items() if v))
+        if "pages" in r:
+            m = r["pages"]
+            print(f"    pages: touched {m['touched']:.3f}, distinct {m['distinct']:.3f} (x unique), "
+                  f"{m['shared_pages']} pages on 2+ nodes; delivering them moves {m['delivered']:.4f} x unique "
+                  f"in {m['pairs']} (owner, receiver) pairs ({m['parts']:.3f} if whole parts), beside "
+                  f"{m['received']:.3f} the broadcasts moved")
     print(f"(unique {rows[0]['unique_mib']:.1f} MiB, {args.world} ranks, each its own copy, cache dropped)")
 
 

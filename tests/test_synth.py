@@ -120,6 +120,15 @@ def _mesh_case(rank, world, tp, size_mb):
                                (q.shape[0] // tp * ((mesh.get_local_rank("tp") + 1) % tp), 0))
     placements = {fqn: tuple(str(p) for p in t.placements) for fqn, t in sd["model"].items()
                   if isinstance(t, DTensor)}
+    # FSDP2 over TP on the same mesh: verified exactly, the same global values, a quarter of each DTensor
+    fsdp = synth.build_state_dict(mesh, 5, size_mb, fsdp=True, **SMALL)
+    problems += synth.verify_state_dict(fsdp, 5, size_mb, **SMALL)
+    for fqn, t in fsdp["model"].items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if not torch.equal(full.view(torch.int16), ref["model"][fqn].view(torch.int16)):
+            differ.append(f"fsdp {fqn}")
+    placements["fsdp"] = {fqn: tuple(str(p) for p in t.placements) for fqn, t in fsdp["model"].items()
+                          if isinstance(t, DTensor)}
     return problems, differ, wrong is not None or tp == 1, synth.unique_bytes(sd), synth.local_bytes(sd), placements
 
 
@@ -136,3 +145,7 @@ def test_spawned_mesh_layouts():
     assert placements["model.layers.0.mlp.experts.3.down_proj.weight"] == ("R", "S(1)")
     assert placements["model.layers.0.mlp.gate.weight"] == ("R", "R")
     assert "model.layers.0.input_layernorm.weight" not in placements  # a plain replicated tensor
+    fsdp = placements["fsdp"]  # dp splits the TP shard's rows, as FSDP2 over TP writes it
+    assert fsdp["model.layers.0.self_attn.q_proj.weight"] == ("_S(0, 2)", "S(0)")
+    assert fsdp["model.layers.0.self_attn.o_proj.weight"] == ("S(0)", "S(1)")
+    assert fsdp["model.layers.0.mlp.gate.weight"] == ("S(0)", "R")
