@@ -128,11 +128,9 @@ class SharedPhase:
                 total += sum(self.shards[k].nbytes for k in op.shards)
                 self._ends.append(total)
         limit = self._ends[i] + PREFETCH_WINDOW
-        first = self._cursor
         while self._cursor < len(mine) and (self._cursor <= i or self._ends[self._cursor - 1] < limit):
+            self.reader.prefetch(it for k in mine[self._cursor].shards for it in self.shards[k].reads)
             self._cursor += 1
-        if self._cursor > first:  # one request for them all: neighbours in storage merge across ops
-            self.reader.prefetch([it for op in mine[first:self._cursor] for k in op.shards for it in self.shards[k].reads])
 
     def _read_op(self, mine: list[Op], i: int) -> _Prepared:
         """Reader side, in the worker thread: every ReadItem of every shard lands before the send.
