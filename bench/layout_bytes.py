@@ -13,16 +13,16 @@ unique tensor bytes. Every load is verified bitwise against the synthetic values
 counts, not times: other work on the machine does not move them.
 
 A layout is ``tpN`` (``N``-way tensor parallel, the rest data parallel: ``tp1`` is whole tensors on
-every rank) or ``dpXtpY`` (``pipeload.tools.bench.config.layout_dims``), or ``fsdpXtpY``: FSDP2 over TP on the same
-2-D mesh, every DTensor's first dim also sharded over dp (``Shard(0)`` on dp, the TP placement on tp). A
-case is ``SAVE:LOAD``.
-Times: ``pipeload bench --save-layout LAYOUT --modes throttled``.
+every rank) or ``dpXtpY`` (``pipeload.tools.bench.config.layout_dims``), or ``fsdpXtpY``: FSDP2 over TP
+on the same 2-D mesh, dp splitting each TP shard's rows as FSDP2 writes it (``_StridedShard(0, Y)`` over
+``Shard(0)``, ``Shard(0)`` over ``Shard(1)`` or ``Replicate``; ``--cases fsdp`` runs five such cases). A
+case is ``SAVE:LOAD``. Times: ``pipeload bench --save-layout LAYOUT --modes throttled``.
 
 ``--storage s3``: the same cases from ``s3://`` instead (a moto server on 127.0.0.1 behind
 :class:`pipeload.tools.s3testing.FaultProxy`, one proxy port per rank, no faults): rank 0 uploads each
 saved checkpoint, every rank loads it with ``part_size`` ``--part-mib``; reported are the body bytes
-fetched (``LoadStats.bytes_fetched``, summed over the ranks) over the objects' bytes, and the GETs the
-proxy saw for the checkpoint's prefix during the case (LIST, headers, metadata and data) against
+fetched (``LoadStats.bytes_fetched``, summed over the ranks) over the objects' bytes, and every GET the
+proxy saw during the case (LIST, headers, metadata and data; per object with ``--by-file``) against
 ``ceil(bytes fetched / part size) + 2 x objects``.
 
 ``--pages``: the page model of part delivery. Each rank records the file span of every box it copies
