@@ -805,7 +805,7 @@ def world3_transfer_death(rank: int, world: int) -> dict:
     pipeload.transfer(src, dst)  # one that completes (and keeps its plan)
     dist.barrier()
     if rank == 1:
-        packer, calls = live_run._packer, [0]
+        packer, calls = live_run.LiveSource.sender, [0]
 
         def dying(*args, **kwargs):
             calls[0] += 1
@@ -813,7 +813,7 @@ def world3_transfer_death(rank: int, world: int) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)
             return packer(*args, **kwargs)
 
-        live_run._packer = dying
+        live_run.LiveSource.sender = dying
     t0 = time.monotonic()
     try:
         pipeload.transfer(src, dst)

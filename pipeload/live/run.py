@@ -1,185 +1,50 @@
-"""A planned transfer's data movement on one rank: messages in the one global order, then local copies.
+"""A planned transfer's data movement on one rank, with live tensors as the source.
 
-The pieces between one sender and one receiver are cut into *messages* alike on both ends (they sort
-the same :class:`pipeload.move.plan.Op` keys and pack runs of small pieces with
-:func:`pipeload.move.mover.batches`); each rank posts all its messages, sends and receives merged, by
-the key of each message's first piece, through :class:`pipeload.move.mover.Transfers` (at most its
-in-flight bound posted). A sender packs each message from views of its source tensors, casting to the
-destination's dtype there (what travels is what lands: a bf16 engine receives bf16 bytes from fp32
-master weights); a lone contiguous piece of the right dtype is sent from the tensor itself. A receiver
-lands a lone contiguous piece straight in its destination view, anything else in a buffer copied out
-once the message arrived. Local copies (a colocated rank holding what it needs) run while the last
-messages are in flight.
-
-Which destinations are complete is tracked piece by piece (:class:`Progress`): if a peer dies, the stats
-say exactly which destination views hold this step's bytes and which do not.
+The messages, their order, packing and receiving are :mod:`pipeload.move.run`'s (shared with the
+memory tier's restore); this module is the source side only: a sender packs each message from views
+of its source tensors, casting to the destination's dtype there (what travels is what lands: a bf16
+engine receives bf16 bytes from fp32 master weights); a lone contiguous piece of the right dtype is
+sent from the tensor itself; a relay's piece is read from its own destination view (what it received
+in an earlier hop); a colocated rank's local pieces are copies from its own source views.
 """
 
 from __future__ import annotations
 
-import ctypes
-from collections import defaultdict
 from typing import Callable
 
 import torch
 
 from ..move import mover
 from ..move.plan import Answers, Op
-from .sides import DTYPES, Side
+from ..move.run import DTYPES, Progress, copies, flat, run as move_run, view
+from .sides import Side
+
+__all__ = ["Progress", "run", "LiveSource"]
 
 
-class Progress:
-    """Pieces still to land per destination index; the ones with none left are written. After a failure
-    a destination that received a relayed piece is not counted as written: its relay may have forwarded
-    bytes it never received."""
+class LiveSource:
+    """A rank's source tensors (and, for relays, its destination views) as :class:`pipeload.move.run.Source`."""
 
-    def __init__(self, answers: Answers, n_dst: int):
-        self.left = [0] * n_dst
-        for op in answers.recvs + answers.local:
-            self.left[op.dst] += 1
-        self.relayed = {op.dst for op in answers.recvs if op.hop}
-        self.done = 0
+    def __init__(self, src: Side, dst: Side):
+        self.src, self.dst = src, dst
 
-    def landed(self, ops: list[Op]) -> None:
-        for op in ops:
-            self.left[op.dst] -= 1
-        self.done += len(ops)
+    def _views(self, msg: list[Op]) -> list[torch.Tensor]:
+        return [view(self.src, op.src, op) if op.src >= 0 else view(self.dst, -1 - op.src, op) for op in msg]
 
-    def written(self, failed: bool = False) -> list[int]:
-        return [i for i, n in enumerate(self.left) if n == 0 and not (failed and i in self.relayed)]
+    def sender(self, x: mover.Transfers, msg: list[Op], wire: torch.device) -> Callable | None:
+        if len(msg) != 1:
+            return None
+        v = self._views(msg)[0]
+        whole = flat(v, wire) if v.dtype == DTYPES[msg[0].dtype] else None
+        return None if whole is None else (lambda lo, hi: whole[lo:hi])
 
+    def pack(self, msg: list[Op], starts: list[int], buf: torch.Tensor) -> None:
+        copies(msg, self._views(msg), starts, buf, into_buffer=True)
 
-def _view(side: Side, box_index: int, op: Op) -> torch.Tensor:
-    """The view of ``side``'s box ``box_index`` that holds ``op``'s global region."""
-    box, base = side.boxes[box_index], side.views[box_index]
-    if op.lengths == box.lengths:
-        return base
-    stride = base.stride()
-    at = base.storage_offset() + sum((o - b) * st for o, b, st in zip(op.offsets, box.offsets, stride))
-    return base.as_strided(op.lengths, stride, at)
-
-
-def _nbytes(op: Op) -> int:
-    n = DTYPES[op.dtype].itemsize
-    for x in op.lengths:
-        n *= x
-    return n
-
-
-ALIGN = 16  # each piece of a packed message starts at a multiple of this (any dtype's alignment)
-
-
-def layout(msg: list[Op]) -> tuple[list[int], int]:
-    """(where each piece of a message starts, the message's bytes): alike on both ends."""
-    at, starts = 0, []
-    for op in msg:
-        at = -(-at // ALIGN) * ALIGN
-        starts.append(at)
-        at += _nbytes(op)
-    return starts, at
-
-
-def messages(ops: list[Op]) -> list[list[Op]]:
-    """``ops`` (one direction, sorted by key) cut into messages per peer and hop, as both ends cut them."""
-    by_peer: dict[tuple[int, int], list[Op]] = defaultdict(list)
-    for op in ops:
-        by_peer[op.hop, op.peer].append(op)
-    out: list[list[Op]] = []
-    for peer_ops in by_peer.values():
-        sizes = [(i, _nbytes(op)) for i, op in enumerate(peer_ops)]
-        out.extend([peer_ops[i] for i, _ in batch] for batch in mover.batches(sizes))
-    return out
+    def copy(self, op: Op, out: torch.Tensor) -> None:
+        out.copy_(view(self.src, op.src, op))
 
 
 def run(x: mover.Transfers, answers: Answers, src: Side, dst: Side, progress: Progress, wire: torch.device) -> int:
-    """Post every message in the global order, copy the local pieces, wait for all; bytes copied locally.
-    Before the first message of a later hop, every message posted so far completes (a relay forwards
-    what it received; waiting only on earlier messages keeps the order's argument)."""
-    plan = [(m[0].key, True, m) for m in messages(answers.sends)] + \
-           [(m[0].key, False, m) for m in messages(answers.recvs)]
-    plan.sort(key=lambda item: item[0])
-    hop = 0
-    for _, sending, msg in plan:
-        if msg[0].hop != hop:
-            x.drain()
-            hop = msg[0].hop
-        if sending:
-            x.send(msg[0].peer, layout(msg)[1], _packer(x, msg, src, dst, wire))
-        else:
-            _post_recv(x, msg, dst, progress, wire)
-    copied = 0
-    for op in answers.local:
-        _view(dst, op.dst, op).copy_(_view(src, op.src, op))
-        progress.landed([op])
-        copied += _nbytes(op)
-    x.drain()
-    return copied
-
-
-def _flat(t: torch.Tensor, wire: torch.device) -> torch.Tensor | None:
-    """``t``'s bytes as a flat uint8 view when a message may use them as they are."""
-    if t.device != wire or not t.is_contiguous() or t.is_conj() or t.is_neg() or not t.numel():
-        return None
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _packer(x: mover.Transfers, msg: list[Op], src: Side, dst: Side, wire: torch.device) -> Callable:
-    """``part(lo, hi)`` for :meth:`Transfers.send`: the message's bytes, packed at the first call (a
-    relay's from its own destination views)."""
-    views = [_view(src, op.src, op) if op.src >= 0 else _view(dst, -1 - op.src, op) for op in msg]
-    if len(msg) == 1 and views[0].dtype == DTYPES[msg[0].dtype]:
-        flat = _flat(views[0], wire)
-        if flat is not None:
-            return lambda lo, hi: flat[lo:hi]
-    packed: list[torch.Tensor] = []
-    starts, n = layout(msg)
-
-    def part(lo: int, hi: int) -> torch.Tensor:
-        if not packed:
-            buf = _buffer(x, n, wire)
-            try:
-                _copies(msg, views, starts, buf, into_buffer=True)
-            except Exception as e:  # noqa: BLE001 - still sent (the receiver waits for it), and reported
-                x.errors.append(f"packing a message for rank {msg[0].peer}: {type(e).__name__}: {e}")
-            packed.append(buf)
-        return packed[0][lo:hi]
-
-    return part
-
-
-def _copies(msg: list[Op], views: list[torch.Tensor], starts: list[int], buf: torch.Tensor, into_buffer: bool) -> None:
-    """Each piece of a packed message between ``buf`` and its view: one ``memmove`` for a contiguous host
-    view of the wire's dtype (most pieces are small; torch's cost per call was most of the time), a
-    strided ``copy_`` (which also casts) for the rest."""
-    base = buf.data_ptr() if buf.device.type == "cpu" else None
-    for op, v, at in zip(msg, views, starts):
-        n = _nbytes(op)
-        ptr = mover.direct_ptr(v) if base is not None and v.dtype == DTYPES[op.dtype] else None
-        if ptr is not None:
-            ctypes.memmove(base + at, ptr, n) if into_buffer else ctypes.memmove(ptr, base + at, n)
-        elif into_buffer:
-            buf[at: at + n].view(DTYPES[op.dtype]).view(op.lengths).copy_(v)
-        else:
-            v.copy_(buf[at: at + n].view(DTYPES[op.dtype]).view(op.lengths))
-
-
-def _post_recv(x: mover.Transfers, msg: list[Op], dst: Side, progress: Progress, wire: torch.device) -> None:
-    views = [_view(dst, op.dst, op) for op in msg]
-    if len(msg) == 1:
-        flat = _flat(views[0], wire)
-        if flat is not None:
-            x.recv(msg[0].peer, flat, lambda: progress.landed(msg))
-            return
-    starts, n = layout(msg)
-    buf = _buffer(x, n, wire)
-
-    def unpack() -> None:
-        _copies(msg, views, starts, buf, into_buffer=False)
-        progress.landed(msg)
-
-    x.recv(msg[0].peer, buf, unpack)
-
-
-def _buffer(x: mover.Transfers, n: int, wire: torch.device) -> torch.Tensor:
-    """A message buffer: the mover's reused host buffers under gloo, device memory under NCCL."""
-    return x.buffer(n) if wire.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=wire)
+    """Every message of this rank in the global order, then its local copies (:func:`pipeload.move.run.run`)."""
+    return move_run(x, answers, LiveSource(src, dst), dst, progress, wire)

@@ -25,12 +25,8 @@ from ..errors import StateDictError
 from ..move.plan import F_CAST, Box, records as plan_records
 from ..plan.exchange import hash64
 from ..plan.statedict import flatten, tensor_box
+from ..move.run import CODES as _CODES, DTYPES  # noqa: F401 - (DTYPES: the codes boxes carry, shared with the tier)
 from ..slices import Slice
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
-          torch.uint16, torch.uint32, torch.uint64, torch.complex128)
-_CODES = {d: i for i, d in enumerate(DTYPES)}
 
 
 class Side(NamedTuple):

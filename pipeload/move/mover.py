@@ -176,12 +176,12 @@ def staged_into(dst: torch.Tensor, ring=None) -> tuple[torch.Tensor, Callable[[]
     buf = torch.empty(dst.numel() * dst.element_size(), dtype=torch.uint8)
 
     def copy() -> None:
-        _copy(dst, buf.view(dst.dtype).view(dst.shape), ring)
+        copy_into(dst, buf.view(dst.dtype).view(dst.shape), ring)
 
     return buf, copy
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, ring) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor, ring) -> None:
     """``dst.copy_(src)`` (``src`` on the host), through ``ring`` for a destination on its device."""
     if ring is not None and dst.device == ring.device and not dst.is_conj() and not dst.is_neg():
         ring.copy(dst, src)
@@ -245,6 +245,6 @@ def unpack_into(buf: torch.Tensor, dsts: list[torch.Tensor], ring=None) -> Calla
             if type(dst) is int:
                 ctypes.memmove(dst, base + lo, n)
             else:
-                _copy(dst, buf[lo: lo + n].view(dst.dtype).view(dst.shape), ring)
+                copy_into(dst, buf[lo: lo + n].view(dst.dtype).view(dst.shape), ring)
 
     return unpack

@@ -1,0 +1,212 @@
+"""A planned movement's data on one rank: messages in the one global order, then local copies.
+
+Shared by the live transfer (sources: a trainer's tensors) and the memory tier's resharding restore
+(sources: the stored chunks of tier files); only the :class:`Source` differs — how a sender packs a
+message out of what it holds and how it copies a piece it holds itself. The destinations are views of
+boxes on both (:class:`Dests`: ``boxes`` and ``views`` in the plan's index order).
+
+The pieces between one sender and one receiver are cut into *messages* alike on both ends (they sort
+the same :class:`pipeload.move.plan.Op` keys and pack runs of small pieces with
+:func:`pipeload.move.mover.batches`); each rank posts all its messages, sends and receives merged, by
+the key of each message's first piece, through :class:`pipeload.move.mover.Transfers` (at most its
+in-flight bound posted). A sender packs each message when its first part is posted; a source may send a
+lone piece without packing (a contiguous tensor as it is, a run of a tier file in parts as they are
+read). A receiver lands a lone contiguous piece straight in its destination view, anything else in a
+buffer copied out once the message arrived. Local copies run while the last messages are in flight.
+
+Which destinations are complete is tracked piece by piece (:class:`Progress`): if a peer dies, the
+stats say exactly which destination views hold this step's bytes and which do not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import defaultdict
+from typing import Callable, Protocol
+
+import torch
+
+from . import mover
+from .plan import Answers, Op
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
+          torch.uint16, torch.uint32, torch.uint64, torch.complex128)  # a box's dtype code -> torch dtype
+CODES = {d: i for i, d in enumerate(DTYPES)}
+
+
+class Dests(Protocol):
+    """The destination side: ``boxes[i]`` (a :class:`pipeload.move.plan.Box`) is held by ``views[i]``."""
+
+    boxes: list
+    views: list
+
+
+class Source(Protocol):
+    """What a sender holds. ``sender`` may return ``part(lo, hi)`` for a message it sends without packing
+    (else None); ``pack`` writes a message's pieces at ``starts`` into ``buf`` (a failure is recorded by
+    the caller, the message still sent); ``copy`` writes a piece this rank both holds and needs."""
+
+    def sender(self, x: mover.Transfers, msg: list[Op], wire: torch.device) -> Callable | None: ...
+
+    def pack(self, msg: list[Op], starts: list[int], buf: torch.Tensor) -> None: ...
+
+    def copy(self, op: Op, out: torch.Tensor) -> None: ...
+
+
+class Progress:
+    """Pieces still to land per destination index; the ones with none left are written. After a failure
+    a destination that received a relayed piece is not counted as written: its relay may have forwarded
+    bytes it never received."""
+
+    def __init__(self, answers: Answers, n_dst: int):
+        self.left = [0] * n_dst
+        for op in answers.recvs + answers.local:
+            self.left[op.dst] += 1
+        self.relayed = {op.dst for op in answers.recvs if op.hop}
+        self.done = 0
+
+    def landed(self, ops: list[Op]) -> None:
+        for op in ops:
+            self.left[op.dst] -= 1
+        self.done += len(ops)
+
+    def written(self, failed: bool = False) -> list[int]:
+        return [i for i, n in enumerate(self.left) if n == 0 and not (failed and i in self.relayed)]
+
+
+def view(side, box_index: int, op: Op) -> torch.Tensor:
+    """The view of ``side``'s box ``box_index`` (``side.boxes``, ``side.views``) that holds ``op``'s region."""
+    box, base = side.boxes[box_index], side.views[box_index]
+    if op.lengths == box.lengths:
+        return base
+    stride = base.stride()
+    at = base.storage_offset() + sum((o - b) * st for o, b, st in zip(op.offsets, box.offsets, stride))
+    return base.as_strided(op.lengths, stride, at)
+
+
+def nbytes(op: Op) -> int:
+    n = DTYPES[op.dtype].itemsize
+    for x in op.lengths:
+        n *= x
+    return n
+
+
+ALIGN = 16  # each piece of a packed message starts at a multiple of this (any dtype's alignment)
+
+
+def layout(msg: list[Op]) -> tuple[list[int], int]:
+    """(where each piece of a message starts, the message's bytes): alike on both ends."""
+    at, starts = 0, []
+    for op in msg:
+        at = -(-at // ALIGN) * ALIGN
+        starts.append(at)
+        at += nbytes(op)
+    return starts, at
+
+
+def messages(ops: list[Op]) -> list[list[Op]]:
+    """``ops`` (one direction, sorted by key) cut into messages per peer and hop, as both ends cut them."""
+    by_peer: dict[tuple[int, int], list[Op]] = defaultdict(list)
+    for op in ops:
+        by_peer[op.hop, op.peer].append(op)
+    out: list[list[Op]] = []
+    for peer_ops in by_peer.values():
+        sizes = [(i, nbytes(op)) for i, op in enumerate(peer_ops)]
+        out.extend([peer_ops[i] for i, _ in batch] for batch in mover.batches(sizes))
+    return out
+
+
+def run(x: mover.Transfers, answers: Answers, source: Source, dst: Dests, progress: Progress,
+        wire: torch.device, ring=None) -> int:
+    """Post every message in the global order, copy the local pieces, wait for all; bytes copied locally.
+    Before the first message of a later hop, every message posted so far completes (a relay forwards
+    what it received; waiting only on earlier messages keeps the order's argument). ``ring``: a
+    :class:`pipeload.device.H2DRing` for received bytes bound for accelerator destinations."""
+    plan = [(m[0].key, True, m) for m in messages(answers.sends)] + \
+           [(m[0].key, False, m) for m in messages(answers.recvs)]
+    plan.sort(key=lambda item: item[0])
+    hop = 0
+    for _, sending, msg in plan:
+        if msg[0].hop != hop:
+            x.drain()
+            hop = msg[0].hop
+        if sending:
+            x.send(msg[0].peer, layout(msg)[1], packer(x, msg, source, wire))
+        else:
+            _post_recv(x, msg, dst, progress, wire, ring)
+    copied = 0
+    for op in answers.local:
+        source.copy(op, view(dst, op.dst, op))
+        progress.landed([op])
+        copied += nbytes(op)
+    x.drain()
+    return copied
+
+
+def flat(t: torch.Tensor, wire: torch.device) -> torch.Tensor | None:
+    """``t``'s bytes as a flat uint8 view when a message may use them as they are."""
+    if t.device != wire or not t.is_contiguous() or t.is_conj() or t.is_neg() or not t.numel():
+        return None
+    return t.reshape(-1).view(torch.uint8)
+
+
+def packer(x: mover.Transfers, msg: list[Op], source: Source, wire: torch.device) -> Callable:
+    """``part(lo, hi)`` for :meth:`Transfers.send`: the message's bytes, packed at the first call."""
+    direct = source.sender(x, msg, wire)
+    if direct is not None:
+        return direct
+    packed: list[torch.Tensor] = []
+    starts, n = layout(msg)
+
+    def part(lo: int, hi: int) -> torch.Tensor:
+        if not packed:
+            buf = _buffer(x, n, wire)
+            try:
+                source.pack(msg, starts, buf)
+            except Exception as e:  # noqa: BLE001 - still sent (the receiver waits for it), and reported
+                x.errors.append(f"packing a message for rank {msg[0].peer}: {type(e).__name__}: {e}")
+            packed.append(buf)
+        return packed[0][lo:hi]
+
+    return part
+
+
+def copies(msg: list[Op], views: list[torch.Tensor], starts: list[int], buf: torch.Tensor, into_buffer: bool,
+           ring=None) -> None:
+    """Each piece of a packed message between ``buf`` and its view: one ``memmove`` for a contiguous host
+    view of the wire's dtype (most pieces are small; torch's cost per call was most of the time), a
+    strided ``copy_`` (which also casts; through ``ring`` into an accelerator view) for the rest."""
+    base = buf.data_ptr() if buf.device.type == "cpu" else None
+    for op, v, at in zip(msg, views, starts):
+        n = nbytes(op)
+        ptr = mover.direct_ptr(v) if base is not None and v.dtype == DTYPES[op.dtype] else None
+        if ptr is not None:
+            ctypes.memmove(base + at, ptr, n) if into_buffer else ctypes.memmove(ptr, base + at, n)
+        elif into_buffer:
+            buf[at: at + n].view(DTYPES[op.dtype]).view(op.lengths).copy_(v)
+        else:
+            mover.copy_into(v, buf[at: at + n].view(DTYPES[op.dtype]).view(op.lengths), ring)
+
+
+def _post_recv(x: mover.Transfers, msg: list[Op], dst: Dests, progress: Progress, wire: torch.device,
+               ring=None) -> None:
+    views = [view(dst, op.dst, op) for op in msg]
+    if len(msg) == 1:
+        whole = flat(views[0], wire)
+        if whole is not None:
+            x.recv(msg[0].peer, whole, lambda: progress.landed(msg))
+            return
+    starts, n = layout(msg)
+    buf = _buffer(x, n, wire)
+
+    def unpack() -> None:
+        copies(msg, views, starts, buf, into_buffer=False, ring=ring)
+        progress.landed(msg)
+
+    x.recv(msg[0].peer, buf, unpack)
+
+
+def _buffer(x: mover.Transfers, n: int, wire: torch.device) -> torch.Tensor:
+    """A message buffer: the mover's reused host buffers under gloo, device memory under NCCL."""
+    return x.buffer(n) if wire.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=wire)
