@@ -47,6 +47,8 @@ SRC, DST = 0, 1
 HEAD = 6
 K_KIND, K_NAME, K_DTYPE, K_NDIM, K_INDEX, K_FLAGS = range(HEAD)
 F_CAST = 1  # a destination's flag: its dtype may differ from the source's (the sender casts)
+F_NEEDED = 2  # a source's flag: a name no destination asks for is a problem (reported to its lowest holder)
+F_ROW = 4  # a destination's flag: it takes one whole source box, whose size only its holders know (see below)
 
 SEND, RECV, LOCAL, ERROR = range(4)
 HOP_SHIFT = 8  # an answer's kind word: kind | hop << HOP_SHIFT (hop 0: from a holder; later: a relay)
@@ -54,7 +56,7 @@ AHEAD = 7
 A_KIND, A_NAME, A_PEER, A_SRC, A_DST, A_DTYPE, A_NDIM = range(AHEAD)
 
 # problems an owner reports to a destination's rank (A_PEER carries the code, A_DST the index)
-E_MISSING, E_SHAPE, E_DTYPE, E_UNCOVERED, E_OVERLAP, E_CONFLICT = range(1, 7)
+E_MISSING, E_SHAPE, E_DTYPE, E_UNCOVERED, E_OVERLAP, E_CONFLICT, E_UNUSED = range(1, 8)
 PROBLEMS = {
     E_MISSING: "no rank of the group holds a source tensor of this name",
     E_SHAPE: "its global shape differs from the source's",
@@ -62,6 +64,7 @@ PROBLEMS = {
     E_UNCOVERED: "part of its region is held by no source rank",
     E_OVERLAP: "the sources hold overlapping boxes that differ (not one layout)",
     E_CONFLICT: "the source ranks disagree on its global shape or dtype",
+    E_UNUSED: "no rank of the group needs it",
 }
 _MASK = np.uint64((1 << 63) - 1)
 # bytes per element of each dtype code (``pipeload.live.sides.DTYPES``'s order): the greedy balances the
@@ -207,7 +210,7 @@ def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: np.ndarray, s
     name = int(rec[0, K_NAME])
     is_src = rec[:, K_KIND] == SRC
     if not np.any(~is_src):
-        return []  # a source nobody needs
+        return _unused(name, rec, ranks, nd)  # a source nobody needs
     dst_rec, dst_ranks = rec[~is_src], ranks[~is_src]
     if not np.any(is_src):
         return [_errors(name, dst_ranks, dst_rec[:, K_INDEX], E_MISSING, nd)]
@@ -226,8 +229,35 @@ def _plan_name(rec: np.ndarray, ranks: np.ndarray, nd: int, loads: np.ndarray, s
     if np.prod(boxes[:, 1], axis=1, dtype=np.int64).sum() > np.prod(shape, dtype=np.int64) or \
             not _disjoint(boxes):
         return out + [_errors(name, dst.ranks, dst.index, E_OVERLAP, nd)]
+    if np.any(dst.flags & F_ROW):
+        dst = _rows(dst, boxes)
     out.append(_pieces(name, dst, boxes, holders, src_rec[0, K_DTYPE], nd, ndim, loads, sides))
     return out
+
+
+def _unused(name: int, rec: np.ndarray, ranks: np.ndarray, nd: int) -> list[np.ndarray]:
+    """A name only sources hold: nothing, unless a holder flagged it :data:`F_NEEDED` (a restore's
+    ``strict``): then one problem row to the lowest such holder, naming its source as ``-1 - index``."""
+    needed = np.flatnonzero(rec[:, K_FLAGS] & F_NEEDED)
+    if not len(needed):
+        return []
+    i = needed[np.argmin(ranks[needed])]
+    return [_errors(name, ranks[i: i + 1], -1 - rec[i: i + 1, K_INDEX], E_UNUSED, nd)]
+
+
+def _rows(dst: _Side, boxes: np.ndarray) -> _Side:
+    """The :data:`F_ROW` destinations' regions: the distinct source box whose first offset is the
+    destination's rank when there is one, else the first (boxes are sorted by offsets). What a memory
+    tier's object is: a row ``(saved rank, 0)`` of lengths ``(1, its bytes)`` of a name's table, so a
+    rank takes its own saved rank's value where the saved world had its rank, else the lowest's, and
+    learns the size from the answer's lengths."""
+    row = (dst.flags & F_ROW) != 0
+    first = boxes[:, 0, 0]
+    at = np.minimum(np.searchsorted(first, dst.ranks[row]), len(first) - 1)
+    pick = np.where(first[at] == dst.ranks[row], at, 0)
+    off, ln = dst.off.copy(), dst.len.copy()
+    off[row], ln[row] = boxes[pick, 0], boxes[pick, 1]
+    return dst._replace(off=off, len=ln)
 
 
 def _check_dests(name: int, dst_rec: np.ndarray, dst_ranks: np.ndarray, src0: np.ndarray, nd: int):
@@ -581,7 +611,7 @@ class Answers(NamedTuple):
     sends: list[Op]
     recvs: list[Op]
     local: list[Op]
-    problems: list[tuple[int, int]]  # (destination index, problem code)
+    problems: list[tuple[int, int]]  # (destination index, or -1 - source index for E_UNUSED; problem code)
 
 
 def decode(words: np.ndarray, nd: int, rank: int) -> Answers:
