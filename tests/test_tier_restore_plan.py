@@ -110,16 +110,128 @@ def test_greedy_is_the_balance_rule_and_independent_of_listing_order():
                                             {f: c.holders(f).tolist() for f in lost_files}, base)
 
 
-def test_reshard_pieces_cover_boxes_and_prefer_local_copies():
-    # saved: a (4, 6) tensor in two row halves, each replicated on two saved ranks (TP2 x DP2)
-    tables = {f: {"w": {"dtype": "F32", "shape": [4, 6], "offsets": [2 * (f % 2), 0], "lengths": [2, 6]}}
-              for f in range(4)}
-    chunks = rp.chunk_tables(tables)
-    pieces, missing = rp.pieces_for([("w", (0, 0), (4, 3))], chunks, rank=1, local={3})
-    assert not missing
-    assert sorted((p.f, p.offsets, p.lengths) for p in pieces) == [(0, (0, 0), (2, 3)), (3, (2, 0), (2, 3))]
-    _, missing = rp.pieces_for([("v", (0,), (3,))], chunks, rank=1)
-    assert missing == ["v"]
+class _File:
+    """A listed tier file as the resharding planner reads it: its chunks and objects."""
+
+    def __init__(self, tensors, objects=()):
+        self.tensors = {fqn: (d, s, o, n, "") for fqn, (d, s, o, n) in tensors.items()}
+        self.objects = {fqn: (size, "") for fqn, size in dict(objects).items()}
+
+
+def _want(boxes, objects=()):
+    """A rank's destinations as the restore resolves them: fqn -> (leaf, box, dtype name)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeload.plan.statedict import Box
+
+    tensors = {fqn: (None, Box(shape, off, ln, torch.empty(ln, dtype=torch.float32)), "F32")
+               for fqn, (shape, off, ln) in boxes.items()}
+    return SimpleNamespace(tensors=tensors, objects={fqn: fqn for fqn in objects})
+
+
+def _owners_plan(files_of, wants, world, step=7, saved_world=None, strict=True):
+    """The resharding plan of every rank, through the exact functions a restore runs on each rank, the
+    two all-to-alls simulated: (answers per rank, records words each rank received, answer words each
+    rank received, the Dests per rank)."""
+    from pipeload.move import plan as mp
+    from pipeload.tier import reshard
+
+    saved_world = saved_world or world
+    sides = []
+    for r in range(world):
+        src, held = reshard.source_boxes({(step, f): tf for f, tf in files_of[r].items()}, step, saved_world, strict)
+        sides.append((src, held, reshard.Dests(wants[r], saved_world)))
+    nd = max(max(reshard.ndim(s), reshard.ndim(d.boxes)) for s, _, d in sides)
+    sent = [mp.by_owner(mp.records(s, d.boxes, nd), world) for s, _, d in sides]
+    inbox, answers_out = [], []
+    for o in range(world):  # each owner: what every rank sent it, in rank order
+        counts = np.array([c[o] for c, _ in sent])
+        parts = [w[int(c[:o].sum()): int(c[:o + 1].sum())] for c, w in sent]
+        inbox.append(int(counts.sum()))
+        answers_out.append(mp.answer(counts, np.concatenate(parts), nd, world))
+    answers, got = [], []
+    for r in range(world):
+        parts = [w[int(c[:r].sum()): int(c[:r + 1].sum())] for c, w in answers_out]
+        got.append(sum(len(p) for p in parts))
+        answers.append(mp.decode(np.concatenate(parts), nd, r))
+    return answers, inbox, got, [d for _, _, d in sides], [h for _, h, _ in sides]
+
+
+def _covers(answers, dests, r):
+    """Whether rank r's receives and local copies cover each of its tensor boxes exactly once."""
+    for i in range(dests[r].tensors):
+        box = dests[r].boxes[i]
+        mine = [op for op in answers[r].recvs + answers[r].local if op.dst == i]
+        if sum(int(np.prod(op.lengths)) for op in mine) != int(np.prod(box.lengths)):
+            return False
+    return True
+
+
+def test_reshard_is_planned_by_the_owners_with_local_copies_and_objects():
+    """Saved TP2 x DP2 (a (4, 6) tensor in row halves, each on two saved ranks), one copy of each file on
+    the next host; loaded by columns over 4 ranks: every box covered, a piece a rank's own root holds is
+    a local copy, the sender of the rest lists the file; each rank takes its own saved rank's object."""
+    world = 4
+    saved = {f: _File({"w": ("F32", (4, 6), (2 * (f % 2), 0), (2, 6))}, {"rng": 10 + f, "step": 8})
+             for f in range(world)}
+    files_of = {r: {f: saved[f] for f in (r, (r - 1) % world)} for r in range(world)}
+    wants = [_want({"w": ((4, 6), (0, r), (4, 1))}, ["rng", "step"]) for r in range(world)]
+    answers, _, _, dests, held = _owners_plan(files_of, wants, world)
+    for r in range(world):
+        a = answers[r]
+        assert not a.problems and _covers(answers, dests, r)
+        for op in a.local:
+            assert held[r][op.src][0] in files_of[r]
+        assert not [op for op in a.recvs if op.dst == 0]  # (its root holds both row halves: local copies)
+        rng = [op for op in a.recvs + a.local if dests[r].names[op.dst] == "rng"]
+        assert len(rng) == 1 and rng[0].offsets == (r, 0) and rng[0].lengths == (1, 10 + r)
+    for r in range(world):
+        for op in answers[r].sends:
+            assert held[r][op.src][0] in files_of[r]
+
+
+def test_reshard_problems_and_a_world_beyond_the_saved_one():
+    """Saved by 2 ranks, restored by 4: ranks 2 and 3 list nothing and take saved rank 0's object; a key
+    no file holds is missing (strict: a problem), a stored key no rank loads is a problem with strict."""
+    saved = {f: _File({"w": ("F32", (4, 2), (2 * f, 0), (2, 2)), "v": ("F32", (3,), (0,), (3,))},
+                      {"rng": 20 + f}) for f in range(2)}
+    files_of = {0: dict(saved), 1: dict(saved), 2: {}, 3: {}}
+    wants = [_want({"w": ((4, 2), (r, 0), (1, 2)), "v": ((3,), (0,), (3,))}, ["rng"]) for r in range(4)]
+    answers, _, _, dests, _ = _owners_plan(files_of, wants, 4, saved_world=2)
+    assert all(not a.problems and _covers(answers, dests, r) for r, a in enumerate(answers))
+    for r in range(4):
+        (op,) = [op for op in answers[r].recvs + answers[r].local if dests[r].names[op.dst] == "rng"]
+        assert op.offsets == ((r, 0) if r < 2 else (0, 0)) and op.lengths[1] == 20 + (r if r < 2 else 0)
+    wants = [_want({"w": ((4, 2), (r, 0), (1, 2)), "x": ((2,), (0,), (2,))}, ["rng"]) for r in range(4)]
+    answers, _, _, dests, held = _owners_plan(files_of, wants, 4, saved_world=2)
+    from pipeload.tier import reshard
+
+    lines = [reshard.problems(a, dests[r], held[r], True) for r, a in enumerate(answers)]
+    assert all(m == ["x"] for _, m in lines)
+    text = "\n".join(x for ls, _ in lines for x in ls)
+    assert "x: not in step" in text and "v: in the tier's step" in text and "no rank loads it" in text
+    assert not reshard.problems(answers[2], dests[2], held[2], False)[0]  # (not strict: only missing)
+
+
+def test_reshard_planning_per_rank_is_not_total_chunks():
+    """Each rank lists 2 files (its own, a copy of its neighbour's) of S tensors in TP-2 row halves,
+    restored in TP-2 column halves. The old plan all-gathered every file's chunk table (the step's
+    total chunks, W x S, to every rank); the owners' records a rank receives stay O(S) as W grows."""
+    def world_of(w, s=16):
+        saved = {f: _File({f"l{f // 2}.t{k}": ("F32", (4, 4), (2 * (f % 2), 0), (2, 4)) for k in range(s)})
+                 for f in range(w)}
+        files_of = {r: {f: saved[f] for f in (r, (r - 1) % w)} for r in range(w)}
+        wants = [_want({f"l{r // 2}.t{k}": ((4, 4), (0, 2 * (r % 2)), (4, 2)) for k in range(s)}) for r in range(w)]
+        answers, inbox, got, dests, _ = _owners_plan(files_of, wants, w)
+        assert all(not a.problems and _covers(answers, dests, r) for r, a in enumerate(answers))
+        return max(inbox), max(got), w * s
+
+    small, large = world_of(32), world_of(256)
+    assert large[2] == 8 * small[2]  # total chunks grew 8x
+    assert large[0] <= 2 * small[0] and large[1] <= 2 * small[1]  # what the busiest rank receives did not
+    assert large[0] < large[2]  # (fewer words than the old tables' chunks, which were records of 5+ fields)
 
 
 def test_a_copy_whose_record_differs_is_not_used():

@@ -6,13 +6,15 @@ One restore, on every rank of the load's group, in this order:
    the layout digest of its state dict;
 2. two gathers (:func:`.restoreplan.exchange`): the rows, then every rank's listing; from them alone,
    alike on every rank, the newest step complete over the live ranks, whether every rank loads exactly
-   its saved rank's file (the same layout), and who reads what (:mod:`.restoreplan`). Resharding adds
-   two all-gathers: the chunk tables of the step (each file's lowest holder sends its table) and every
-   rank's requests;
+   its saved rank's file (the same layout), and who reads what (:mod:`.restoreplan`). Resharding is
+   planned by the live transfer's planner (:mod:`.reshard`, :mod:`pipeload.move.plan`): one word per
+   rank, then the two all-to-alls of boxes to the names' owners and of their answers, then one agreement
+   on the problems found;
    Once a step is chosen, each rank parses the records of the files it will read; one that does not
    parse or disagrees with its summary is a failed copy, found before any transfer (as in 3);
 3. checksums: every chunk and object a rank reads from its tier is hashed (xxh3) and compared with its
-   header. Resharding checks the files first (before any destination is written); the same layout
+   header. Resharding checks the files it reads first (before any destination is written; their headers
+   validated field by field too); the same layout
    hashes the bytes as they are read, sent and copied (one pass over the tier instead of two). Either
    way one word per rank then says whether some copy failed, and only then the failed copies travel:
    they are left out and step 2's decision is re-taken from the same words (another copy, an older
@@ -62,7 +64,9 @@ from ..plan.statedict import flatten, tensor_box
 from ..plan.tensorkinds import refusal
 from . import restoreplan
 from .restoreread import list_root, load_header, verify
-from .restorerun import SameJob, reshard_job
+from .reshard import reshard_job
+from .restoreread import validate
+from .restorerun import SameJob
 
 @dataclass
 class Wanted:
@@ -161,10 +165,10 @@ def _restore(comm: Comm, guard: Guard, contended: str | None, state_dict: dict, 
         if _any_bad(comm, bad, what, lap, "check"):
             planned = _retake(comm, planned, bad, files, what)
             continue
-        job = same or reshard_job(comm, planned, files, want, strict, what, tier.job)
+        job = same or reshard_job(comm, planned, files, want, strict, what)
         lap("exchange")
         if not planned.same:  # (the same layout checks its copies as it reads them: see SameJob.run)
-            bad = _check(files, job.reads, checked, step)
+            bad = _check(files, job.reads, checked, step, tier.job)
             if _any_bad(comm, bad, what, lap, "check"):
                 planned = _retake(comm, planned, bad, files, what)
                 continue
@@ -245,16 +249,16 @@ def _headers(files: dict, needed, step: int) -> list:
     return bad
 
 
-def _check(files: dict, reads: set, checked: set, step: int) -> list:
-    """Verify the files this rank will read (each once per restore): [(step, saved rank, why)] of those
-    that failed, which are also dropped from ``files``."""
+def _check(files: dict, reads: set, checked: set, step: int, job: str) -> list:
+    """Validate and verify the files this rank will read (each once per restore): [(step, saved rank,
+    why)] of those that failed, which are also dropped from ``files``."""
     bad = []
     for f in sorted(reads):
         key = (step, f)
         if key in checked:
             continue
         tf = files.get(key)
-        why = verify(tf) if tf is not None else "not listed"
+        why = (validate(tf, job) or verify(tf)) if tf is not None else "not listed"
         checked.add(key)
         if why is not None:
             bad.append((step, f, why))

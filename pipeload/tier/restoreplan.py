@@ -15,14 +15,13 @@ the file, its bytes)``. From those words alone, identically on every rank:
   greedy (:func:`pipeload.plan.balance.assign`: heaviest file first, to the candidate with the fewest
   bytes so far, counting its own file; ties to the lower rank), and sent to ``r`` point to point. The
   source need not need what it reads: sources are not destinations.
-- :func:`reshard_plan`: any other layout. Each destination box is intersected with the stored chunks
-  of the step (the chunk tables, gathered once); a piece is read locally where the rank lists the file,
-  else sent by the file's source (the same greedy over the file's bytes).
+- any other layout (resharding) is not planned here: :mod:`pipeload.tier.reshard` hands the chosen
+  step's stored chunks, as source boxes of the ranks that list their files, and every rank's destination
+  boxes to the live transfer's planner (:mod:`pipeload.move.plan`).
 
 Cost per rank: the rows are ``W x 4`` words, the entries ``W x E x 5`` words with ``E`` the longest
 list (ranks per host x replicas x steps kept); choosing and the same-layout plan are O(entries) numpy
-plus O(lost files x candidates) for the greedy. Resharding moves every rank's requests and the step's
-chunk tables to every rank: O(total chunks) per rank.
+plus O(lost files x candidates) for the greedy.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import numpy as np
 
 from ..engine._busy import CONTENDED
 from ..plan.balance import assign
-from ..move.regions import intersect
 from ..plan.exchange import hash64
 
 ROW_WORDS = 4  # host, layout digest, entries, flags
@@ -199,85 +197,6 @@ def same_layout_plan(c: Choice) -> SamePlan:
     weights = {f: int(c.nbytes[f]) for f in lost}
     holders = {f: c.holders(f).tolist() for f in lost}
     return SamePlan(local, assign(weights, holders, base))
-
-
-# -- resharding ------------------------------------------------------------------------------------
-
-class Chunk(NamedTuple):
-    """One stored chunk of the chosen step: in saved rank ``f``'s file, tensor ``fqn``."""
-
-    f: int
-    fqn: str
-    dtype: str
-    shape: tuple[int, ...]  # global
-    offsets: tuple[int, ...]
-    lengths: tuple[int, ...]
-
-
-class Piece(NamedTuple):
-    """What a receiver takes from one chunk: ``region`` (offsets, lengths, global coordinates)."""
-
-    f: int
-    fqn: str
-    chunk_offsets: tuple[int, ...]
-    offsets: tuple[int, ...]
-    lengths: tuple[int, ...]
-    receiver: int
-
-
-def pieces_for(boxes: Iterable[tuple[str, tuple, tuple]], chunks: dict[str, list[Chunk]], rank: int,
-               local: frozenset | set = frozenset()) -> tuple[list[Piece], list[str]]:
-    """(the pieces one rank needs for its destination boxes ``(fqn, offsets, lengths)``, the fqns no
-    stored chunk covers whole). A chunk several saved ranks hold (replicas) is taken once: from a file
-    in ``local`` (the saved ranks whose files this rank lists) if any, else the lowest saved rank's."""
-    out, uncovered = [], []
-    for fqn, off, ln in boxes:
-        got, covered = {}, 0
-        for ch in chunks.get(fqn, ()):
-            hit = intersect(off, ln, ch.offsets, ch.lengths)
-            if hit is None:
-                continue
-            seen = got.get((ch.offsets, ch.lengths, hit))
-            if seen is not None:
-                if seen.f not in local and ch.f in local:
-                    got[(ch.offsets, ch.lengths, hit)] = ch
-                continue
-            got[(ch.offsets, ch.lengths, hit)] = ch
-            covered += int(np.prod(hit[1], dtype=np.int64))
-        if covered != int(np.prod(ln, dtype=np.int64)) or (fqn not in chunks):
-            uncovered.append(fqn)
-            continue
-        for (_, _, (o, n)), ch in got.items():
-            out.append(Piece(ch.f, fqn, ch.offsets, o, n, rank))
-    return out, uncovered
-
-
-def reshard_sources(c: Choice) -> dict[int, int]:
-    """The rank that reads and sends each saved rank's file to ranks that do not list it: the balanced
-    greedy over the files' bytes among their holders (the same rule as :func:`same_layout_plan`)."""
-    weights = {f: int(c.nbytes[f]) for f in range(c.world)}
-    holders = {f: c.holders(f).tolist() for f in range(c.world)}
-    return assign(weights, holders)
-
-
-def transfer_order(pieces: Iterable[Piece], c: Choice, sources: dict[int, int]) -> list[tuple[Piece, int]]:
-    """Every piece that crosses ranks, with its sender, in the one global order (file, receiver, tensor,
-    chunk, region): what every rank posts its sends and receives in (a file's pieces for one receiver are
-    consecutive: they travel packed)."""
-    out = [(p, sources[p.f]) for p in pieces if not c.holds(p.receiver, p.f)]
-    out.sort(key=lambda x: (x[0].f, x[0].receiver, x[0].fqn, x[0].chunk_offsets, x[0].offsets))
-    return out
-
-
-def chunk_tables(tables: dict[int, dict]) -> dict[str, list[Chunk]]:
-    """The step's chunks by fqn from each saved rank's header table ``{fqn: {"shape", "offsets",
-    "dtype", ...}}`` (the local tensor's lengths are the stored shape: ``lengths``)."""
-    out: dict[str, list[Chunk]] = {}
-    for f in sorted(tables):
-        for fqn, t in sorted(tables[f].items()):
-            out.setdefault(fqn, []).append(Chunk(f, fqn, t["dtype"], tuple(t["shape"]), tuple(t["offsets"]),
-                                                 tuple(t["lengths"])))
-    return out
 
 
 class Planned(NamedTuple):

@@ -61,12 +61,6 @@ class TierFile:
     def entry(self) -> tuple[int, int, int, int, int]:
         return (self.step, self.rank, self.world, self.digest, self.nbytes)
 
-    def table(self) -> dict:
-        """The chunk table other ranks plan a resharding restore with (JSON-able)."""
-        return {"tensors": {f: {"dtype": d, "shape": list(s), "offsets": list(o), "lengths": list(n)}
-                            for f, (d, s, o, n, _) in self.tensors.items()},
-                "objects": {f: int(b) for f, (b, _) in self.objects.items()}}
-
 
 def _digest(tensors: dict, objects: dict) -> int:
     return layout_digest(((f, d, s, o, n) for f, (d, s, o, n, _) in tensors.items() if all(n)), objects)
@@ -132,8 +126,8 @@ def _open(path: str, job: str | None, step: int, rank: int, warn: bool = True):
     compiled parser; the tier record is only parsed here (each chunk's fields against the file's entries),
     not checked field by field as :func:`.format.read_rank_header` does: a copy is used only when its
     layout digest equals the one it is used with (:func:`.restoreplan.same_layout`) — the receiving rank's
-    own boxes, or the lowest holder's header, fully validated before its chunk table is sent — and its
-    checksums pass."""
+    own boxes, or the lowest holder's — its checksums pass and, for a file a resharding restore reads,
+    its header passes :func:`validate`."""
     try:
         entries = read_header(path)
         meta = entries.pop("__metadata__") or {}
@@ -168,16 +162,20 @@ def _open(path: str, job: str | None, step: int, rank: int, warn: bool = True):
         return None
 
 
-def validated_table(tf: TierFile, job: str) -> dict:
-    """The chunk table of ``tf`` after :func:`.format.read_rank_header`'s full validation (what a file's
-    lowest holder sends for a resharding restore); raises naming the file when it does not pass."""
-    h = tierformat.read_rank_header(tf.path, job=job, step=tf.step, rank=tf.rank)
+def validate(tf: TierFile, job: str) -> str | None:
+    """:func:`.format.read_rank_header`'s full validation of ``tf``'s header (a file a resharding
+    restore reads from), and that it still describes the layout it was listed and planned with: None,
+    or why this copy is unusable."""
+    try:
+        h = tierformat.read_rank_header(tf.path, job=job, step=tf.step, rank=tf.rank)
+    except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
+        return f"{tf.path}: {type(e).__name__}: {e}"
     full = TierFile(tf.step, tf.rank, h.world, tf.path, tf.nbytes,
                     {f: (t.dtype, t.shape, t.offsets, t.lengths, t.checksum) for f, t in h.tensors.items()},
                     {f: (o.end - o.start, o.checksum) for f, o in h.objects.items()}, tf.spans)
-    if full.digest != tf.digest:
-        raise PipeloadError(f"{tf.path}: changed since it was listed")
-    return full.table()
+    if full.digest != tf.digest or h.world != tf.world:
+        return f"{tf.path}: changed since it was listed"
+    return None
 
 
 BLOCK = 16 << 20  # bytes read per call when checking a file

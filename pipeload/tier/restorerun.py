@@ -3,9 +3,8 @@
 - :class:`SameJob` (the saved layout): rank ``r`` copies saved rank ``r``'s file from its own root,
   or receives it from the file's source; a source reads the files it sends. A file travels as its
   tensors in sorted fqn order (each cut into parts), then its objects' sizes, then their bytes.
-- :class:`ReshardJob` (any other layout): the pieces of stored chunks each destination box needs,
-  read locally where the rank lists the file, else sent by the file's source, in the global order of
-  :func:`.restoreplan.transfer_order`; objects after the tensors, sorted likewise.
+- :class:`pipeload.tier.reshard.ReshardJob` (any other layout): planned by :mod:`pipeload.move.plan`
+  and moved by :mod:`pipeload.move.run`, with the tier files as the source (see that module).
 
 ``run`` returns (the decoded Python objects as ``(leaf, value)``, this rank's error or None): a failed
 read still sends (zeros), so no peer waits for ever; the error is raised at the agreement.
@@ -15,18 +14,13 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 
-from ..errors import DistributedError, StateDictError
-from ..formats.chunks import torch_dtype
 from ..io._fastio import SafetensorsFile
 from ..io.reader import decode_object
 from ..io.checksum import checksum, hasher
-from . import restoreplan
-from .restoreread import copy_region, pread_into, read_region, validated_table
+from .restoreread import pread_into
 from ..move.mover import Transfers, batches, host_bytes, staged_into, unpack_into
-from ..move.regions import dest_region
 
 
 class _Files:
@@ -309,167 +303,3 @@ def _pread_hashed(fd: int, tf, fqn: str, out: torch.Tensor, hashes: _Hashes) -> 
         hashes.feed(tf, fqn, piece)
     if not out.numel():
         hashes.feed(tf, fqn, out)
-
-
-# -- resharding ------------------------------------------------------------------------------------
-
-def reshard_job(comm, planned, files: dict, want, strict: bool, what: str, job: str) -> "ReshardJob":
-    """Gather the step's chunk tables and every rank's requests, then this rank's part of the plan."""
-    c, rank = planned.choice, comm.rank
-    mine, failed = {}, []
-    for f in range(c.world):
-        if int(c.holders(f)[0]) == rank:
-            try:
-                mine[f] = validated_table(files[(c.step, f)], job)
-            except Exception as e:  # noqa: BLE001 - raised on every rank below
-                failed.append(f"{type(e).__name__}: {e}")
-    tables: dict[int, dict] = {}
-    gathered = comm.all_gather_object((mine, failed), what)
-    problems = {r: "\n".join(p) for r, (_, p) in enumerate(gathered) if p}
-    if problems:
-        raise DistributedError(f"{what}: chunk tables", problems)
-    for part, _ in gathered:
-        tables.update(part)
-    chunks = restoreplan.chunk_tables({f: t["tensors"] for f, t in tables.items()})
-    local = {f for f in range(c.world) if c.holds(rank, f)}
-    boxes = [(fqn, b.offsets, b.lengths) for fqn, (_, b, _) in sorted(want.tensors.items())]
-    pieces, missing = restoreplan.pieces_for(boxes, chunks, rank, local)
-    problems = [f"{p.fqn}: stored as {chunks[p.fqn][0].dtype}, loaded into {want.tensors[p.fqn][2]}"
-                for p in pieces if chunks[p.fqn][0].dtype != want.tensors[p.fqn][2]]
-    objs = []
-    for fqn in sorted(want.objects):
-        have = [f for f in sorted(tables) if fqn in tables[f]["objects"]]
-        if not have:
-            missing.append(fqn)
-            continue
-        f = min(set(have) & local, default=have[0])
-        objs.append((f, fqn, rank, int(tables[f]["objects"][fqn])))
-    requests = comm.all_gather_object((pieces, objs, sorted(set(problems)), missing), what)
-    _refuse(requests, tables, strict, what)
-    return ReshardJob(c, rank, requests, restoreplan.reshard_sources(c), sorted(set(missing)))
-
-
-def _refuse(requests: list, tables: dict, strict: bool, what: str) -> None:
-    """Raise on every rank alike (all hold the same requests): dtype mismatches; with ``strict``, keys
-    no stored chunk covers and stored keys no rank loads."""
-    failures = {r: "\n".join(p) for r, (_, _, p, _) in enumerate(requests) if p}
-    if strict:
-        for r, (_, _, _, m) in enumerate(requests):
-            if m:
-                failures[r] = "\n".join([failures.get(r, ""), *(f"{k}: not in step (or not covered)" for k in m)]).strip()
-    if failures:
-        raise DistributedError(f"{what}: validation", failures) if len(requests) > 1 else StateDictError(
-            f"{what}: cannot load", list(failures.values()))
-    if strict:
-        stored = {k for t in tables.values() for k in (*t["tensors"], *t["objects"])}
-        asked = {p.fqn for ps, _, _, _ in requests for p in ps} | {o[1] for _, os_, _, _ in requests for o in os_}
-        if stored - asked:
-            raise StateDictError(f"{what}: keys in the tier's step that no rank loads (strict=True)",
-                                 sorted(stored - asked))
-
-
-class ReshardJob:
-    """Another layout: pieces of stored chunks, local or sent by each file's source."""
-
-    ring = None  # as SameJob's
-
-    def __init__(self, c, rank: int, requests: list, sources: dict, missing: list):
-        self.c, self.rank, self.sources, self.missing = c, rank, sources, missing
-        every = [p for ps, _, _, _ in requests for p in ps]
-        self.transfers = restoreplan.transfer_order(every, c, sources)
-        self.local = [p for p in requests[rank][0] if c.holds(rank, p.f)]
-        objs = [o for _, os_, _, _ in requests for o in os_]
-        self.obj_moves = sorted(o for o in objs if not c.holds(o[2], o[0]))
-        self.obj_local = [o for o in requests[rank][1] if c.holds(rank, o[0])]
-        self.reads = ({p.f for p in self.local} | {o[0] for o in self.obj_local}
-                      | {p.f for p, s in self.transfers if s == rank}
-                      | {o[0] for o in self.obj_moves if sources[o[0]] == rank})
-
-    def run(self, comm, files: dict, want, stats, what: str) -> tuple[list, str | None]:
-        x, errors, opened = Transfers(comm, what), _Errors(), _Files(files, self.c.step)
-        try:
-            for batch, s in self._batches(want, opened):
-                receiver = batch[0].receiver
-                if s == self.rank:
-                    flat = torch.cat([read_piece(opened, p, errors).reshape(-1).view(torch.uint8) for p in batch])
-                    x.send(receiver, flat.numel(), _slices(flat))
-                elif receiver == self.rank:
-                    dsts = [dest_region(want.tensors[p.fqn][1], p.offsets, p.lengths) for p in batch]
-                    if len(dsts) == 1:
-                        buf, then = staged_into(dsts[0], self.ring)
-                    else:
-                        buf = x.buffer(sum(d.numel() * d.element_size() for d in dsts))
-                        then = unpack_into(buf, dsts, self.ring)
-                    x.recv(s, buf, then)
-                    stats.shared_shards += len(batch)
-            decoded = self._objects(x, opened, want, errors, what)
-            x.drain()
-            for p in self.local:
-                tf, sf = opened.get(p.f)
-                dst = dest_region(want.tensors[p.fqn][1], p.offsets, p.lengths)
-                errors.guard(lambda: copy_region(sf, tf, p.fqn, p.offsets, p.lengths, dst, self.ring), lambda: None)
-                stats.bytes_read += dst.numel() * dst.element_size()
-                stats.private_shards += 1
-        finally:
-            opened.close()
-        stats.bytes_read += x.sent
-        stats.bytes_received, stats.broadcasts = x.received, x.messages
-        stats.objects, stats.missing_keys = len(decoded), list(self.missing)
-        return decoded, errors.text(), []  # (its copies were checked before: see reads)
-
-    def _batches(self, want, opened: _Files):
-        """This rank's transfers (as sender or receiver), consecutive small pieces between the same two
-        ranks packed into one message (:func:`pipeload.move.mover.batches`, alike on both ends)."""
-        runs: dict[tuple[int, int], list] = {}
-        order = []
-        for p, s in self.transfers:
-            if self.rank not in (s, p.receiver):
-                continue
-            key = (p.f, p.receiver)
-            if key not in runs:
-                runs[key] = []
-                order.append((key, s))
-            runs[key].append(p)
-        for key, s in order:
-            pieces = runs[key]
-            itemsize = [_itemsize(p, s == self.rank, want, opened) for p in pieces]
-            sizes = [(i, int(np.prod(p.lengths, dtype=np.int64)) * k) for i, (p, k) in enumerate(zip(pieces, itemsize))]
-            for batch in batches(sizes):
-                yield [pieces[i] for i, _ in batch], s
-
-    def _objects(self, x: Transfers, opened: _Files, want, errors: _Errors, what: str) -> list:
-        """Objects moved (in the global order, after every tensor piece), then this rank's local ones."""
-        got = []
-        for f, fqn, receiver, n in self.obj_moves:
-            if self.sources[f] == self.rank:
-                x.send(receiver, n, _part(opened.files[(self.c.step, f)], opened.fd(f), fqn, errors, _Hashes()))
-            elif receiver == self.rank:
-                buf = torch.empty(n, dtype=torch.uint8)
-                x.recv(self.sources[f], buf)
-                got.append((fqn, buf, f"{what}: object {fqn!r} from rank {self.sources[f]}"))
-        x.drain()
-        for f, fqn, _, n in self.obj_local:
-            tf, buf = opened.files[(self.c.step, f)], torch.empty(n, dtype=torch.uint8)
-            errors.guard(lambda: pread_into(opened.fd(f), tf.path, tf.spans[fqn][0], buf), lambda: None)
-            got.append((fqn, buf, f"{tf.path}: {fqn!r}"))
-        out = []
-        for fqn, buf, where in got:
-            blob = buf.numpy().tobytes()
-            out.append((want.objects[fqn], errors.guard(lambda: decode_object(blob, where), lambda: None)))
-        return out
-
-
-def _itemsize(p, sending: bool, want, opened: _Files) -> int:
-    """Bytes per element of piece ``p``: the stored dtype's (sender), the destination's (receiver): equal,
-    the dtypes were checked on every rank before any transfer."""
-    if sending:
-        return torch_dtype(opened.files[(opened.step, p.f)].tensors[p.fqn][0]).itemsize
-    return want.tensors[p.fqn][1].local.element_size()
-
-
-def read_piece(opened: _Files, p, errors: _Errors) -> torch.Tensor:
-    """A private contiguous copy of piece ``p`` out of its file (zeros, the error recorded, if it fails)."""
-    tf, sf = opened.get(p.f)
-    dtype = torch_dtype(tf.tensors[p.fqn][0])
-    return errors.guard(lambda: read_region(sf, tf, p.fqn, p.offsets, p.lengths),
-                        lambda: torch.zeros(tuple(p.lengths), dtype=dtype))
