@@ -279,6 +279,32 @@ def _case_reshard(rank, world, roots, ckpt, mesh1):
     assert torch.equal(extra["extra"], torch.ones(2))
 
 
+def _case_reshard_corrupt(rank, world, roots, ckpt, mesh, mesh1):
+    """A resharding restore whose local copy fails its checksum: rank 3's own file (the row half it
+    copies locally) is corrupted; it is found after the owners' plan and before any transfer, the
+    decision is re-taken without it and the plan made again: rank 3 receives that half instead."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pipeload.tier import format as tf
+
+    _snapshot(rank, world, roots, 12, _tp_dp_state(mesh, 12.0))
+    _wipe(rank, roots, {1})
+    if rank == 3:
+        _flip(os.fspath(tf.rank_file(roots[3], 12, 3)))
+    dist.barrier()
+    w = torch.arange(48, dtype=torch.float32).reshape(8, 6) * 12.0
+    b = torch.arange(6, dtype=torch.bfloat16) * 12.0
+    want = {"model": {"w": distribute_tensor(w, mesh1, [Shard(1)]), "b": distribute_tensor(b, mesh1, [Shard(0)]),
+                      "plain": torch.full((3,), 12.0)}, "meta": {"step": 12, "lr": 0.1 * 12.0}}
+    dest = _zeroed(want)
+    with pytest.warns(RuntimeWarning, match="unusable") if rank == 3 else _nothing():
+        stats = _load_hidden(rank, dest, _tier(roots[rank]), ckpt)
+    _same(dest, want)
+    assert (stats.source, stats.step) == ("tier", 12)
+    return stats.bytes_received
+
+
 def _case_fsdp(rank, world, roots, ckpt, mesh1):
     import pipeload
 
@@ -364,6 +390,7 @@ def _world_main(rank: int, world: int, tmp: str) -> dict:
     _case_fallbacks(rank, world, roots, ckpt, mesh, persistent)
     _snapshot(rank, world, roots, 10, _tp_dp_state(mesh, 10.0))
     _case_reshard(rank, world, roots, ckpt, mesh1)
+    out["reshard_corrupt"] = _case_reshard_corrupt(rank, world, roots, ckpt, mesh, mesh1)
     out["fsdp"] = _case_fsdp(rank, world, roots, ckpt, mesh1)
     out["skewed"] = _case_summary_disagrees(rank, world, roots, ckpt, mesh)
     out["old"] = _case_no_summary(rank, world, roots, ckpt, mesh)
@@ -380,6 +407,7 @@ def test_restore_world4(tmp_path):
     # a corrupted own copy: rank 0 received its file from the other copy's host
     assert res[0]["corrupt"]["received"] > 0 and res[1]["corrupt"]["received"] == 0
     assert res[3]["fsdp"] > 0
+    assert res[3]["reshard_corrupt"] > 0  # (its own copy failed: the half it held came from a peer)
     # a summary disagreeing with its record: that copy is missing, rank 0 received its file
     assert res[0]["skewed"]["received"] > 0 and res[1]["skewed"]["received"] == 0
     assert res[1]["small"] > 4 * 256  # (many messages: the buffers were reused)

@@ -1,7 +1,8 @@
 """A restore into another layout (resharding), planned and moved by :mod:`pipeload.move`.
 
 The tier files are the source side of the live transfer's planner (:mod:`pipeload.move.plan`): every
-rank offers, as *source boxes*, the stored chunks of the chosen step's files its own root lists, and
+rank offers, as *source boxes*, the stored chunks of the chosen step's files its own root lists (the
+copies the decision kept), and
 asks, as *destination boxes*, for the boxes of its state dict. The names' owners (a hash of the name
 modulo the group) match them in two all-to-alls of int64 words: every destination box is cut into one
 piece per stored chunk it meets, each piece sent by one rank that lists a file holding that chunk —
@@ -17,7 +18,7 @@ the file, or ``pread`` of a contiguous run as it is sent, instead of a view of a
 of saved rank ``f`` holds the row ``(f, 0)`` of lengths ``(1, its bytes)``. A needer does not know the
 size: it asks with :data:`pipeload.move.plan.F_ROW`, and the owner gives it the row of its own saved
 rank when the saved world had its rank, else the lowest saved rank's that holds the object, and the
-answer's lengths carry the size (one more word in the answer, no second round). So a rank keeps its
+answer's lengths carry the size (no second round, no per-object gather). So a rank keeps its
 own saved rank's step counter, RNG state or data loader state when the world is unchanged, and every
 rank beyond the saved world takes the lowest saved rank's.
 
@@ -48,6 +49,7 @@ from ..move.mover import Transfers
 from ..move.plan import F_NEEDED, F_ROW, Box, Op
 from ..move.run import CODES, DTYPES, Progress, run as move_run
 from ..plan.exchange import hash64
+from .restoreplan import E_RANK
 from .restoreread import copy_region, pread_into
 from .restorerun import _Errors, _Files
 
@@ -65,12 +67,14 @@ def object_name(fqn: str) -> int:
     return hash64(b"\0object\0" + fqn.encode())
 
 
-def source_boxes(files: dict, step: int, world: int, strict: bool) -> tuple[list[Box], list[tuple[int, str, bool]]]:
+def source_boxes(files: dict, step: int, world: int, strict: bool, usable=None) -> tuple[list[Box], list]:
     """(this rank's source boxes, per box its (saved rank, fqn, is an object)): every non-empty stored
-    chunk and every object of the files of ``step`` it lists (their records parsed), sorted."""
+    chunk and every object of the files of ``step`` it lists (their records parsed), sorted; only the
+    saved ranks in ``usable`` when given (the copies the decision kept: a copy of another layout is not
+    one of them)."""
     boxes, held = [], []
     flags = F_NEEDED if strict else 0
-    for f in sorted(f for s, f in files if s == step):
+    for f in sorted(f for s, f in files if s == step and (usable is None or f in usable)):
         tf = files[(step, f)]
         for fqn, (dtype, shape, off, ln, _) in sorted(tf.tensors.items()):
             if all(ln):
@@ -160,7 +164,8 @@ def refuse(comm, lines: list[str], what: str) -> None:
 def reshard_job(comm, planned, files: dict, want, strict: bool, what: str) -> "ReshardJob":
     """Plan this rank's part of a resharding restore (collectives every rank takes alike)."""
     c = planned.choice
-    src, held = source_boxes(files, c.step, c.world, strict)
+    usable = set(c.entries[c.entries[:, 0] == comm.rank, 1 + E_RANK].tolist())  # (the copies kept, of this rank)
+    src, held = source_boxes(files, c.step, c.world, strict, usable)
     dst = Dests(want, c.world)
     answers = plan(comm, src, dst, what)
     lines, missing = problems(answers, dst, held, strict)
@@ -201,10 +206,10 @@ class ReshardJob:
         out = []
         for i in range(self.dst.tensors, len(self.dst.names)):
             fqn, buf = self.dst.names[i], self.dst.views[i]
-            if buf is None:
-                continue  # (missing: not strict)
+            if buf is None and fqn in self.missing:
+                continue  # (not strict)
             where = f"{what}: object {fqn!r}" + (f" from rank {peer[i]}" if i in peer else "")
-            blob = buf.numpy().tobytes()
+            blob = b"" if buf is None else buf.numpy().tobytes()  # (no bytes stored: decoding says so)
             out.append((want.objects[fqn], errors.guard(lambda: decode_object(blob, where), lambda: None)))
         return out
 

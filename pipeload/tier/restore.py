@@ -9,28 +9,29 @@ One restore, on every rank of the load's group, in this order:
    its saved rank's file (the same layout), and who reads what (:mod:`.restoreplan`). Resharding is
    planned by the live transfer's planner (:mod:`.reshard`, :mod:`pipeload.move.plan`): one word per
    rank, then the two all-to-alls of boxes to the names' owners and of their answers, then one agreement
-   on the problems found;
-   Once a step is chosen, each rank parses the records of the files it will read; one that does not
+   on the problems found. Once a step is chosen, each rank parses the records of the files it will read; one that does not
    parse or disagrees with its summary is a failed copy, found before any transfer (as in 3);
 3. checksums: every chunk and object a rank reads from its tier is hashed (xxh3) and compared with its
    header. Resharding checks the files it reads first (before any destination is written; their headers
-   validated field by field too); the same layout
-   hashes the bytes as they are read, sent and copied (one pass over the tier instead of two). Either
+   validated field by field too); the same layout hashes the bytes as they are read, sent and copied (one pass over the tier instead of two). Either
    way one word per rank then says whether some copy failed, and only then the failed copies travel:
    they are left out and step 2's decision is re-taken from the same words (another copy, an older
    whole step, or the fallback). A decision re-taken after the transfers rewrites every destination
    from one step, so two steps never mix in what a restore reports loaded;
-4. the transfers (:mod:`pipeload.move.mover`) and the local copies (beside them in a thread, for the same
-   layout: a copy needs no other rank), then the final agreement; Python objects
+4. the transfers (:mod:`pipeload.move.mover`; resharding: the live transfer's messages,
+   :mod:`pipeload.move.run`) and the local copies (beside them in a thread, for the same layout: a copy
+   needs no other rank), then the final agreement; Python objects
    are put in their containers and ``Stateful`` values loaded only after it succeeded.
 No whole step: ``pipeload.load(state_dict, fallback, **options)``, the ordinary load.
 A restore takes the one-operation-per-group guard as a load does (:mod:`pipeload.engine._busy`): a contended
 rank's only collective is the rows gather, with the contention mark where a load's first gather has it.
 
 Why this cannot deadlock (the argument of docs/ARCHITECTURE.md, for point-to-point messages): every
-message has a position in one sequence all ranks derive from the gathered words (transfers sorted by
-file and receiver, then tensor and chunk; small chunks packed into messages and large ones cut into
-parts by rules both ends apply to sizes both know), and the gathers, the agreements and the re-taken
+message has a position in one sequence all ranks derive from the gathered words (same layout:
+transfers sorted by file and receiver, then tensor and chunk; resharding: the owners' answers, sorted
+by name, receiver, destination and offsets, which both ends of a piece hold; small chunks packed into
+messages and large ones cut into parts by rules both ends apply to sizes both know), and the gathers,
+the owners' all-to-alls, the agreements and the re-taken
 decisions are collectives every rank issues alike, since every rank holds the same words. Each rank
 posts its messages in that order and blocks only on its oldest outstanding one. Take the lowest
 message not yet complete: its sender and receiver have each posted it or are before it, and "before
@@ -38,8 +39,8 @@ it" is reading (which needs no other rank) or waiting on lower messages (complet
 lowest), so both post it; it is then the oldest outstanding message of each, which each waits on at
 the latest when its in-flight bytes run out or it drains (a gloo message may need both ends waiting to
 progress), and it completes. A sender whose read fails still sends (zeros) and reports the error at
-the agreement; the receiver of object bytes waits for their sizes only after every older
-message (a drain), which is waiting on its oldest.
+the agreement; a same-layout receiver of object bytes waits for their sizes only after every older
+message (a drain), which is waiting on its oldest (resharding: an object's size is in its answer).
 """
 
 from __future__ import annotations
