@@ -12,7 +12,9 @@ tmpfs; ``--dir`` otherwise) and its own copy of the persistent checkpoint (separ
 - **restore**: one host's root wiped (a replaced node), then ``pipeload.load(dest, tier, fallback=ckpt)``
   against ``pipeload.load(dest, ckpt)`` from each rank's copy of the persistent checkpoint, dropped from
   the page cache, all ranks' reads limited together to ``--read-mbps`` (200 MiB/s) by the cgroup of
-  ``pipeload bench`` (emulated shared storage). Every load goes into zeroed destinations and is compared
+  ``pipeload bench`` (emulated shared storage); unless TP already spans the world, also a **resharding
+  restore** (``tier reshard``): the same snapshot into the state with every tensor sharded over the
+  whole world (TP = world), planned by the owners of :mod:`pipeload.move.plan`. Every load goes into zeroed destinations and is compared
   bitwise with the state afterwards. Bytes read from storage (``/proc/self/io`` ``read_bytes``), bytes
   read from the tier and received from peers (``LoadStats``) are reported per load.
 
@@ -66,20 +68,23 @@ def _log(cfg: TierBenchConfig, rank: int, msg: str) -> None:
 
 
 def _restores(r, cfg: TierBenchConfig, step: int) -> dict[str, list]:
-    """Persistent (throttled, cold) and tier (one host lost) loads in turns, each verified."""
+    """Persistent (throttled, cold) and tier (one host lost) loads in turns, each verified; with
+    ``r["other"]`` (the state in another layout: TP over the whole world) also a resharding restore."""
     import pipeload
 
     from .. import synth
     from .system import _join_cgroup, data_files, drop_cache, proc_io
 
-    runs: dict[str, list] = {"persistent load": [], "tier restore": []}
+    names = ("persistent load", "tier restore") + (("tier reshard",) if "other" in r else ())
+    runs: dict[str, list] = {name: [] for name in names}
     throttle = cfg.throttle or {}
     for i in range(cfg.repeats):
         # in the background (replicated shards staged by one rank each): the restores check its values
         pipeload.save(r["sd"], r["tier"], step=step + i, background=True).wait()
         _wipe(r["tier"].root, r["rank"] == cfg.lost)
-        for name in ("persistent load", "tier restore"):
-            _zero(r["dest"])
+        for name in names:
+            ref, dest = r["other"] if name == "tier reshard" else (r["sd"], r["dest"])
+            _zero(dest)
             if name == "persistent load":
                 drop_cache(data_files(r["node"]))
                 if throttle.get("ok"):
@@ -87,13 +92,13 @@ def _restores(r, cfg: TierBenchConfig, step: int) -> dict[str, list]:
             io0 = proc_io()
             try:
                 took, stats = _barrier_timed(
-                    lambda: pipeload.load(r["dest"], r["node"], reuse_plan=False) if name == "persistent load"
-                    else pipeload.load(r["dest"], r["tier"], fallback=r["node"]))
+                    lambda: pipeload.load(dest, r["node"], reuse_plan=False) if name == "persistent load"
+                    else pipeload.load(dest, r["tier"], fallback=r["node"]))
             finally:
                 if name == "persistent load" and throttle.get("ok"):
                     _join_cgroup(throttle["leave"])
             storage = proc_io()["read_bytes"] - io0["read_bytes"]
-            bad = synth.same_tensors(r["sd"], r["dest"])
+            bad = synth.same_tensors(ref, dest)
             if bad:
                 raise AssertionError(f"rank {r['rank']}: {name} loaded wrong values: {bad[:3]}")
             runs[name].append({"seconds": took, "storage_bytes": storage, "bytes_read": stats.bytes_read,
@@ -154,6 +159,10 @@ def _rank_main(rank: int, world: int, cfg: TierBenchConfig) -> dict[str, Any]:
     _log(cfg, rank, "snapshots done")
     runs: dict[str, list] = {}
     r = {"rank": rank, "sd": sd, "dest": dest, "tier": tier, "node": node}
+    if cfg.tp != world:  # the same values with every tensor sharded over the whole world: a resharding restore
+        other = synth.make_mesh(world, world, 1)
+        r["other"] = (synth.build_state_dict(other, cfg.seed, cfg.size_mb),
+                      synth.build_state_dict(other, cfg.seed, cfg.size_mb, fill=False))
     runs.update(_restores(r, cfg, 100))
     dist.barrier()
     shutil.rmtree(tier.root, ignore_errors=True)
@@ -213,7 +222,7 @@ def format_table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         blocked = f"{r['blocked']:.3f}" if "blocked" in r else "-"
         mib = lambda k: f"{r[k] / MiB:.1f}" if k in r else "-"  # noqa: E731
-        tier_read = mib("bytes_read") if r["method"] == "tier restore" else "-"
+        tier_read = mib("bytes_read") if r["method"] in ("tier restore", "tier reshard") else "-"
         lines.append(f"{r['method']:<18} {r['seconds']:8.3f} {blocked:>8}  {mib('storage_bytes'):>11} "
                      f"{tier_read:>9} {mib('bytes_received'):>9}  {','.join(r.get('source', []))}")
         if "timings" in r:
