@@ -255,3 +255,22 @@ def test_the_ring_on_an_accelerator_waits_for_a_slot_before_reusing_it():
     ring.copy(dst, src)
     ring.close()
     assert torch.equal(dst.cpu(), src) and ring.slots.waits >= 12
+
+
+def test_move_run_unpacks_through_a_ring():
+    """A packed message (a live transfer's, a resharding restore's) lands in a strided destination view
+    through the H2D ring, in a contiguous host one with a memmove."""
+    from pipeload.move.plan import Op
+    from pipeload.move.run import CODES, copies, layout
+
+    ring = devices.H2DRing("cpu", ring_bytes=2 << 20, slots=2)
+    a, b = torch.zeros(4, 2).t(), torch.zeros(4)
+    f32 = CODES[torch.float32]
+    msg = [Op(1, 0, 1, 0, 0, f32, (0, 0), (2, 4)), Op(2, 0, 1, 0, 1, f32, (0,), (4,))]
+    starts, n = layout(msg)
+    buf = torch.zeros(n, dtype=torch.uint8)
+    want_a, want_b = torch.arange(8.0).view(2, 4), torch.arange(4.0) + 10
+    buf[starts[0]: starts[0] + 32].view(torch.float32).copy_(want_a.view(-1))
+    buf[starts[1]: starts[1] + 16].view(torch.float32).copy_(want_b)
+    copies(msg, [a, b], starts, buf, into_buffer=False, ring=ring)
+    assert torch.equal(a, want_a) and torch.equal(b, want_b) and ring.copies == 1
