@@ -164,18 +164,17 @@ def _open(path: str, job: str | None, step: int, rank: int, warn: bool = True):
 
 def validate(tf: TierFile, job: str) -> str | None:
     """:func:`.format.read_rank_header`'s full validation of ``tf``'s header (a file a resharding
-    restore reads from), and that it still describes the layout it was listed and planned with: None,
-    or why this copy is unusable."""
+    restore reads from), and that it still says what it said when it was parsed and planned with (every
+    chunk's fields, checksum and span): None, or why this copy is unusable."""
     try:
         h = tierformat.read_rank_header(tf.path, job=job, step=tf.step, rank=tf.rank)
     except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
         return f"{tf.path}: {type(e).__name__}: {e}"
-    full = TierFile(tf.step, tf.rank, h.world, tf.path, tf.nbytes,
-                    {f: (t.dtype, t.shape, t.offsets, t.lengths, t.checksum) for f, t in h.tensors.items()},
-                    {f: (o.end - o.start, o.checksum) for f, o in h.objects.items()}, tf.spans)
-    if full.digest != tf.digest or h.world != tf.world:
-        return f"{tf.path}: changed since it was listed"
-    return None
+    same = (h.world == tf.world and h.tensors.keys() == tf.tensors.keys() and h.objects.keys() == tf.objects.keys()
+            and all((t.dtype, t.shape, t.offsets, t.lengths, t.checksum, t.start, t.end) == (*tf.tensors[f], *tf.spans[f])
+                    for f, t in h.tensors.items())
+            and all((o.checksum, o.start, o.end) == (tf.objects[f][1], *tf.spans[f]) for f, o in h.objects.items()))
+    return None if same else f"{tf.path}: changed since it was listed"
 
 
 BLOCK = 16 << 20  # bytes read per call when checking a file
