@@ -2,7 +2,7 @@
 
 Every transfer is a list of parts of at most :data:`PIECE` bytes; the sender and the receiver cut a
 transfer into the same parts from sizes both know (a restore's receiver from its own destination, equal
-to the file's chunk by the layout check, or from the gathered chunk tables; a live transfer's both ends
+to the file's chunk by the layout check; a resharding restore's and a live transfer's both ends
 from the region the plan's answer names). Each rank walks its transfers in the global order and posts
 every part at once (``comm.isend``/``comm.irecv``: :class:`pipeload.engine.comm.Comm` on a group of the
 default world, :class:`pipeload.move.link.Link` on any process group), waiting for its oldest
