@@ -469,3 +469,36 @@ def test_restore_into_another_world(tmp_path):
     res = run_world(_world4_restore, 4, str(tmp_path), timeout=90, separate_hosts=True)
     assert all(res[r]["read"] == 0 and res[r]["received"] > 0 for r in (2, 3))
     assert all(res[r]["read"] > 0 for r in (0, 1))
+
+
+def _world4_two_per_host(rank: int, world: int, tmp: str) -> dict:
+    """Hosts of two ranks sharing one root (PIPELOAD_HOST_ID), replicas=2: host 1's root wiped, then a
+    restore into TP 4 (resharding). Both ranks of host 0 list every file; host 1's ranks receive all."""
+    import pipeload
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ["PIPELOAD_HOST_ID"] = f"host-{rank // 2}"
+    roots = [os.path.join(tmp, f"shared{r // 2}") for r in range(world)]
+    os.makedirs(roots[rank], exist_ok=True)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    sd = _tp_dp_state(mesh, 4.0)
+    sd["meta"]["who"] = rank
+    _snapshot(rank, world, roots, 4, sd)
+    _wipe(rank, roots, {2})  # (rank 2 empties host 1's shared root)
+    mesh1 = init_device_mesh("cpu", (4,))
+    w = torch.arange(48, dtype=torch.float32).reshape(8, 6) * 4.0
+    want = {"model": {"w": distribute_tensor(w, mesh1, [Shard(0)]),
+                      "b": distribute_tensor(torch.arange(6, dtype=torch.bfloat16) * 4.0, mesh1, [Shard(0)]),
+                      "plain": torch.full((3,), 4.0)}, "meta": {"step": 4, "lr": 0.4, "who": rank}}
+    dest = _zeroed(want)
+    stats = pipeload.load(dest, _tier(roots[rank]))
+    _same(dest, want)
+    assert (stats.source, stats.step) == ("tier", 4)
+    return {"received": stats.bytes_received, "read": stats.bytes_read}
+
+
+def test_reshard_with_hosts_of_two_ranks(tmp_path):
+    res = run_world(_world4_two_per_host, 4, str(tmp_path), timeout=90)
+    assert all(res[r]["received"] == 0 and res[r]["read"] > 0 for r in (0, 1))  # (local reads of the shared root)
+    assert all(res[r]["received"] > 0 and res[r]["read"] == 0 for r in (2, 3))
