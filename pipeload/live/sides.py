@@ -23,9 +23,9 @@ import torch
 
 from ..errors import StateDictError
 from ..move.plan import F_CAST, Box, records as plan_records
+from ..move.run import CODES as _CODES, DTYPES  # noqa: F401 - (DTYPES: the codes boxes carry, shared with the tier)
 from ..plan.exchange import hash64
 from ..plan.statedict import flatten, tensor_box
-from ..move.run import CODES as _CODES, DTYPES  # noqa: F401 - (DTYPES: the codes boxes carry, shared with the tier)
 from ..slices import Slice
 
 

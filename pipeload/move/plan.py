@@ -27,6 +27,12 @@ more, so no holder sends more than one copy a hop. Hops go first in the global o
 a hop's messages only once the earlier ones it posted completed, so a relay forwards only bytes it
 holds and the order's argument is unchanged.
 
+Two flags serve a memory tier's restore (:mod:`pipeload.tier.reshard`), whose sources are stored
+chunks: a source flagged :data:`F_NEEDED` makes a name no destination asks for a problem, reported to
+its lowest holder (``strict``); a destination flagged :data:`F_ROW` asks for one whole source box whose
+size only the holders know — a Python object, the row of its name's table that a saved rank's file
+holds — and learns the size from the answer's lengths (:func:`_rows`).
+
 Cost per rank: its own records out (``O(S)`` words) and one answer row back per piece it sends or
 receives, plus, on an owner, ``O(holders + needers + pieces)`` of the names it owns, in numpy (no Python
 step per piece or per holder: the greedy runs as a water-filling per run of equal pieces; a relayed fan
