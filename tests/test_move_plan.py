@@ -265,14 +265,14 @@ def test_fsdp_to_tp_replicas_exact_and_balanced():
 
 
 def test_itemsizes_follow_the_dtype_codes():
-    from pipeload.live.sides import DTYPES
+    from pipeload.move.run import DTYPES
     assert [d.itemsize for d in DTYPES] == P.ITEMSIZES.tolist()
 
 
 def test_senders_balanced_by_bytes_across_dtypes():
     """Two holders of every tensor; one owner plans a float32 tensor and six bfloat16 ones of as many
     elements. By bytes both holders send 512: by elements the float32 one counts as a bfloat16 one."""
-    f32, bf16 = 0, 1  # codes of pipeload.live.sides.DTYPES
+    f32, bf16 = 0, 1  # codes of pipeload.move.run.DTYPES
     shape = (8, 8)
     names = [3 * k for k in range(1, 8)]  # one owner in a group of 3
     assert len(set(P.owner_of(np.array(names), 3).tolist())) == 1

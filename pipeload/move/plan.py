@@ -73,7 +73,7 @@ PROBLEMS = {
     E_UNUSED: "no rank of the group needs it",
 }
 _MASK = np.uint64((1 << 63) - 1)
-# bytes per element of each dtype code (``pipeload.live.sides.DTYPES``'s order): the greedy balances the
+# bytes per element of each dtype code (``pipeload.move.run.DTYPES``' order): the greedy balances the
 # bytes each sender puts on the wire, in the destination's dtype (a cast happens on the sender)
 ITEMSIZES = np.array([4, 2, 2, 8, 8, 4, 2, 1, 1, 1, 1, 1, 8, 2, 4, 8, 16], dtype=np.int64)
 
