@@ -230,6 +230,15 @@ def _replicas(size: int, shape=(40, 8)):
     return srcs, dsts
 
 
+def test_relays_never_pay_without_more_destination_ranks_than_source_ranks():
+    """What lets an owner skip looking for fans when D <= T."""
+    for t in range(1, 40):
+        for d in range(1, t + 1):
+            for n in (2, 3, 7, 64, 1000, 10**6):
+                for h in (1, 2, 5, 100):
+                    assert not P.relays(n, h, (t, d)), (n, h, t, d)
+
+
 def test_relayed_fan_reaches_every_needer_once_in_hops():
     srcs, dsts = _replicas(6)
     answers = _group_plan(srcs, dsts, 6)

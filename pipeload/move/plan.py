@@ -78,6 +78,22 @@ _MASK = np.uint64((1 << 63) - 1)
 ITEMSIZES = np.array([4, 2, 2, 8, 8, 4, 2, 1, 1, 1, 1, 1, 8, 2, 4, 8, 16], dtype=np.int64)
 
 
+_TRUE = np.ones(1, dtype=bool)
+_ZERO = np.zeros(1, dtype=np.int64)
+
+
+def _offsets(n: np.ndarray) -> np.ndarray:
+    """``[0, n0, n0 + n1, ...]`` (``np.r_[0, np.cumsum(n)]``, without ``np.r_``'s cost per call: an owner
+    makes a few calls per name)."""
+    return np.concatenate((_ZERO, np.cumsum(n, dtype=np.int64)))
+
+
+def _bounds(changed: np.ndarray) -> np.ndarray:
+    """Where each run of equal neighbours starts, and the end: ``changed[i]`` says item ``i + 1`` differs
+    from item ``i``."""
+    return np.flatnonzero(np.concatenate((_TRUE, changed, _TRUE)))
+
+
 def width(nd: int) -> int:
     return HEAD + 3 * nd
 
@@ -171,7 +187,7 @@ def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int,
         # by name, kind, index, rank: the records arrive by rank, which the stable sort keeps among ties
         order = np.lexsort((rec[:, K_INDEX], rec[:, K_KIND], rec[:, K_NAME]))
         rec, ranks = rec[order], ranks[order]
-        starts = np.flatnonzero(np.r_[True, rec[1:, K_NAME] != rec[:-1, K_NAME], True])
+        starts = _bounds(rec[1:, K_NAME] != rec[:-1, K_NAME])
         for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
             out.extend(_plan_name(rec[a:b], ranks[a:b], nd, loads, sides))
     return _by_destination(out, nd, size)
@@ -292,7 +308,7 @@ class _Holders(NamedTuple):
     def reordered(self, order: np.ndarray) -> "_Holders":
         """The same holders, box ``k`` of the result being box ``order[k]``."""
         n = np.diff(self.start)[order]
-        start = np.r_[0, np.cumsum(n)]
+        start = _offsets(n)
         at = np.arange(int(start[-1])) - np.repeat(start[:-1], n) + np.repeat(self.start[order], n)
         return _Holders(self.rank[at], self.index[at], start)
 
@@ -302,7 +318,7 @@ def _distinct(src: _Side) -> tuple[np.ndarray, _Holders]:
     rank)."""
     key = np.concatenate([src.off, src.len], axis=1)
     by = np.lexsort(key.T[::-1]) if key.shape[1] else np.arange(len(key))  # (np.unique's row order)
-    new = np.r_[True, np.any(key[by][1:] != key[by][:-1], axis=1)]
+    new = np.concatenate((_TRUE, np.any(key[by][1:] != key[by][:-1], axis=1)))
     uniq = key[by][new]
     inv = np.empty(len(key), np.int64)
     inv[by] = np.cumsum(new) - 1
@@ -352,7 +368,7 @@ def _pieces(name: int, dst: _Side, boxes: np.ndarray, holders: _Holders, src_dty
     else:
         a, b = np.zeros(n_dst, np.int64), np.full(n_dst, len(boxes), np.int64)
     cnt = np.maximum(b - a, 0)
-    first = np.r_[0, np.cumsum(cnt)]
+    first = _offsets(cnt)
     i = np.repeat(np.arange(n_dst), cnt)  # candidate pairs (destination, box), by destination then box
     k = np.repeat(a, cnt) + np.arange(int(first[-1])) - np.repeat(first[:-1], cnt)
     lo = np.maximum(boxes[k, 0], dst.off[i])
@@ -360,7 +376,7 @@ def _pieces(name: int, dst: _Side, boxes: np.ndarray, holders: _Holders, src_dty
     keep = np.all(hi > lo, axis=1)
     i, k, o, n = i[keep], k[keep], lo[keep], (hi - lo)[keep]
     size = np.prod(n, axis=1, dtype=np.int64)
-    got = np.r_[0, np.cumsum(size)][np.searchsorted(i, np.arange(n_dst + 1))]
+    got = _offsets(size)[np.searchsorted(i, np.arange(n_dst + 1))]
     uncovered = np.flatnonzero(np.diff(got) != np.prod(dst.len, axis=1, dtype=np.int64))
     if len(uncovered):
         ok = ~np.isin(i, uncovered)
@@ -429,7 +445,7 @@ def _assign(name: int, dst: _Side, c: _Cand, holders: _Holders, nd: int, ndim: i
     second[:, 1 + A_PEER] = sender[~local]
     if pairs is not None:
         return pairs
-    at = np.r_[0, np.cumsum(np.where(local, 1, 2))]
+    at = _offsets(np.where(local, 1, 2))
     rows = np.empty((int(at[-1]), first.shape[1]), dtype=np.int64)
     rows[at[:-1]] = first
     rows[at[:-1][~local] + 1] = second
@@ -444,7 +460,9 @@ def relays(needers: int, holders: int, sides: tuple[int, int] | None) -> bool:
     over ``T`` ranks and the needers receive them spread over ``D``: ``max(N/T, N/D)``. Relayed, each
     hop has every rank that has it send one copy — the holders at most ``H/T`` of it, the receivers at
     most ``N/D`` — and ``ceil(log2(N/H + 1))`` hops serve every needer: ``hops * max(H/T, N/D)``.
-    Relays win where the needers far outnumber the holders (many engine replicas, few trainer ranks)."""
+    Relays win where the needers far outnumber the holders (many engine replicas, few trainer ranks),
+    and never where ``D <= T``: then the straight cost is ``N/D``, and a relayed one is at least that
+    (``hops >= 1``, and ``H/T > N/D`` only makes it larger)."""
     if sides is None or needers < 2:
         return False
     t, d = max(1, sides[0]), max(1, sides[1])
@@ -456,8 +474,8 @@ def relays(needers: int, holders: int, sides: tuple[int, int] | None) -> bool:
 def _fans(c: _Cand, dst: _Side, order: np.ndarray, local: np.ndarray, holders: _Holders, sides) -> list[np.ndarray]:
     """The fans to relay: positions (in ``order``) of the remote pieces that several needers want alike
     (the same box, region and destination dtype), by receiver rank, for each fan :func:`relays` relays."""
-    if sides is None:
-        return []
+    if sides is None or max(1, sides[1]) <= max(1, sides[0]):
+        return []  # no more destination ranks than source ranks: relays never pay (:func:`relays`)
     at = np.flatnonzero(~local)
     if len(at) < 2:
         return []
@@ -539,7 +557,7 @@ def _greedy(pieces: np.ndarray, box: np.ndarray, size: np.ndarray, holders: _Hol
     if not len(many):
         return out
     by_box = many[np.argsort(pb[many], kind="stable")]
-    bounds = np.flatnonzero(np.r_[True, pb[by_box][1:] != pb[by_box][:-1], True])
+    bounds = _bounds(pb[by_box][1:] != pb[by_box][:-1])
     for x, y in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         run = by_box[x:y]
         k = int(pb[run[0]])
@@ -547,7 +565,7 @@ def _greedy(pieces: np.ndarray, box: np.ndarray, size: np.ndarray, holders: _Hol
         rank = holders.rank[h0:h1]
         pos = (np.arange(h1 - h0) - rot % (h1 - h0)) % (h1 - h0)
         w = size[pieces[run]]
-        cuts = np.flatnonzero(np.r_[True, w[1:] != w[:-1], True])
+        cuts = _bounds(w[1:] != w[:-1])
         for u, v in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
             pick = _water_fill(loads[rank], pos, int(w[u]), v - u)
             out[run[u:v]] = h0 + pick
@@ -567,7 +585,7 @@ def _water_fill(load: np.ndarray, pos: np.ndarray, w: int, m: int) -> np.ndarray
             lo = mid + 1
     n = np.maximum(0, (lo - load) // w + 1)  # each holder's values up to the threshold
     hold = np.repeat(np.arange(len(load)), n)
-    value = load[hold] + (np.arange(int(n.sum())) - np.repeat(np.r_[0, np.cumsum(n)][:-1], n)) * w
+    value = load[hold] + (np.arange(int(n.sum())) - np.repeat(_offsets(n)[:-1], n)) * w
     return hold[np.lexsort((pos[hold], value))[:m]]
 
 
