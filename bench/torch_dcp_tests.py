@@ -28,7 +28,10 @@ process and in every rank it starts (a forked rank inherits it). :func:`activate
 run) to write one JSON line per ``dcp.load`` call and rank: the test (``PYTEST_CURRENT_TEST``, which a
 spawned rank inherits), whether the switch was on, and under install the path the call took
 (``last_load().path``: ``engine`` or ``dcp``, with the reason; ``engine!`` for a call the engine failed),
-so a table that shows engine calls proves the switch was active in the ranks. Unless ``--same-host``,
+so a table that shows engine calls proves the switch was active in the ranks, and the checkout each
+process imported ``pipeload`` from: the runner puts its own checkout right after the hook on
+``PYTHONPATH`` (ahead of an editable install of another checkout, whose finder comes after the path), and
+the table's note says so should a call's ``pipeload`` come from elsewhere. Unless ``--same-host``,
 each rank of an initialised process group sets ``PIPELOAD_HOST_ID`` to its own emulated host before the
 call, so pipeload broadcasts across "hosts" as on separate nodes. ``--gpu-tests-on-cpu`` runs the tests
 that ``skip_if_lt_x_gpu(n)`` gates (most DTensor ones: ``DTensorTestBase`` is a gloo world of CPU ranks
@@ -143,6 +146,13 @@ def _last_load():
     return module.last_load() if module is not None else None
 
 
+def _pipeload_root() -> str | None:
+    """The checkout this process imported ``pipeload`` from (None if it did not import it)."""
+    module = sys.modules.get("pipeload")
+    path = getattr(module, "__file__", None)
+    return os.path.dirname(os.path.dirname(os.path.abspath(path))) if path else None
+
+
 def _record(mode, before, ok: bool, error: str) -> None:
     """One JSON line: the test, the mode, whether the switch was on, the path the call took and why."""
     installed = "pipeload.dcp" in sys.modules and sys.modules["pipeload.dcp"].is_installed()
@@ -154,7 +164,8 @@ def _record(mode, before, ok: bool, error: str) -> None:
     else:
         path, why = after.path, after.why
     line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "mode": mode,
-            "installed": installed, "path": path, "why": why, "ok": ok, "error": error, "pid": os.getpid()}
+            "installed": installed, "path": path, "why": why, "ok": ok, "error": error, "pid": os.getpid(),
+            "pipeload": _pipeload_root()}
     logdir = os.environ.get(LOG_ENV)
     if logdir:
         with open(os.path.join(logdir, f"{os.getpid()}.jsonl"), "a") as f:
@@ -162,6 +173,9 @@ def _record(mode, before, ok: bool, error: str) -> None:
 
 
 # -- the runner ---------------------------------------------------------------------------------------
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout this runner is in
 
 
 def _hook_dir(root: str) -> str:
@@ -183,7 +197,7 @@ def _run_file(path: str, mode: str, root: str, args) -> dict:
     env = dict(os.environ)
     env.update({MODE_ENV: mode, LOG_ENV: logdir, HOSTS_ENV: "0" if args.same_host else "1",
                 CPU_ENV: "1" if args.gpu_tests_on_cpu else "0",
-                "PYTHONPATH": os.pathsep.join([_hook_dir(root)] + [p for p in [env.get("PYTHONPATH")] if p])})
+                "PYTHONPATH": os.pathsep.join([_hook_dir(root), _REPO] + [p for p in [env.get("PYTHONPATH")] if p])})
     env.pop("PIPELOAD_HOST_ID", None)
     xml = os.path.join(work, "junit.xml")
     cmd = [sys.executable, "-m", "pytest", path, "-q", "-rN", "-p", "no:cacheprovider", "--rootdir", work,
@@ -242,6 +256,8 @@ def _row(name: str, stock: dict, ours: dict) -> tuple[list, list]:
     note = "timeout " if ours["timed_out"] or stock["timed_out"] else ""
     if ours["calls"] and not all(c["installed"] for c in ours["calls"]):
         note += "SWITCH OFF IN SOME CALLS "
+    if any(c.get("pipeload") not in (None, _REPO) for c in ours["calls"]):
+        note += "PIPELOAD FROM ANOTHER CHECKOUT "
     row = [name, _counts(stock["tests"]), _counts(ours["tests"]), len(stock["calls"]),
            paths["engine"] + paths["engine!"], paths["dcp"], (note + (f"engine raised {paths['engine!']}"
                                                                       if paths["engine!"] else "")).strip()]
