@@ -623,6 +623,30 @@ def test_install_runs_no_code_from_a_checkpoint_unless_allowed(results):
         assert r["ran_when_allowed"] is True, r
 
 
+def test_install_loads_a_checkpoint_of_dcps_older_tensor_properties(tmp_path):
+    """A ``.metadata`` whose tensors carry ``_shard.sharded_tensor.metadata.TensorProperties`` (what DCP
+    wrote before its own class; stock ``dcp.load`` reads it): the allow-list admits it, the engine loads."""
+    from unittest.mock import patch
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    import pipeload.dcp as pd
+
+    value = torch.arange(12.0).view(3, 4)
+    with patch("torch.distributed.checkpoint.metadata.TensorProperties", TensorProperties), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"a": value}, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    with pd.installed():
+        for reader in (None, dcp.FileSystemReader(str(tmp_path))):
+            sd = {"a": torch.zeros(3, 4)}
+            dcp.load(sd, checkpoint_id=None if reader else str(tmp_path), storage_reader=reader, no_dist=True)
+            assert torch.equal(sd["a"], value) and pd.last_load().path == "engine", pd.last_load()
+        md = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+        assert type(md.state_dict_metadata["a"].properties) is TensorProperties
+
+
 def test_uninstall_restores_dcps_objects_exactly():
     import importlib
     import sys

@@ -55,6 +55,10 @@ _ALLOWED = {
         "_MEM_FORMAT_ENCODING",
     )
 } | {
+    # what DCP wrote as a tensor's properties before its own TensorProperties (torch <= 2.1): older
+    # checkpoints hold these, and DCP loads them (plain dataclass and enum, no code of their own)
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("torch", "Size"),
