@@ -647,6 +647,36 @@ def test_install_loads_a_checkpoint_of_dcps_older_tensor_properties(tmp_path):
         assert type(md.state_dict_metadata["a"].properties) is TensorProperties
 
 
+def test_installed_readers_driven_without_set_up_read_as_dcps(tmp_path):
+    """Code that drives a reader itself — ``storage_data`` set by hand, no ``set_up_storage_reader`` —
+    gets DCP's reads from the installed ``FileSystemReader`` and ``HuggingFaceStorageReader``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    import pipeload.dcp as pd
+    from pipeload.dcp.reader import DCP_FILE_SYSTEM_READER, DCP_HF_READER
+
+    pytest.importorskip("safetensors")
+    value = {"w": torch.arange(20.0).view(4, 5), "b": torch.arange(3, dtype=torch.int64)}
+    fs_dir, hf_dir = str(tmp_path / "fs"), str(tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(value, checkpoint_id=fs_dir, no_dist=True)
+        dcp.save(value, storage_writer=dcp.HuggingFaceStorageWriter(hf_dir), no_dist=True)
+    with pd.installed():
+        for ours, theirs, path in ((dcp.FileSystemReader, DCP_FILE_SYSTEM_READER, fs_dir),
+                                   (dcp.HuggingFaceStorageReader, DCP_HF_READER, hf_dir)):
+            md = theirs(path).read_metadata()
+            reader = ours(path)
+            reader.storage_data = md.storage_data
+            sd = {k: torch.zeros_like(v) for k, v in value.items()}
+            planner = DefaultLoadPlanner()
+            planner.set_up_planner(sd, md, True)
+            reader.read_data(planner.create_local_plan(), planner).wait()
+            assert all(torch.equal(sd[k], v) for k, v in value.items()), ours
+            assert len(pd.last_stats().items_read) == 2
+
+
 def test_uninstall_restores_dcps_objects_exactly():
     import importlib
     import sys

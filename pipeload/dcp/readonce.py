@@ -305,13 +305,16 @@ class ReadOnce:
                 for p, t, m in zip(plans, tags, mine)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        """The shared boxes (read and sent, or received), then this rank's own boxes."""
+        """The shared boxes (read and sent, or received), then this rank's own boxes; a reader driven
+        without ``set_up_storage_reader`` (its ``storage_data`` set by the caller) reads as DCP's does."""
         global _last
         if not getattr(self, "_allow_pickle", True):
             planner = _SafeBytes(planner, os.fspath(getattr(self, "path", "")))
         tag = plan.storage_data if isinstance(plan.storage_data, _Tag) else None
         if tag is not None:
             plan = dataclasses.replace(plan, storage_data=tag.inner)
+        if self._md is None:  # driven without set_up_storage_reader (storage_data set by its caller):
+            return self._dcp_read(plan, planner)  # what this reader knows of the layout comes from there
         try:
             rest = self._shared_phase(plan, planner, tag.ops) if tag is not None and tag.ops else plan.items
             if rest:
@@ -322,6 +325,17 @@ class ReadOnce:
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def _dcp_read(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        """Every box by DCP's own reader (this reader's class in DCP), as without pipeload."""
+        global _last
+        self.stats = ReadStats()
+        try:
+            return super().read_data(plan, planner)  # type: ignore[misc]
+        finally:
+            self.stats.items_read += [_key(i) for i in plan.items]
+            _last = self.stats
+            self._done()
 
     def _shared_phase(self, plan: LoadPlan, planner: LoadPlanner, ops: tuple) -> list[ReadItem]:
         """Every receive posted first; then this rank's shared boxes read in storage order, each large box
