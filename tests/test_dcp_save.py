@@ -10,7 +10,9 @@ One real gloo world of 4 ranks (a 2 x 2 mesh, ``dp`` x ``tp``) runs every sub-ca
   call returned do not reach the checkpoint; ``no_dist=True`` on one rank alone, ``process_group=``;
 - a custom planner and a ``ZStandard`` writer go to DCP's own code and still load;
 - an unwritable directory on one rank: ``CheckpointException`` on every rank (blocking and from the
-  future), no hang.
+  future), no hang;
+- nothing to save (a ``Stateful`` whose ``state_dict()`` is ``{}``): the engine commits DCP's empty
+  ``Metadata``, read by the engine and by stock ``dcp.load``.
 
 The parent process then loads the engine's checkpoint with stock ``dcp.load`` (``no_dist``, no switch)
 into whole tensors. ``uninstall()`` restoring DCP's function objects is checked in this process.
@@ -297,6 +299,40 @@ def _failure_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
     out["failed_committed"] = os.path.exists(os.path.join(root, "failed", ".metadata"))
 
 
+class _Nothing:
+    """A ``Stateful`` with nothing to save (a component whose ``state_dict()`` is ``{}``)."""
+
+    loaded = False
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loaded = True
+
+
+def _empty_case(rank: int, root: str, out: dict) -> None:
+    """Nothing to save (a ``Stateful`` whose ``state_dict()`` is ``{}``; ``{}``): the engine commits an
+    empty ``Metadata``, blocking and async, which the engine and stock ``dcp.load`` read."""
+    import torch.distributed.checkpoint as dcp
+
+    import pipeload.dcp as pd
+
+    path = os.path.join(root, "empty")
+    with pd.installed():
+        md = dcp.save({"foo": _Nothing()}, checkpoint_id=path)
+        paths = [pd.last_save_stats().path]
+        fut = dcp.async_save({}, checkpoint_id=os.path.join(root, "empty-async"))
+        paths.append(pd.last_save_stats().path)
+        fut.result(timeout=60)
+        ours = _Nothing()
+        dcp.load({"foo": ours}, checkpoint_id=path)
+        paths.append(pd.last_load().path)
+    stock = _Nothing()
+    dcp.load({"foo": stock}, checkpoint_id=path)
+    out["empty"] = (paths, md.state_dict_metadata, ours.loaded, stock.loaded)
+
+
 def world(rank: int, size: int, root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -307,6 +343,7 @@ def world(rank: int, size: int, root: str) -> dict:
     _async_case(rank, size, root, mesh, out)
     _stock_paths_case(rank, size, root, mesh, out)
     _failure_case(rank, size, root, mesh, out)
+    _empty_case(rank, root, out)
     return out
 
 
@@ -377,6 +414,11 @@ def test_a_failure_on_one_rank_raises_checkpoint_exception_everywhere(results):
     _, r = results
     assert all(x["failed"] == [[1], [1]] for x in r), [x["failed"] for x in r]
     assert not r[0]["failed_committed"]
+
+
+def test_an_empty_state_dict_saves_through_the_engine(results):
+    _, r = results
+    assert all(x["empty"] == (["engine", "engine", "engine"], {}, True, True) for x in r), [x["empty"] for x in r]
 
 
 def test_uninstall_restores_dcps_functions_exactly():

@@ -311,7 +311,7 @@ def encode_rows(plan, done: list[tuple], paths: dict[str, tuple]) -> bytes:
 
 def _decode_rows(data: bytes) -> tuple[np.ndarray, dict]:
     n, width, nbytes = (int(x) for x in np.frombuffer(data, dtype=np.int64, count=_HEAD))
-    rows = np.frombuffer(data, dtype=np.int64, count=n * (4 + 2 * width), offset=8 * _HEAD).reshape(n, -1)
+    rows = np.frombuffer(data, dtype=np.int64, count=n * (4 + 2 * width), offset=8 * _HEAD).reshape(n, 4 + 2 * width)
     at = 8 * _HEAD + rows.nbytes
     return rows, json.loads(bytes(data[at : at + nbytes]).decode("utf-8", "surrogatepass"))
 
