@@ -31,16 +31,19 @@ spawned rank inherits), whether the switch was on, and under install the path th
 so a table that shows engine calls proves the switch was active in the ranks, and the checkout each
 process imported ``pipeload`` from: the runner puts its own checkout right after the hook on
 ``PYTHONPATH`` (ahead of an editable install of another checkout, whose finder comes after the path), and
-the table's note says so should a call's ``pipeload`` come from elsewhere. Unless ``--same-host``,
-each rank of an initialised process group sets ``PIPELOAD_HOST_ID`` to its own emulated host before the
-call, so pipeload broadcasts across "hosts" as on separate nodes. ``--gpu-tests-on-cpu`` runs the tests
+the table's note says so should a call's ``pipeload`` come from elsewhere. Under install, each
+``dcp.save`` / ``dcp.async_save`` the switch decides is recorded too (the path and reason it records in
+``last_save_stats()``). Unless ``--same-host``, each rank sets ``PIPELOAD_HOST_ID`` to its own emulated
+host as its process group starts (``init_process_group`` is wrapped; and again before each load), so
+pipeload saves and broadcasts across "hosts" as on separate nodes. ``--gpu-tests-on-cpu`` runs the tests
 that ``skip_if_lt_x_gpu(n)`` gates (most DTensor ones: ``DTensorTestBase`` is a gloo world of CPU ranks
 on a machine without GPUs) in both runs; those that need a GPU for real then fail in both.
 The test helpers need ``expecttest`` (``pip install expecttest``), which torch's wheel does not pull.
 
-The table: per file, passed/failed/skipped stock and under install, and the ``dcp.load`` calls (one per
-rank) that took the engine vs DCP's path; then the reasons calls went DCP's way, and every test that
-passes stock and fails under install, with the head of its failure.
+The table: per file, passed/failed/skipped stock and under install, the ``dcp.load`` calls (one per
+rank) that took the engine vs DCP's path, and the same for the saves under install; then the reasons
+loads and saves went DCP's way, and every test that passes stock and fails under install, with the head
+of its failure.
 """
 
 from __future__ import annotations
@@ -85,10 +88,12 @@ def activate() -> None:
     mode = os.environ.get(MODE_ENV)
     if os.environ.get(CPU_ENV) == "1":
         _gpu_tests_on_cpu()
+    _host_at_init()
     if mode == "install":
         import pipeload.dcp
 
         pipeload.dcp.install()
+        _record_saves()
     inner = sdl._load_state_dict
     if getattr(inner, "_pipeload_torch_dcp_record", False):
         return
@@ -132,6 +137,48 @@ def _recording(inner, mode):
     return _load_state_dict
 
 
+def _host_at_init() -> None:
+    """``init_process_group`` followed by :func:`_emulate_host`: a rank is on its own host from the start
+    (its saves too, not only its loads)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    init = c10d.init_process_group
+    if getattr(init, "_pipeload_torch_dcp_record", False):
+        return
+
+    def init_process_group(*args, **kwargs):
+        result = init(*args, **kwargs)
+        _emulate_host()
+        return result
+
+    init_process_group._pipeload_torch_dcp_record = True
+    init_process_group.__wrapped__ = init
+    for module in (dist, c10d):
+        if getattr(module, "init_process_group", None) is init:
+            module.init_process_group = init_process_group
+
+
+def _record_saves() -> None:
+    """Under install: each ``dcp.save`` / ``dcp.async_save`` the switch decides, one JSON line (``kind``
+    ``save``) with the path it took and why, from the statistics the switch records for every call."""
+    import pipeload.dcp.save as ps
+
+    inner = ps._record
+    if getattr(inner, "_pipeload_torch_dcp_record", False):
+        return
+
+    def _record_save(stats) -> None:
+        inner(stats)
+        _write({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "mode": "install",
+                "kind": "save", "call": stats.call, "installed": True, "path": stats.path,
+                "why": stats.reason or "", "ok": True, "error": "", "pid": os.getpid(),
+                "pipeload": _pipeload_root(), "host": os.environ.get("PIPELOAD_HOST_ID")})
+
+    _record_save._pipeload_torch_dcp_record = True
+    ps._record = _record_save
+
+
 def _emulate_host() -> None:
     if os.environ.get(HOSTS_ENV) != "1":
         return
@@ -165,7 +212,11 @@ def _record(mode, before, ok: bool, error: str) -> None:
         path, why = after.path, after.why
     line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "mode": mode,
             "installed": installed, "path": path, "why": why, "ok": ok, "error": error, "pid": os.getpid(),
-            "pipeload": _pipeload_root()}
+            "pipeload": _pipeload_root(), "host": os.environ.get("PIPELOAD_HOST_ID")}
+    _write(line)
+
+
+def _write(line: dict) -> None:
     logdir = os.environ.get(LOG_ENV)
     if logdir:
         with open(os.path.join(logdir, f"{os.getpid()}.jsonl"), "a") as f:
@@ -252,31 +303,35 @@ def _counts(tests: dict) -> str:
 
 def _row(name: str, stock: dict, ours: dict) -> tuple[list, list]:
     """The file's table row, and its regressions (passed stock, failed under install)."""
-    paths = collections.Counter(c["path"] for c in ours["calls"])
+    paths = collections.Counter(c["path"] for c in ours["calls"] if c.get("kind", "load") == "load")
+    saves = collections.Counter(c["path"] for c in ours["calls"] if c.get("kind") == "save")
     note = "timeout " if ours["timed_out"] or stock["timed_out"] else ""
     if ours["calls"] and not all(c["installed"] for c in ours["calls"]):
         note += "SWITCH OFF IN SOME CALLS "
     if any(c.get("pipeload") not in (None, _REPO) for c in ours["calls"]):
         note += "PIPELOAD FROM ANOTHER CHECKOUT "
     row = [name, _counts(stock["tests"]), _counts(ours["tests"]), len(stock["calls"]),
-           paths["engine"] + paths["engine!"], paths["dcp"], (note + (f"engine raised {paths['engine!']}"
-                                                                      if paths["engine!"] else "")).strip()]
+           paths["engine"] + paths["engine!"], paths["dcp"], saves["engine"], saves["dcp"],
+           (note + (f"engine raised {paths['engine!']}" if paths["engine!"] else "")).strip()]
     regressions = [(name, test, ours["tests"].get(test, ("missing", "no result under install"))[1])
                    for test, (outcome, _) in sorted(stock["tests"].items())
                    if outcome == "passed" and ours["tests"].get(test, ("missing",))[0] not in ("passed",)]
     return row, regressions
 
 
-def _print_table(rows: list, reasons: collections.Counter, regressions: list) -> None:
-    head = ["file", "stock p/f/s", "install p/f/s", "loads stock", "engine", "dcp", "note"]
+def _print_table(rows: list, reasons: dict, regressions: list) -> None:
+    head = ["file", "stock p/f/s", "install p/f/s", "loads stock", "engine", "dcp", "saves engine", "dcp",
+            "note"]
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     for r in [head, ["-" * w for w in widths]] + rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
-    print("\n(loads: dcp.load calls, one per rank; engine: taken by pipeload's engine; dcp: DCP's path)")
-    if reasons:
-        print("\nwhy calls went DCP's way (calls):")
-        for why, n in reasons.most_common():
-            print(f"  {n:5d}  {why}")
+    print("\n(loads: dcp.load calls, one per rank; engine: taken by pipeload's engine; dcp: DCP's path;"
+          "\n saves: dcp.save / dcp.async_save calls under install, one per rank)")
+    for kind in ("load", "save"):
+        if reasons[kind]:
+            print(f"\nwhy {kind}s went DCP's way (calls):")
+            for why, n in reasons[kind].most_common():
+                print(f"  {n:5d}  {why}")
     print(f"\npassed stock, failed under install: {len(regressions)}")
     for name, test, detail in regressions:
         print(f"  {name}::{test}\n      {' '.join(detail.split())[:400]}")
@@ -307,13 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write every outcome and call record here")
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="torch_dcp_tests.")
-    rows, regressions, reasons, everything = [], [], collections.Counter(), {}
+    rows, regressions, everything = [], [], {}
+    reasons = {"load": collections.Counter(), "save": collections.Counter()}
     for path in _files(args):
         stock, ours = (_run_file(path, mode, root, args) for mode in ("stock", "install"))
         row, regressed = _row(os.path.basename(path), stock, ours)
         rows.append(row)
         regressions += regressed
-        reasons.update(_reason(c["why"]) for c in ours["calls"] if c["path"] == "dcp")
+        for c in ours["calls"]:
+            if c["path"] == "dcp":
+                reasons[c.get("kind", "load")][_reason(c["why"])] += 1
         everything[os.path.basename(path)] = {"stock": stock, "install": ours}
         print(f"# {row[0]}: stock {row[1]} ({stock['seconds']} s), install {row[2]} ({ours['seconds']} s)",
               file=sys.stderr, flush=True)
