@@ -134,6 +134,11 @@ def test_hostile_headers_refused(tmp_path, record, tensors, message):
     with pytest.raises(CheckpointFormatError, match="rank-000001.safetensors") as got:
         tf.read_rank_header(path, job="j")
     assert message in str(got.value)
+    # a resharding restore parses a file it listed from its summary once, with the same checks
+    from pipeload.tier.restoreread import TierFile, load_header
+    listed = TierFile(5, 1, 2, os.fspath(path), os.path.getsize(path), None, None, None)
+    why = load_header(listed, "j")
+    assert why is not None and message in why and not listed.loaded
 
 
 def test_damaged_and_foreign_files_refused(tmp_path):

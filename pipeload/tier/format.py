@@ -286,7 +286,12 @@ def read_rank_header(path: str | os.PathLike, *, job: str | None = None, step: i
         m_step = STEP_RE.match(os.path.basename(os.path.dirname(path)))
         rank = rank if rank is not None or not m_rank else int(m_rank.group(1))
         step = step if step is not None or not m_step else int(m_step.group(1))
-    entries = read_header(path)
+    return rank_header(path, read_header(path), job=job, step=step, rank=rank)
+
+
+def rank_header(path: str, entries: dict, *, job: str | None, step: int | None, rank: int | None) -> RankHeader:
+    """:func:`read_rank_header`'s checks on the file's safetensors ``entries`` already read (with their
+    ``__metadata__``, which is taken out of ``entries``)."""
     meta = entries.pop("__metadata__", None)
     text = meta.get(META_KEY) if isinstance(meta, dict) else None
     if not isinstance(text, str):

@@ -162,7 +162,7 @@ def _restore(comm: Comm, guard: Guard, contended: str | None, state_dict: dict, 
             return None
         step = planned.choice.step
         same = SameJob(planned, comm.rank) if planned.same else None
-        bad = _headers(files, same.files if same else _held(files, step), step)
+        bad = _headers(files, same.files if same else _held(files, step), step, None if same else tier.job)
         if _any_bad(comm, bad, what, lap, "check"):
             planned = _retake(comm, planned, bad, files, what)
             continue
@@ -236,14 +236,16 @@ def _held(files: dict, step: int) -> list:
     return sorted(f for s, f in files if s == step)
 
 
-def _headers(files: dict, needed, step: int) -> list:
+def _headers(files: dict, needed, step: int, job: str | None) -> list:
     """Parse the records of the files of ``step`` this rank will read (listed from their summaries alone):
     [(step, saved rank, why)] of those that do not parse or disagree with their summaries, which are also
-    dropped from ``files`` (missing copies: the decision is re-taken without them)."""
+    dropped from ``files`` (missing copies: the decision is re-taken without them). With ``job`` (a
+    resharding restore: the files' chunks are offered to the plan) each record is validated as it is
+    parsed."""
     bad = []
     for f in sorted(needed):
         tf = files.get((step, f))
-        why = load_header(tf) if tf is not None else "not listed"
+        why = load_header(tf, job) if tf is not None else "not listed"
         if why is not None:
             bad.append((step, f, why))
             files.pop((step, f), None)

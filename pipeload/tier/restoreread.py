@@ -46,6 +46,7 @@ class TierFile:
     spans: dict | None  # fqn (tensor or object) -> (start, end): absolute byte offsets in the file
     layout: int | None = None  # the layout digest (the summary's, or computed from the record)
     summary_problem: str | None = None  # (parsed by load_header: how its summary disagrees with the record)
+    validated: bool = False  # its record was validated field by field as it was parsed (load_header with a job)
 
     @property
     def digest(self) -> int:
@@ -102,11 +103,16 @@ def _unusable(path: str, e: Exception) -> None:
                   f"missing", RuntimeWarning, stacklevel=3)
 
 
-def load_header(tf: TierFile) -> str | None:
+def load_header(tf: TierFile, job: str | None = None) -> str | None:
     """Parse ``tf``'s record (a file listed from its summary) into it: None, or why the copy is unusable
-    (its header does not parse, or disagrees with the summary it was listed and planned with)."""
-    if tf.loaded:
+    (its header does not parse, or disagrees with the summary it was listed and planned with). With
+    ``job`` (a resharding restore, which offers the file's chunks to the plan), the record is validated
+    field by field as it is parsed (:func:`.format.rank_header`) and :func:`validate` has nothing left to
+    do: one parse of the header, not two."""
+    if tf.loaded and (job is None or tf.validated):
         return None
+    if job is not None:
+        return _load_validated(tf, job)
     full = _open(tf.path, None, tf.step, tf.rank, warn=False)
     if isinstance(full, str):
         return full
@@ -117,6 +123,33 @@ def load_header(tf: TierFile) -> str | None:
     if full.digest != tf.layout:
         return f"{tf.path}: its summary disagrees with its record (layout)"
     tf.tensors, tf.objects, tf.spans = full.tensors, full.objects, full.spans
+    return None
+
+
+def _load_validated(tf: TierFile, job: str) -> str | None:
+    """:func:`load_header` of a file a resharding restore offers: the full validation, once."""
+    try:
+        entries = read_header(tf.path)
+        meta = entries.get("__metadata__") or {}
+        h = tierformat.rank_header(tf.path, entries, job=job, step=tf.step, rank=tf.rank)
+    except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
+        return f"{tf.path}: {type(e).__name__}: {e}"
+    tensors = {f: (t.dtype, t.shape, t.offsets, t.lengths, t.checksum) for f, t in h.tensors.items()}
+    objects = {f: (o.end - o.start, o.checksum) for f, o in h.objects.items()}
+    spans = {f: (t.start, t.end) for f, t in h.tensors.items()} | {f: (o.start, o.end) for f, o in h.objects.items()}
+    if h.world != tf.world or (spans and h.size != tf.nbytes):
+        return f"{tf.path}: its header disagrees with its summary (world or size)"
+    layout = _digest(tensors, objects)
+    if tf.layout is not None and layout != tf.layout:
+        return f"{tf.path}: its summary disagrees with its record (layout)"
+    if tierformat.SUMMARY_KEY in meta:
+        record = {"format": tierformat.FORMAT, "job": h.job, "step": h.step, "rank": h.rank, "world": h.world}
+        why = tierformat.summary_problem(meta, record, layout)
+        if why:
+            return f"{tf.path}: {why}"
+    elif not tf.loaded:  # listed from a summary that is gone now
+        return f"{tf.path}: its summary is gone"
+    tf.tensors, tf.objects, tf.spans, tf.validated = tensors, objects, spans, True
     return None
 
 
@@ -166,6 +199,8 @@ def validate(tf: TierFile, job: str) -> str | None:
     """:func:`.format.read_rank_header`'s full validation of ``tf``'s header (a file a resharding
     restore reads from), and that it still says what it said when it was parsed and planned with (every
     chunk's fields, checksum and span): None, or why this copy is unusable."""
+    if tf.validated:
+        return None  # (validated as it was parsed, by this restore: :func:`load_header`)
     try:
         h = tierformat.read_rank_header(tf.path, job=job, step=tf.step, rank=tf.rank)
     except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
