@@ -26,9 +26,10 @@ rank beyond the saved world takes the lowest saved rank's.
 destination whose name no file holds or whose region the chunks do not cover is a missing key
 (``strict``: an error; else listed in ``LoadStats.missing_keys``); another global shape or dtype, or
 files disagreeing among themselves, is an error; with ``strict`` a stored name no rank asks for is an
-error (its lowest holder hears of it). The files a rank will read (its local copies and its sends) are
-then checked — header validated field by field, every checksum — before any transfer; a file that
-fails is a failed copy and the restore's decision is re-taken without it.
+error (its lowest holder hears of it). Every record a rank offers was validated field by field as it was
+parsed, before the plan; the files it will read (its local copies and its sends) then have every checksum
+checked before any transfer; a file that fails either is a failed copy and the restore's decision is
+re-taken without it.
 
 Cost per rank: its own boxes (the chunks of the files it lists, its destination boxes) out, its owned
 names' records in (``O(S + R·S)`` words: its share of the names, each with its holders and needers) and

@@ -66,7 +66,6 @@ from ..plan.tensorkinds import refusal
 from . import restoreplan
 from .restoreread import list_root, load_header, verify
 from .reshard import reshard_job
-from .restoreread import validate
 from .restorerun import SameJob
 
 @dataclass
@@ -169,7 +168,7 @@ def _restore(comm: Comm, guard: Guard, contended: str | None, state_dict: dict, 
         job = same or reshard_job(comm, planned, files, want, strict, what)
         lap("exchange")
         if not planned.same:  # (the same layout checks its copies as it reads them: see SameJob.run)
-            bad = _check(files, job.reads, checked, step, tier.job)
+            bad = _check(files, job.reads, checked, step)
             if _any_bad(comm, bad, what, lap, "check"):
                 planned = _retake(comm, planned, bad, files, what)
                 continue
@@ -252,16 +251,17 @@ def _headers(files: dict, needed, step: int, job: str | None) -> list:
     return bad
 
 
-def _check(files: dict, reads: set, checked: set, step: int, job: str) -> list:
-    """Validate and verify the files this rank will read (each once per restore): [(step, saved rank,
-    why)] of those that failed, which are also dropped from ``files``."""
+def _check(files: dict, reads: set, checked: set, step: int) -> list:
+    """Verify the checksums of the files this rank will read (each once per restore; their records were
+    validated as they were parsed, :func:`_headers`): [(step, saved rank, why)] of those that failed,
+    which are also dropped from ``files``."""
     bad = []
     for f in sorted(reads):
         key = (step, f)
         if key in checked:
             continue
         tf = files.get(key)
-        why = (validate(tf, job) or verify(tf)) if tf is not None else "not listed"
+        why = verify(tf) if tf is not None else "not listed"
         checked.add(key)
         if why is not None:
             bad.append((step, f, why))

@@ -107,8 +107,8 @@ def load_header(tf: TierFile, job: str | None = None) -> str | None:
     """Parse ``tf``'s record (a file listed from its summary) into it: None, or why the copy is unusable
     (its header does not parse, or disagrees with the summary it was listed and planned with). With
     ``job`` (a resharding restore, which offers the file's chunks to the plan), the record is validated
-    field by field as it is parsed (:func:`.format.rank_header`) and :func:`validate` has nothing left to
-    do: one parse of the header, not two."""
+    field by field as it is parsed (:func:`.format.rank_header`): one parse of the header, before its
+    chunks are offered to the plan."""
     if tf.loaded and (job is None or tf.validated):
         return None
     if job is not None:
@@ -159,8 +159,8 @@ def _open(path: str, job: str | None, step: int, rank: int, warn: bool = True):
     compiled parser; the tier record is only parsed here (each chunk's fields against the file's entries),
     not checked field by field as :func:`.format.read_rank_header` does: a copy is used only when its
     layout digest equals the one it is used with (:func:`.restoreplan.same_layout`) — the receiving rank's
-    own boxes, or the lowest holder's — its checksums pass and, for a file a resharding restore reads,
-    its header passes :func:`validate`."""
+    own boxes, or the lowest holder's — its checksums pass and, for a file a resharding restore offers,
+    its record passes :func:`load_header`'s full validation."""
     try:
         entries = read_header(path)
         meta = entries.pop("__metadata__") or {}
@@ -193,23 +193,6 @@ def _open(path: str, job: str | None, step: int, rank: int, warn: bool = True):
             return f"{path}: {type(e).__name__}: {e}"
         _unusable(path, e)
         return None
-
-
-def validate(tf: TierFile, job: str) -> str | None:
-    """:func:`.format.read_rank_header`'s full validation of ``tf``'s header (a file a resharding
-    restore reads from), and that it still says what it said when it was parsed and planned with (every
-    chunk's fields, checksum and span): None, or why this copy is unusable."""
-    if tf.validated:
-        return None  # (validated as it was parsed, by this restore: :func:`load_header`)
-    try:
-        h = tierformat.read_rank_header(tf.path, job=job, step=tf.step, rank=tf.rank)
-    except Exception as e:  # noqa: BLE001 - a damaged copy is a missing copy
-        return f"{tf.path}: {type(e).__name__}: {e}"
-    same = (h.world == tf.world and h.tensors.keys() == tf.tensors.keys() and h.objects.keys() == tf.objects.keys()
-            and all((t.dtype, t.shape, t.offsets, t.lengths, t.checksum, t.start, t.end) == (*tf.tensors[f], *tf.spans[f])
-                    for f, t in h.tensors.items())
-            and all((o.checksum, o.start, o.end) == (tf.objects[f][1], *tf.spans[f]) for f, o in h.objects.items()))
-    return None if same else f"{tf.path}: changed since it was listed"
 
 
 BLOCK = 16 << 20  # bytes read per call when checking a file
