@@ -12,9 +12,9 @@ So a :class:`Template` is made once per (dtype, shape, CRC option) by ``torch.sa
 that shape: the bytes before the data and after it, and where those fields are. :meth:`Template.parts`
 gives, for a tensor's bytes, ``(head, tail)`` such that ``head + bytes + tail`` is what ``torch.save``
 writes for that tensor (``tests/test_dcp_torchsave.py`` compares them byte for byte), with the CRC-32
-from ``zlib`` (several GB/s, without the GIL). Archives that need zip64 (over 4 GiB), or tensors over
-:data:`MAX_TEMPLATE_BYTES` (a template's zero tensor would cost that much memory once), are not
-templated: :func:`template` returns None and the caller uses ``torch.save`` itself.
+from ISA-L (``isal``; ``zlib``'s where it is missing), without the GIL. Archives that need zip64 (over
+4 GiB), or tensors over :data:`MAX_TEMPLATE_BYTES` (a template's zero tensor would cost that much memory
+once), are not templated: :func:`template` returns None and the caller uses ``torch.save`` itself.
 """
 
 from __future__ import annotations
@@ -22,14 +22,19 @@ from __future__ import annotations
 import io
 import struct
 import threading
-import zlib
 from collections import OrderedDict
 
 import torch
 
+try:  # ISA-L's CRC-32 (folding with carry-less multiplies): ~30 GB/s against zlib 1.2's ~7 GB/s here
+    from isal.isal_zlib import crc32
+except ImportError:  # a platform without its wheel: the same values, slower
+    from zlib import crc32
+
 MAX_TEMPLATE_BYTES = 64 << 20
 _CACHE_SIZE = 4096
 _M64 = (1 << 64) - 1
+_U32 = struct.Struct("<I")
 _DATA = "data/0"
 _SID = ".data/serialization_id"
 
@@ -101,29 +106,30 @@ class Template:
         self._data_crc_in_tail = data.crc_at >= base
         self._sid_crc, self._sid_central = sid.crc_at - base, sid.central - base
         self._sid_at, self._sid_size = sid.data - base, sid.size
-        self._sid_fixed = self.tail[self._sid_at : self._sid_at + sid.size - 20]
+        self._sid_fixed_crc = crc32(self.tail[self._sid_at : self._sid_at + sid.size - 20])
 
-    def parts(self, data: memoryview) -> tuple[bytes, bytes]:
+    def parts(self, data: memoryview) -> tuple[bytes | bytearray, bytes | bytearray]:
         """``(head, tail)`` of ``torch.save`` of a tensor of this template whose bytes are ``data``."""
         if not self.crc or not data.nbytes:  # CRC-32s all 0, or no data: nothing depends on it
             return self.head, self.tail
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         combined = _hash_combine(self._before, crc)
         for c in self._after:
             combined = _hash_combine(combined, c)
-        sid = self._sid_fixed + f"{combined:020d}".encode()
-        sid_crc = zlib.crc32(sid)
+        digits = b"%020d" % combined
+        sid_crc = crc32(digits, self._sid_fixed_crc)
         head, tail = self.head, bytearray(self.tail)
         if self._data_crc_in_tail:
-            struct.pack_into("<I", tail, self._data_crc, crc)
+            _U32.pack_into(tail, self._data_crc, crc)
         else:
             head = bytearray(head)
-            struct.pack_into("<I", head, self._data_crc, crc)
-        struct.pack_into("<I", tail, self._data_central, crc)
-        struct.pack_into("<I", tail, self._sid_crc, sid_crc)
-        struct.pack_into("<I", tail, self._sid_central, sid_crc)
-        tail[self._sid_at : self._sid_at + self._sid_size] = sid
-        return bytes(head), bytes(tail)
+            _U32.pack_into(head, self._data_crc, crc)
+        _U32.pack_into(tail, self._data_central, crc)
+        _U32.pack_into(tail, self._sid_crc, sid_crc)
+        _U32.pack_into(tail, self._sid_central, sid_crc)
+        at = self._sid_at + self._sid_size - 20
+        tail[at : at + 20] = digits
+        return head, tail
 
 
 def options() -> tuple[bool, int]:
