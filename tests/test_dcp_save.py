@@ -11,6 +11,8 @@ One real gloo world of 4 ranks (a 2 x 2 mesh, ``dp`` x ``tp``) runs every sub-ca
 - a custom planner and a ``ZStandard`` writer go to DCP's own code and still load;
 - an unwritable directory on one rank: ``CheckpointException`` on every rank (blocking and from the
   future), no hang;
+- a save into the last checkpoint's directory whose write fails on one rank after the others wrote:
+  that checkpoint still loads with its own values;
 - nothing to save (a ``Stateful`` whose ``state_dict()`` is ``{}``): the engine commits DCP's empty
   ``Metadata``, read by the engine and by stock ``dcp.load``.
 
@@ -122,6 +124,11 @@ def _chunks(path: str) -> dict:
             for k, v in md.state_dict_metadata.items()}, len(md.storage_data)
 
 
+def _ranges(md) -> dict:
+    """Each item's writer rank, offset and length (its file's name without the index)."""
+    return {k: (v.relative_path.rsplit("_", 1)[0], v.offset, v.length) for k, v in md.storage_data.items()}
+
+
 def _engine_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
     """dcp.save through the engine, read by stock dcp.load and by pipeload's reader; DCP's chunks."""
     import torch.distributed.checkpoint as dcp
@@ -150,8 +157,12 @@ def _engine_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
         md3 = dcp.save(saved, checkpoint_id=path)
         out["alternating_reused"] = reused + [pd.last_save_stats().plan_reused]
         assert md3.state_dict_metadata == md.state_dict_metadata
-    # every rank returns the committed Metadata; the second (its rows unchanged) is the first's but its save id
-    assert md2.state_dict_metadata == md.state_dict_metadata and md2.storage_data == md.storage_data
+    # every rank returns the committed Metadata; the second (its rows unchanged) is the first's but its save
+    # id and its files: a save into the last one's directory writes beside its files (__<rank>_1), never over
+    assert md2.state_dict_metadata == md.state_dict_metadata and _ranges(md2) == _ranges(md)
+    assert {v.relative_path.rsplit("_", 1)[1] for v in md.storage_data.values()} == {"0.distcp"}
+    assert {v.relative_path.rsplit("_", 1)[1] for v in md2.storage_data.values()} == {"1.distcp"}
+    assert md3.storage_data == md.storage_data
     assert len({md.storage_meta.save_id, md2.storage_meta.save_id, md3.storage_meta.save_id}) == 3
     with open(os.path.join(path, ".metadata"), "rb") as f:
         assert pickle.load(f).storage_meta.save_id == md3.storage_meta.save_id
@@ -311,6 +322,53 @@ class _Nothing:
         self.loaded = True
 
 
+def _failed_save_keeps_last_case(rank: int, world: int, root: str, mesh, out: dict) -> None:
+    """A save into the last checkpoint's directory that fails on rank 1 after every other rank wrote its
+    file leaves that checkpoint whole (stock ``dcp.load`` reads its values); the next save succeeds and
+    leaves no file its ``.metadata`` does not name."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import pipeload.dcp as pd
+    from pipeload.dcp.savelayout import DcpPhases
+    from pipeload.save import saver
+
+    path = os.path.join(root, "kept")
+    first, second = _state(mesh, 11, 1), _state(mesh, 12, 1)
+    real = DcpPhases.write_phase
+
+    def full_disk(self, plan, directory, comm):  # rank 1's disk is full once the others have written
+        dist.barrier()
+        return f"writing: {OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))}", []
+
+    def others_first(self, plan, directory, comm):
+        got = real(self, plan, directory, comm)
+        dist.barrier()
+        return got
+
+    raised = None
+    with pd.installed():
+        dcp.save(first, checkpoint_id=path)
+        DcpPhases.write_phase = full_disk if rank == 1 else others_first
+        try:
+            dcp.save(second, checkpoint_id=path)
+        except CheckpointException as e:
+            raised = sorted(e.failures)
+        finally:
+            DcpPhases.write_phase = real
+    out["kept_raised"] = raised
+    out["kept_tensors"] = _same(_stock_load(mesh, path), _leaves(first), "the checkpoint before the failed save")
+    with pd.installed():
+        md = dcp.save(second, checkpoint_id=path)
+    saver.wait_cleanup()
+    dist.barrier()
+    out["kept_files"] = (sorted(f for f in os.listdir(path) if f not in (".metadata", SIDECAR)),
+                         sorted({v.relative_path for v in md.storage_data.values()}))
+    out["kept_second"] = _same(_stock_load(mesh, path), _leaves(second), "the save after the failed one")
+
+
 def _empty_case(rank: int, root: str, out: dict) -> None:
     """Nothing to save (a ``Stateful`` whose ``state_dict()`` is ``{}``; ``{}``): the engine commits an
     empty ``Metadata``, blocking and async, which the engine and stock ``dcp.load`` read."""
@@ -343,6 +401,7 @@ def world(rank: int, size: int, root: str) -> dict:
     _async_case(rank, size, root, mesh, out)
     _stock_paths_case(rank, size, root, mesh, out)
     _failure_case(rank, size, root, mesh, out)
+    _failed_save_keeps_last_case(rank, size, root, mesh, out)
     _empty_case(rank, root, out)
     return out
 
@@ -414,6 +473,14 @@ def test_a_failure_on_one_rank_raises_checkpoint_exception_everywhere(results):
     _, r = results
     assert all(x["failed"] == [[1], [1]] for x in r), [x["failed"] for x in r]
     assert not r[0]["failed_committed"]
+
+
+def test_a_failed_save_leaves_the_last_checkpoint_whole(results):
+    _, r = results
+    assert all(x["kept_raised"] == [1] for x in r), [x["kept_raised"] for x in r]
+    assert all(x["kept_tensors"] >= 10 and x["kept_second"] == x["kept_tensors"] for x in r)
+    on_disk, named = r[0]["kept_files"]
+    assert on_disk == named and len(named) >= 2, r[0]["kept_files"]
 
 
 def test_an_empty_state_dict_saves_through_the_engine(results):

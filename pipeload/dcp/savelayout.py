@@ -4,18 +4,24 @@
 greedy will make read them); this module writes what each rank owns the way DCP's ``FileSystemWriter``
 (default options) lays it out, so that stock ``dcp.load`` and pipeload's DCP reader read it:
 
-- rank ``r`` of the group writes ``__<r>_0.distcp``: each item appended as DCP's ``_write_item`` appends
+- rank ``r`` of the group writes ``__<r>_<i>.distcp``: each item appended as DCP's ``_write_item`` appends
   it (a tensor chunk as ``torch.save`` of a tensor of exactly the chunk's bytes — the very bytes, from
   :mod:`.torchsave`'s templates, without ``torch.save``'s cost per call —, a Python object as the bytes
   DCP's planner makes of it, ``torch.save`` into a ``BytesIO``), then fsynced when the writer's
-  ``sync_files`` says so. No collective; a failure is returned to the commit;
+  ``sync_files`` says so. No collective; a failure is returned to the commit. ``<i>`` is the lowest
+  index whose file does not exist (:func:`choose_file`): 0 in a new directory, and a save into the
+  directory of the last one writes beside that checkpoint's files, never over them — the committed
+  ``.metadata`` names only files no save writes, so a save that fails on any rank, at any point before
+  its commit, leaves the last checkpoint whole. After the commit each rank deletes its files the new
+  ``.metadata`` does not name, from a thread (:func:`pipeload.save.saver._delete_later`), as
+  ``pipeload.save`` deletes a replaced checkpoint's files;
 - the commit: one agreement on the writes (two words per rank), then a gather (to rank 0 only, not an
-  all-gather) of each rank's rows — per item its key index, object or tensor, offset and length in its
-  file, box — and of the flattening paths of the keys it wrote. Rank 0 builds DCP's ``Metadata``
-  (``state_dict_metadata``, ``storage_data`` of ``_StorageInfo``, ``planner_data``, ``storage_meta``,
-  version) and pickles it to ``.metadata.tmp``, fsync, rename to ``.metadata``: the commit point, after
-  every rank's data is durable. One more agreement carries the pickle's size, and one broadcast the
-  pickle itself: every rank returns the ``Metadata``, as ``dcp.save`` does.
+  all-gather) of each rank's rows — its file's index; per item its key index, object or tensor, offset
+  and length in its file, box — and of the flattening paths of the keys it wrote. Rank 0 builds DCP's
+  ``Metadata`` (``state_dict_metadata``, ``storage_data`` of ``_StorageInfo``, ``planner_data``,
+  ``storage_meta``, version) and pickles it to ``.metadata.tmp``, fsync, rename to ``.metadata``: the
+  commit point, after every rank's data is durable. One more agreement carries the pickle's size, and
+  one broadcast the pickle itself: every rank returns the ``Metadata``, as ``dcp.save`` does.
 
 The phases have the signatures of :func:`pipeload.save.saver.write_phase` and
 :func:`~pipeload.save.saver.commit_phase`, so a background save runs them in its worker as it runs the
@@ -41,17 +47,40 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ..engine.comm import Comm
 from ..formats.chunks import torch_dtype
-from ..save.saver import _Batch, _delete_later, _error_text, _fsync_dir, _host_bytes, _lock_directory
+from ..save.saver import (_Batch, _delete_later, _error_text, _fsync_dir, _host_bytes, _lock_directory,
+                          wait_cleanup)
 from . import torchsave
 
 METADATA = ".metadata"
-_HEAD = 3  # words before the rows: n, width, bytes of the paths' JSON
+_HEAD = 4  # words before the rows: n, width, bytes of the paths' JSON, the file's index
 _K, _OBJ, _AT, _LEN = 0, 1, 2, 3  # row columns; offsets and lengths of the box follow
 
 
-def data_file(rank: int) -> str:
-    """DCP's file name for group rank ``rank`` (one file per rank, its first and only bucket)."""
-    return f"__{rank}_0{dcp_fs.DEFAULT_SUFFIX}"
+def data_file(rank: int, index: int = 0) -> str:
+    """DCP's name of group rank ``rank``'s file ``index`` (``FileSystemWriter`` numbers a rank's files)."""
+    return f"__{rank}_{index}{dcp_fs.DEFAULT_SUFFIX}"
+
+
+def choose_file(directory: str, rank: int) -> tuple[int, list[str]]:
+    """(the index of this rank's file in this save, the names of this rank's files that exist now).
+
+    The index is the lowest whose file does not exist, so the save never writes a file that the
+    committed ``.metadata`` may name; the files that exist are what the commit leaves unnamed. The last
+    save's clean-up of this rank's files is waited for first: every rank of a loop saving into one
+    directory then takes the same index (rank 0 counts on it: :func:`_early_pickle`). Probed
+    with a ``stat`` each, up to one past the index (a listing would cost every rank the whole directory,
+    W names, on a shared file system)."""
+    wait_cleanup(os.path.join(directory, f"__{rank}_"))
+    existing: list[str] = []
+    index, i = -1, 0
+    while index < 0 or i <= index + 1:
+        name = data_file(rank, i)
+        if os.path.lexists(os.path.join(directory, name)):
+            existing.append(name)
+        elif index < 0:
+            index = i
+        i += 1
+    return index, existing
 
 
 def object_bytes(value: Any) -> bytes:
@@ -74,36 +103,36 @@ class DcpPhases:
         self.objects, self.paths, self.writer = objects, paths, writer
         self.sync = bool(getattr(writer, "sync_files", True))
         self.metadata: Metadata | None = None
+        self.index, self.stale = 0, []  # this save's file index; this rank's files it leaves unnamed
         self._early = None  # rank 0, a reused plan: the kept Metadata's pickle, made while writing
 
     def write_phase(self, plan, directory: str, comm: Comm) -> tuple[str | None, list[tuple]]:
-        """Write this rank's ``__<rank>_0.distcp``; ``(error or None, [(row, offset, length, object)])``.
-
-        The file is written under a temporary name, made durable, then renamed over the old one
-        (:func:`_replace`): a write that fails leaves this rank's previous file whole. Rank 0 takes the
-        directory's lock first (pipeload's: one save at a time per directory), its fd in
-        ``plan.locks`` for the caller to release. Never raises: the commit's agreement does."""
+        """Write this rank's ``__<rank>_<i>.distcp`` (:func:`choose_file`); ``(error or None, [(row,
+        offset, length, object)])``. A write that fails deletes its file; the last checkpoint's files are
+        never touched. Rank 0 takes the directory's lock first (pipeload's: one save at a time per
+        directory), its fd in ``plan.locks`` for the caller to release. Never raises: the commit's
+        agreement does."""
         error, done = None, []
         if comm.rank == 0:
             fd, error = _lock_directory(directory)
             plan.locks += [fd] if fd is not None else []
-            self._early = _early_pickle(plan, self.writer)
         try:
             os.makedirs(directory, exist_ok=True)
+            self.index, self.stale = choose_file(directory, comm.rank)
         except OSError as e:
             error = error or f"creating {directory}: {_error_text(e)}"
-        path = os.path.join(directory, data_file(comm.rank))
+        if comm.rank == 0 and error is None:
+            self._early = _early_pickle(plan, self.writer, self.index)
+        path = os.path.join(directory, data_file(comm.rank, self.index))
         if plan.items and error is None:
-            tmp = f"{path}.tmp-{plan.save_id}"
             try:
-                done = self._write_file(tmp, plan)
-                _replace(tmp, path, plan.save_id)
+                done = self._write_file(path, plan)
                 if self.sync:
                     _fsync_dir(directory)
             except Exception as e:  # noqa: BLE001 - carried to the commit's agreement
                 error = f"writing {path}: {_error_text(e)}"
                 try:
-                    os.unlink(tmp)
+                    os.unlink(path)
                 except OSError:
                     pass
         return error, done
@@ -145,7 +174,7 @@ class DcpPhases:
     def _torch_save(f, plan, row, value) -> int:
         item = WriteItem(MetadataIndex(plan.table.names[row[0]], row[1]), WriteItemType.SHARD)
         data, owner = exact(value, row[2])
-        info = dcp_fs._write_item(dcp_fs._StorageWriterTransforms(()), f, data, item, data_file(plan.rank),
+        info = dcp_fs._write_item(dcp_fs._StorageWriterTransforms(()), f, data, item, os.path.basename(f.name),
                                   dcp_fs.SerializationFormat.TORCH_SAVE).storage_data
         del data, owner
         return info.length
@@ -161,7 +190,7 @@ class DcpPhases:
         then rebuilds nothing and the broadcast carries only the ``storage_meta`` (the agreement's word
         says which, as ``-1 - size``); otherwise it carries the whole pickle."""
         what = f"dcp.save into {directory}"
-        mine = encode_rows(plan, done, self.paths) if error is None else b""
+        mine = encode_rows(plan, done, self.paths, self.index) if error is None else b""
         sizes = comm.agree_on(len(mine), error, what, "agreement on the writes")
         gathered = comm.gather_to_first(mine, sizes, what)
         error, send, value, md = None, b"", 0, None
@@ -170,27 +199,31 @@ class DcpPhases:
             try:
                 md, raw, same = _kept(kept, plan.table, gathered, self.writer, self._early)
                 self._commit(directory, raw)
-                send = pickle.dumps(md.storage_meta) if same else raw
+                send = pickle.dumps((md.storage_meta, _files_of(gathered))) if same else raw
                 value = -1 - len(send) if same else len(send)
             except Exception as e:  # noqa: BLE001
                 error = f"committing {os.path.join(directory, METADATA)}: {_error_text(e)}"
         value = int(comm.agree_on(value, error, what, "agreement on the commit")[0])
         got = comm.broadcast_bytes(send, -1 - value if value < 0 else value, what)
+        _delete_later(directory, self.stale)  # committed: the new .metadata names none of them
         if md is None:
             md = self._received(kept, got, value < 0, directory)
-        plan.memo[_KEPT] = (b"".join(gathered) if comm.rank == 0 else None, _content(md))
+        files = _files_of(gathered) if comm.rank == 0 else None
+        plan.memo[_KEPT] = _Kept(_rows_key(gathered) if comm.rank == 0 else None, files, _content(md),
+                                 kept if value < 0 else None)
         self.metadata = md
 
     @staticmethod
     def _received(kept, got: bytes, same: bool, directory: str) -> Metadata:
-        """A rank other than 0: the ``Metadata`` from the broadcast, or the kept one with its new
-        ``storage_meta`` (read back from ``.metadata`` should this rank have kept none)."""
+        """A rank other than 0: the ``Metadata`` from the broadcast, or the kept content with the new
+        ``storage_meta`` and file names (read back from ``.metadata`` should this rank have kept none)."""
         if not same:
             return pickle.loads(got)
         if kept is None:
             with open(os.path.join(directory, METADATA), "rb") as f:
                 return pickle.load(f)
-        return _with_meta(kept[1], pickle.loads(got))
+        storage_meta, files = pickle.loads(got)
+        return _with_meta(kept.content_for(files), storage_meta)
 
     def _commit(self, directory: str, raw: bytes) -> None:
         tmp = os.path.join(directory, METADATA + ".tmp")
@@ -204,21 +237,56 @@ class DcpPhases:
             _fsync_dir(directory)
 
 
-def _replace(tmp: str, path: str, save_id: str) -> None:
-    """Rename ``tmp`` over ``path``. The replaced file keeps a second name until a thread deletes it
-    (:func:`pipeload.save.saver._delete_later`): freeing its blocks (~0.7 ms per MiB on ext4 here)
-    stays off the save's time, as ``pipeload.save`` keeps its replaced files' deletion off it."""
-    old = f"{path}.old-{save_id}"
-    try:
-        os.link(path, old)
-    except OSError:  # no old file, or no hard links here: the rename frees it
-        old = None
-    os.replace(tmp, path)
-    if old is not None:
-        _delete_later(os.path.dirname(path), [os.path.basename(old)])
+_KEPT = "dcp.metadata"  # in the kept plan's memo: a _Kept
 
 
-_KEPT = "dcp.metadata"  # in the kept plan's memo: (rank 0's gathered rows, the Metadata's content)
+def _files_of(per_rank: list[bytes]) -> tuple:
+    """Each rank's file name from its :func:`encode_rows` (None for a rank that wrote none)."""
+    return tuple(data_file(r, int(np.frombuffer(g, dtype=np.int64, count=_HEAD)[3])) if len(g) > 8 * _HEAD else None
+                 for r, g in enumerate(per_rank))
+
+
+def _rows_key(per_rank: list[bytes]) -> bytes:
+    """The gathered rows without the file indices: equal when a commit's content is the last one's but
+    for the names of the files."""
+    return b"".join(g[: 8 * (_HEAD - 1)] + g[8 * _HEAD :] for g in per_rank)
+
+
+class _Kept:
+    """What a commit keeps for the next save of the same plan: rank 0's rows key and file names, and the
+    ``Metadata``'s content for the files of this commit and of the one before (a training loop saving
+    into one directory alternates between two sets of names: :func:`choose_file`).
+
+    Content for other names is the kept content with its ``storage_data`` renamed (:meth:`content_for`)."""
+
+    __slots__ = ("rows", "files", "contents")
+
+    def __init__(self, rows: bytes | None, files: tuple | None, content: tuple, before: "_Kept | None") -> None:
+        """``before``: the last commit's, when this commit's content is its but for the names."""
+        self.rows, self.files = rows, files
+        key = _files_in(content)
+        self.contents = {key: content}
+        if before is not None:  # the same content, under other names
+            for k, c in before.contents.items():
+                if k != key and len(self.contents) < 2:
+                    self.contents[k] = c
+
+    def content_for(self, files: tuple) -> tuple:
+        got = self.contents.get(frozenset(f for f in files if f is not None))
+        if got is not None:
+            return got
+        sdm, planner_data, storage = next(iter(self.contents.values()))
+        rename = {_rank_of(f): f for f in files if f is not None}
+        return sdm, planner_data, {k: dcp_fs._StorageInfo(rename.get(_rank_of(v.relative_path), v.relative_path),
+                                                          v.offset, v.length) for k, v in storage.items()}
+
+
+def _rank_of(name: str) -> str:
+    return name[: name.index("_", 2)]
+
+
+def _files_in(content: tuple) -> frozenset:
+    return frozenset(v.relative_path for v in content[2].values())
 
 
 def _content(md: Metadata) -> tuple:
@@ -232,34 +300,39 @@ def _with_meta(content: tuple, storage_meta) -> Metadata:
                     storage_meta=storage_meta, version=dcp_fs.CURRENT_DCP_VERSION)
 
 
-def _kept(kept, table, gathered, writer, early) -> tuple[Metadata, bytes, bool]:
-    """Rank 0: (the ``Metadata`` of this commit, its pickle, whether it is the kept one's content)."""
-    if kept is not None and kept[0] is not None and kept[0] == b"".join(gathered):
+def _kept(kept: _Kept | None, table, gathered, writer, early) -> tuple[Metadata, bytes, bool]:
+    """Rank 0: (the ``Metadata`` of this commit, its pickle, whether it is the kept content but for its
+    ``storage_meta`` and file names)."""
+    if kept is not None and kept.rows is not None and kept.rows == _rows_key(gathered):
+        files = _files_of(gathered)
         got = early() if early is not None else None
-        if got is None:
-            md = _with_meta(kept[1], writer.storage_meta())
-            got = md, pickle.dumps(md)
+        if got is None or got[2] != files:
+            md = _with_meta(kept.content_for(files), writer.storage_meta())
+            got = md, pickle.dumps(md), files
         return got[0], got[1], True
     md = build_metadata(table, gathered, writer.storage_meta())
     return md, pickle.dumps(md), False
 
 
-def _early_pickle(plan, writer):
+def _early_pickle(plan, writer, index: int):
     """Rank 0 of a save whose plan was reused: start pickling the kept ``Metadata`` with this save's
     ``storage_meta`` on a thread, while this rank writes its file (the pickle of a 3,000-tensor
-    ``Metadata`` takes as long as that write's Python part, and the writes and fsyncs release the GIL).
-    Returns the function that waits for ``(Metadata, pickle)`` (None if it failed: the commit pickles
-    again), or None without a kept ``Metadata``. The commit uses it only when every rank's rows equal the
-    kept ones (:func:`_kept`), which is when its content is this commit's."""
+    ``Metadata`` takes as long as that write's Python part, and the writes and fsyncs release the GIL),
+    guessing that every rank's file has rank 0's ``index`` (ranks saving into one directory alternate
+    alike). Returns the function that waits for ``(Metadata, pickle, files)`` (None if it failed: the
+    commit pickles again), or None without a kept ``Metadata``. The commit uses it only when every
+    rank's rows equal the kept ones and its files are the guessed ones (:func:`_kept`), which is when its
+    content is this commit's."""
     kept = plan.memo.get(_KEPT) if plan.reused else None
-    if kept is None or kept[0] is None:
+    if kept is None or kept.rows is None:
         return None
+    files = tuple(None if f is None else data_file(int(_rank_of(f)[2:]), index) for f in kept.files)
     got: list = []
 
     def run() -> None:
         try:
-            md = _with_meta(kept[1], writer.storage_meta())
-            got.append((md, pickle.dumps(md)))
+            md = _with_meta(kept.content_for(files), writer.storage_meta())
+            got.append((md, pickle.dumps(md), files))
         except Exception:  # noqa: BLE001 - the commit pickles it again, and raises there
             pass
 
@@ -292,8 +365,8 @@ def exact(value: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(tuple(shape)), t
 
 
-def encode_rows(plan, done: list[tuple], paths: dict[str, tuple]) -> bytes:
-    """This rank's file for rank 0: ``[n, width, json bytes]``, the rows (int64: key index, object flag,
+def encode_rows(plan, done: list[tuple], paths: dict[str, tuple], index: int = 0) -> bytes:
+    """This rank's file for rank 0: ``[n, width, json bytes, index]``, the rows (int64: key index, object flag,
     offset, length, box offsets and lengths padded to ``width``), then the JSON paths of its keys."""
     width = plan.table.shape.shape[1]
     rows = np.zeros((len(done), 4 + 2 * width), dtype=np.int64)
@@ -306,11 +379,11 @@ def encode_rows(plan, done: list[tuple], paths: dict[str, tuple]) -> bytes:
         fqn = plan.table.names[row[0]]
         written[fqn] = list(paths.get(fqn, (fqn,)))
     text = json.dumps(written, separators=(",", ":")).encode("utf-8", "surrogatepass")
-    return np.asarray([len(done), width, len(text)], dtype=np.int64).tobytes() + rows.tobytes() + text
+    return np.asarray([len(done), width, len(text), index], dtype=np.int64).tobytes() + rows.tobytes() + text
 
 
 def _decode_rows(data: bytes) -> tuple[np.ndarray, dict]:
-    n, width, nbytes = (int(x) for x in np.frombuffer(data, dtype=np.int64, count=_HEAD))
+    n, width, nbytes, _ = (int(x) for x in np.frombuffer(data, dtype=np.int64, count=_HEAD))
     rows = np.frombuffer(data, dtype=np.int64, count=n * (4 + 2 * width), offset=8 * _HEAD).reshape(n, 4 + 2 * width)
     at = 8 * _HEAD + rows.nbytes
     return rows, json.loads(bytes(data[at : at + nbytes]).decode("utf-8", "surrogatepass"))
@@ -335,7 +408,7 @@ def build_metadata(table, per_rank, storage_meta) -> Metadata:
     storage: dict[MetadataIndex, Any] = {}
     sizes_of: dict[tuple, torch.Size] = {}  # equal sizes and properties shared: pickled once
     props: dict[str, TensorProperties] = {}
-    files = [data_file(r) for r in range(len(per_rank))]
+    files = _files_of(per_rank)
     size = lambda v: sizes_of.get(v) or sizes_of.setdefault(v, torch.Size(v))  # noqa: E731
     for r, x in found:
         k = x[_K]

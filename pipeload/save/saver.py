@@ -391,34 +391,40 @@ def _commit(directory: str, md: Metadata, arrays: dict[str, np.ndarray] | None =
     _delete_later(directory, sorted(previous - {*md.files, index}))
 
 
-_cleanup: threading.Thread | None = None
+_cleanups: list[tuple[threading.Thread, frozenset[str]]] = []  # this process's, newest last, with their paths
+_cleanups_lock = threading.Lock()
 
 
 def _delete_later(directory: str, names: list[str]) -> None:
-    """Delete ``names`` in ``directory`` (best effort) in a thread, after the commit point.
+    """Delete ``names`` in ``directory`` (best effort) in a thread, after the commit point; returns at once.
 
     Freeing a file's blocks is not free (~0.7 ms per MiB on ext4 here, one file after another even
     from several threads): done inline it made every rank wait at the commit's agreement for rank 0
     to delete the replaced checkpoint. Nothing depends on the deletion: the committed ``.metadata``
-    names none of these files. One clean-up at a time per process (a commit first waits for the
-    previous one: :func:`wait_cleanup`); the thread is not a daemon, so it completes at exit, and it
-    runs below the caller's CPU priority (:func:`lower_priority`).
+    names none of these files. One clean-up at a time per process: each thread first waits for the one
+    before it, so a save that must not reuse a name still being deleted waits for that alone
+    (:func:`wait_cleanup`). The threads are not daemons, so they complete at exit, and they run below
+    the caller's CPU priority (:func:`lower_priority`).
     """
-    global _cleanup
-    wait_cleanup()
     if not names:
         return
+    paths = [os.path.join(directory, name) for name in names]
+    with _cleanups_lock:
+        before = _cleanups[-1][0] if _cleanups else None
 
-    def run() -> None:
-        lower_priority()
-        for name in names:
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+        def run() -> None:
+            if before is not None:
+                before.join()
+            lower_priority()
+            for path in paths:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
-    _cleanup = threading.Thread(target=run, name="pipeload-save-cleanup", daemon=False)
-    _cleanup.start()
+        thread = threading.Thread(target=run, name="pipeload-save-cleanup", daemon=False)
+        _cleanups[:] = [c for c in _cleanups if c[0].is_alive()] + [(thread, frozenset(paths))]
+        thread.start()
 
 
 BACKGROUND_NICE = int(os.environ.get("PIPELOAD_SAVE_NICE", "10"))  # see lower_priority; 0 keeps the caller's
@@ -444,11 +450,15 @@ def lower_priority() -> None:
         pass
 
 
-def wait_cleanup() -> None:
-    """Wait until the files the last commit of this process replaced are deleted."""
-    t = _cleanup
-    if t is not None:
-        t.join()
+def wait_cleanup(prefix: str | None = None) -> None:
+    """Wait until the files this process's commits left to delete are deleted: all of them, or (with
+    ``prefix``) those whose paths start with it, and the ones queued before them."""
+    with _cleanups_lock:
+        pending = list(_cleanups)
+    for thread, paths in reversed(pending):
+        if prefix is None or any(p.startswith(prefix) for p in paths):
+            thread.join()  # each joined the one before it
+            return
 
 
 def _error_text(e: BaseException) -> str:
