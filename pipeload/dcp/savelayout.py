@@ -142,25 +142,23 @@ class DcpPhases:
         as ``torch.save``'s archive of it — from :mod:`.torchsave`'s template around the tensor's own
         memory, in ``writev`` batches, or (no template: a huge tensor) through DCP's ``_write_item``."""
         done = []
-        at, opts = 0, torchsave.options()
+        at = 0
         with open(path, "wb", buffering=0) as f:
             out = _Batch(f)
-            for (_, _, _, value), row in zip(plan.items, plan.rows):
+            for (_, _, _, value), row, tpl in zip(plan.items, plan.rows, _templates(plan)):
                 if len(row) == 1:
                     data = self.objects[plan.table.names[row[0]]]
                     out.add(memoryview(data), None)
                     done.append((row, at, len(data), True))
                     at += len(data)
                     continue
-                tpl = torchsave.template(value.dtype, tuple(row[2]), opts)
                 if tpl is None:
                     out.flush()
                     length = self._torch_save(f, plan, row, value)
                 else:
                     view, owner = _host_bytes(value)
                     head, tail = tpl.parts(view)
-                    for part, keep in ((head, None), (view, owner), (tail, None)):
-                        out.add(part if isinstance(part, memoryview) else memoryview(part), keep)
+                    out.add_framed(head, view, owner, tail)
                     length = len(head) + view.nbytes + len(tail)
                     del view, owner
                 done.append((row, at, length, False))
@@ -238,6 +236,19 @@ class DcpPhases:
 
 
 _KEPT = "dcp.metadata"  # in the kept plan's memo: a _Kept
+_TEMPLATES = "dcp.templates"  # and: (torch.save's options, each item's template)
+
+
+def _templates(plan) -> list:
+    """Each item's :func:`torchsave.template` (None for an object or a tensor ``torch.save`` must write),
+    kept with the plan while ``torch.save``'s options stay the same."""
+    opts = torchsave.options()
+    kept = plan.memo.get(_TEMPLATES)
+    if kept is None or kept[0] != opts:
+        made = [None if len(row) == 1 else torchsave.template(v.dtype, tuple(row[2]), opts)
+                for (_, _, _, v), row in zip(plan.items, plan.rows)]
+        kept = plan.memo[_TEMPLATES] = (opts, made)
+    return kept[1]
 
 
 def _files_of(per_rank: list[bytes]) -> tuple:
