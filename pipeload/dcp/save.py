@@ -63,7 +63,7 @@ from ..formats.chunks import storable_dtype
 from ..plan.statedict import tensor_box
 from ..plan.tensorkinds import source_refusal
 from ..save import background as bg
-from ..save import saver
+from ..save import savecache, saver
 from .flatten import flatten_state_dict
 from .savelayout import DcpPhases, object_bytes
 
@@ -123,6 +123,7 @@ class _Call:
     comm: Comm | None = None
     directory: str = ""
     converted: bool = False  # Stateful values already replaced by their state_dict()
+    offer: Any = saver.ASK  # the kept plan that matched the flattened dict (saver.plan_phase's offer)
 
 
 def _writer_refusal(writer) -> str | None:
@@ -289,11 +290,13 @@ def _prepare(kw: dict, state_dict, asynchronous: bool):
         call.converted = True
         try:
             flat, mappings = flatten_state_dict(state_dict)
-            call.reason = _content_refusal(flat)
+            leaves, objects = _split(flat, mappings)
+            call.offer = savecache.offer(call.comm, leaves)
+            if call.offer is None:  # a kept plan that matched was made from tensors of the kinds checked here
+                call.reason = _content_refusal(flat)
+            flat = leaves
         except Exception as e:  # noqa: BLE001 - DCP's code raises it (or saves it) its own way
             call.reason = f"state dict: {type(e).__name__}: {e}"
-    if call.reason is None:
-        flat, objects = _split(flat, mappings)
     return call, state_dict, flat, objects, mappings
 
 
@@ -325,7 +328,7 @@ def save(state_dict, *args, **kwargs):
         phases = DcpPhases(objects, mappings, call.writer)
         try:
             with paused_gc():
-                _engine_save(flat, call.directory, call.comm, phases, stats)
+                _engine_save(flat, call, phases, stats)
         except saver.Declined as e:  # another rank refused: before anything was planned or written
             call.reason = _declined_reason(e)
         except CheckpointException:
@@ -342,8 +345,9 @@ def save(state_dict, *args, **kwargs):
     return phases.metadata
 
 
-def _engine_save(flat: dict, directory: str, comm: Comm, phases: DcpPhases, stats: DcpSaveStats) -> None:
+def _engine_save(flat: dict, call: _Call, phases: DcpPhases, stats: DcpSaveStats) -> None:
     """The blocking save's phases (as ``pipeload.save``'s), the write and commit in DCP's layout."""
+    directory, comm = call.directory, call.comm
     what = f"dcp.save into {directory}"
     bg.wait_previous(comm)
     lock: list[int] = []
@@ -352,7 +356,7 @@ def _engine_save(flat: dict, directory: str, comm: Comm, phases: DcpPhases, stat
         contended = guard.enter_sync(comm, comm.size > 1, what, comm.timeout.total_seconds())
         try:
             t0 = time.perf_counter()
-            plan = saver.plan_phase(flat, directory, comm, contended)
+            plan = saver.plan_phase(flat, directory, comm, contended, offer=call.offer)
             plan.locks = lock
             t1 = time.perf_counter()
             stats.plan_s, stats.plan_reused, stats.items_written = t1 - t0, plan.reused, len(plan.items)
@@ -383,7 +387,7 @@ def async_save(state_dict, *args, **kwargs):
     phases = DcpPhases(objects, mappings, call.writer)
     future: Future = Future()
     try:
-        handle = _engine_async(flat, call.directory, call.comm, phases)
+        handle = _engine_async(flat, call, phases)
     except saver.Declined as e:  # another rank refused: before anything was planned or staged
         _record(DcpSaveStats("async_save", "dcp", _declined_reason(e)))
         return DCP_ASYNC_SAVE(state_dict, **kwargs)
@@ -402,11 +406,11 @@ def async_save(state_dict, *args, **kwargs):
     return future
 
 
-def _engine_async(flat: dict, directory: str, comm: Comm, phases: DcpPhases):
-    bg.wait_previous(comm)
+def _engine_async(flat: dict, call: _Call, phases: DcpPhases):
+    bg.wait_previous(call.comm)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="pipeload.save: Python objects differ")
-        return bg.save(flat, directory, comm, None, phases=phases)
+        return bg.save(flat, call.directory, call.comm, None, phases=phases, offer=call.offer)
 
 
 def _settle(future: Future, handle, phases: DcpPhases, rank: int) -> None:

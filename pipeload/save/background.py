@@ -417,14 +417,16 @@ def _failures(comm: Comm, e: PipeloadError) -> dict[int, str]:
     return {comm.rank: str(e)}
 
 
-def save(state_dict: dict, directory: str, comm: Comm, staging_bytes: int | None, phases=saver) -> SaveHandle:
+def save(state_dict: dict, directory: str, comm: Comm, staging_bytes: int | None, phases=saver,
+         offer=saver.ASK) -> SaveHandle:
     """The caller's part of a background save: plan, snapshot, start the worker; the handle.
 
     Planning raises here, on every rank alike, as a blocking save would (nothing is written). After
     planning nothing raises here: a failure (staging, writing, a peer) reaches every rank's
     :meth:`SaveHandle.wait` through the agreement. ``staging_bytes`` bounds the staging (default:
     every byte this rank owns); the head of the file that does not fit is written from the live
-    tensors, while the rest is copied, before this returns.
+    tensors, while the rest is copied, before this returns. ``offer``: as
+    :func:`pipeload.save.saver.plan_phase` takes it.
     """
     from ..engine._busy import Guard
     from ..engine._gcpause import paused_gc
@@ -439,7 +441,7 @@ def save(state_dict: dict, directory: str, comm: Comm, staging_bytes: int | None
     with paused_gc(), Guard() as guard:
         contended = guard.enter_sync(comm, comm.size > 1, f"pipeload.save into {directory}",
                                      comm.timeout.total_seconds())
-        plan = saver.plan_phase(state_dict, directory, comm, contended)
+        plan = saver.plan_phase(state_dict, directory, comm, contended, offer=offer)
         own = own_comm(comm)  # every rank passed planning: all create it here, or all reuse it
         handle.plan_seconds = time.perf_counter() - t0
         pool = pool_for(comm)

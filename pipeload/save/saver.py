@@ -539,11 +539,17 @@ class SavePlan:
         return {t.names[k]: (t.dtype_name(k), t.shape_of(k)) for k in np.flatnonzero(t.kind == saveplan.KIND_TENSOR)}
 
 
-def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | None, *, box_of=None) -> SavePlan:
+ASK = object()  # plan_phase's offer: look for a kept plan here
+
+
+def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | None, *, box_of=None,
+               offer=ASK) -> SavePlan:
     """Validate and plan; no I/O. Any rank's problem raises :class:`StateDictError` on every rank.
 
     ``box_of``: how a tensor's box is resolved (default :func:`~pipeload.plan.statedict.tensor_box`; the
-    simulation, :mod:`pipeload.tools.simsave`, passes the boxes of its virtual meshes).
+    simulation, :mod:`pipeload.tools.simsave`, passes the boxes of its virtual meshes). ``offer``: what
+    :func:`pipeload.save.savecache.offer` gave for ``state_dict`` on ``comm`` when the caller already
+    asked (``dcp.save``'s door does), else it is asked here.
 
     Collectives, the same on every rank in this order: the reuse words (:mod:`pipeload.save.savecache`;
     they carry rank 0's fresh save id, and one rank's :func:`decline` makes every rank raise
@@ -552,7 +558,7 @@ def plan_phase(state_dict: dict, directory: str, comm: Comm, contended: str | No
     like a problem of its state dict.
     """
     what = f"pipeload.save into {directory}"
-    offer = savecache.offer(comm, state_dict) if not contended else None
+    offer = None if contended else savecache.offer(comm, state_dict) if offer is ASK else offer
     words = _reuse_words(comm, offer.token if offer else 0, False, what)
     save_id = savecache.save_id_of(int(words[0, 1]))
     if savecache.all_reuse(words[:, 0]):
