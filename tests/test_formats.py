@@ -309,6 +309,29 @@ def test_hf_errors(tmp_path, hf_tensors):
         pipeload.load({}, str(tmp_path / "nothing-here"))
 
 
+def test_hf_parts_of_two_saves_name_both_files(tmp_path):
+    """Parts of a tensor (DCP's sharding info) left by two saves into one directory overlap: the refusal
+    names the tensor and the two files whose parts overlap; a gap names the files that hold parts."""
+    full = torch.arange(6 * 2, dtype=torch.float32).reshape(6, 2)
+
+    def part(name: str, lo: int, hi: int) -> None:
+        save_file({"w": full[lo:hi].contiguous()}, str(tmp_path / name),
+                  metadata={"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [lo, 0]}})})
+
+    part("shard-00001-of-00002.safetensors", 0, 3)  # the first save: rows 0-2 and 3-5
+    part("shard-00002-of-00002.safetensors", 3, 6)
+    part("shard-00001-of-00003.safetensors", 0, 2)  # the second: rows 0-1, ...
+    with pytest.raises(pipeload.PipeloadError) as e:
+        pipeload.load({"w": torch.zeros(6, 2)}, str(tmp_path), format="hf")
+    text = str(e.value)
+    assert "'w'" in text and "shard-00001-of-00002.safetensors" in text and "shard-00001-of-00003.safetensors" in text
+    assert "two saves" in text, text
+    os.unlink(tmp_path / "shard-00001-of-00003.safetensors")
+    part("shard-00002-of-00002.safetensors", 4, 6)  # row 3 missing
+    with pytest.raises(pipeload.PipeloadError, match=r"gap or overlap\) \(chunks in shard-00001-of-00002"):
+        pipeload.load({"w": torch.zeros(6, 2)}, str(tmp_path), format="hf")
+
+
 def test_hf_tied_weights(tmp_path):
     """A model with tied embeddings (``lm_head.weight`` is ``embed.weight``) from a Hugging Face file that
     stores one of them loads strictly: filling one fills both. A key that only shares memory in another

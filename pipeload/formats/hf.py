@@ -183,9 +183,21 @@ def _decode_raw(path: str, data: dict[str, Any]):
         shape = tuple(max(c.offsets[d] + c.lengths[d] for c in metas) for d in range(len(metas[0].lengths)))
         problem = tiling_problem(shape, [(c.offsets, c.lengths) for c in metas])
         if problem:
-            raise CheckpointFormatError(f"{path}: tensor {key!r}: {problem}")
+            raise CheckpointFormatError(f"{path}: tensor {key!r}: {problem}{_where(metas)}")
         md.tensors[key] = TensorMeta(dtypes.pop(), shape, metas)
     return root, md, file_metadata
+
+
+def _where(metas: tuple[ChunkMeta, ...]) -> str:
+    """The files behind a tensor's chunks that do not tile it: the first two that overlap (two saves
+    into one directory leave such pairs), else every file holding a chunk."""
+    metas = tuple(c for c in metas if all(c.lengths))  # (an empty chunk overlaps nothing)
+    for i, a in enumerate(metas):
+        for b in metas[i + 1 :]:
+            if all(x < y + m and y < x + n for x, n, y, m in zip(a.offsets, a.lengths, b.offsets, b.lengths)):
+                return (f": {a.file} holds {list(a.lengths)} at {list(a.offsets)}, which overlaps {list(b.lengths)} "
+                        f"at {list(b.offsets)} in {b.file} (the files of two saves in one directory?)")
+    return f" (chunks in {', '.join(sorted({c.file for c in metas}))})"
 
 
 def _check_dtype(fpath: str, key: str, dtype: str) -> None:
