@@ -18,6 +18,7 @@ and ``dst``). Shows, each checked bit for bit in the parent against the trainer'
 from __future__ import annotations
 
 import os
+import threading
 from datetime import timedelta
 
 import pytest
@@ -229,8 +230,10 @@ def _layout_changed(rank) -> dict:
 
 
 def _stream_case(rank, mesh, s) -> dict:
-    """Full tensors streamed in small buckets into engine A's own loader, twice (plans kept per bucket),
-    then a loader that raises on rank 5: every rank raises, after every bucket's transfer."""
+    """Full tensors streamed in small buckets into engine A's own loader, twice (plans kept per bucket;
+    each bucket consumed on the stream's thread while the next arrives), once more in the caller's thread
+    (``overlap=False``), then a loader that raises on rank 5: every rank raises, after every bucket's
+    transfer."""
     import pipeload
     from pipeload.tools.engineshape import checkpoint_shapes, engine_loader, engine_params
 
@@ -238,10 +241,11 @@ def _stream_case(rank, mesh, s) -> dict:
     want = {k: (v, s.dtype) for k, v in checkpoint_shapes(s).items()} if rank in (4, 5) else None
     params = engine_params(s, 2, rank - 4) if want else None
     loader = engine_loader(s, params, 2, rank - 4) if want else None
-    biggest = []
+    biggest, threads = [], []
 
     def load_weights(weights):
         biggest.append(sum(t.numel() * t.element_size() for _, t in weights))
+        threads.append(threading.current_thread() is threading.main_thread())
         loader(weights)
 
     src = model.state_dict() if model is not None else None
@@ -249,6 +253,13 @@ def _stream_case(rank, mesh, s) -> dict:
     out = {"planned": [r.planned for r in runs], "version": runs[1].version, "buckets": len(biggest),
            "biggest": max(biggest, default=0), "params": {k: v.clone() for k, v in params.items()} if params else None,
            "full": _full(model) if model is not None else None, "sent": runs[1].bytes_sent}
+    if params:  # the same again into fresh parameters, each bucket handed over in the caller's thread
+        params = engine_params(s, 2, rank - 4)
+        loader = engine_loader(s, params, 2, rank - 4)
+    overlapped, threads[:] = list(threads), []
+    pipeload.stream(src, want, load_weights if want else None, bucket_mb=0.02, overlap=False)
+    out["threads"] = (set(overlapped), set(threads))
+    out["again"] = {k: v.clone() for k, v in params.items()} if params else None
 
     def failing(weights):
         if rank == 5 and any("layers.1" in n for n, _ in weights):
@@ -410,6 +421,9 @@ def test_stream_full_tensors_into_the_engine_loader(results):
         params = _tensors(got["params"])
         assert all(torch.equal(params[k], want[k]) for k in want), rank
         assert got["buckets"] > 10 and got["version"] == 7
+        assert got["threads"] == ({False}, {True}), got["threads"]  # overlapped, then in the caller's thread
+        again = _tensors(got["again"])
+        assert all(torch.equal(again[k], want[k]) for k in want), rank
         largest = max(v.numel() * 4 for v in full.values())
         assert got["biggest"] <= max(0.02 * (1 << 20), largest), got["biggest"]  # one bucket at a time
     assert [results[r]["stream"]["planned"] for r in range(WORLD)] == [[True, False]] * WORLD

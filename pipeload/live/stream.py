@@ -6,9 +6,15 @@ tensors it wants (``want``: name -> shape and dtype, in the order it wants them)
 buckets of about ``bucket_mb``; each bucket is one :func:`pipeload.transfer` into whole tensors
 allocated for it on the engine rank, so every tensor is assembled *on the engine rank that consumes
 it*, its pieces sent by the balanced holders of the trainer's shards (not gathered on trainer rank 0:
-no trainer rank holds more than its own shards, none sends much more than the others). The bucket is
-handed to ``load_weights`` and dropped before the next is allocated: an engine rank holds at most one
-bucket (or its largest tensor) beyond its parameters.
+no trainer rank holds more than its own shards, none sends much more than the others).
+
+Each bucket is handed to ``load_weights`` on a thread of the stream's own while the next bucket's
+transfer runs (``overlap=True``, the default), one call at a time and in bucket order; the call on
+bucket k is waited for before bucket k + 1 is handed over, so an engine rank holds at most two
+buckets (or its two largest tensors) beyond its parameters: the one being consumed and the one being
+received. With ``overlap=False`` the calls are the caller's own, and one bucket is alive at a time. On
+an accelerator the call runs on the stream that was current when the transfer completed (the transfer
+ordered it after its receives). After a ``load_weights`` raised, that rank calls it no more.
 
 Collectives, in order: one gather of the bucket counts (every rank then makes the same number of
 transfers, a rank without bucket ``k`` taking part with no destination), the transfers (each keeps
@@ -19,6 +25,8 @@ transfer ran (no rank is left waiting in one).
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -33,14 +41,15 @@ DEFAULT_BUCKET_MB = 512.0
 
 def stream(src: Any, want: Any, load_weights: Callable[[list], Any] | None, *, group: Any = None,
            bucket_mb: float = DEFAULT_BUCKET_MB, version: int | None = None, cast: bool = False,
-           device: Any = "cpu") -> TransferStats:
+           device: Any = "cpu", overlap: bool = True) -> TransferStats:
     """Hand every engine rank the full tensors it ``want``\\ s, in buckets, through ``load_weights``.
     A collective over ``group`` (every rank calls it with the same group and ``bucket_mb``).
 
     ``src``: this rank's part of the trainer's state dict (``None`` on an engine-only rank). ``want``:
     name -> ``(shape, dtype)`` or a tensor (a meta tensor will do: its shape and dtype), or an iterable
     of ``(name, shape, dtype)``; ``None`` on a trainer-only rank. ``load_weights`` is called once per
-    bucket with a list of ``(name, tensor)`` (the tensors are this call's own, on ``device``).
+    bucket with a list of ``(name, tensor)`` (the tensors are this call's own, on ``device``), on the
+    stream's thread while the next bucket arrives unless ``overlap=False`` (see the module).
     Returns this rank's stats summed over the buckets; raises as :func:`pipeload.transfer` does, and
     :class:`pipeload.DistributedError` on every rank when a ``load_weights`` raised.
     """
@@ -57,21 +66,63 @@ def stream(src: Any, want: Any, load_weights: Callable[[list], Any] | None, *, g
         link.agree(what, error, "agreement on the wants")
     n = int(rows[:, 0].max())
     total = TransferStats(version=version, planned=False)
-    for k in range(n):
-        bucket = buckets[k] if k < len(buckets) and error is None else None
-        dst = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in bucket} \
-            if bucket else None
-        _add(total, run_transfer(link, src, dst, version, cast, what, slot=k + 1))
-        if dst:
-            try:
-                load_weights(list(dst.items()))
-            except Exception as e:  # noqa: BLE001 - every rank must learn of it, after every transfer
-                error = f"{what}: load_weights raised on bucket {k} ({', '.join(list(dst)[:3])}...): " \
-                        f"{type(e).__name__}: {e}"
-        del dst
+    feed = _Feed(load_weights, overlap and n > 1 and error is None)
+    try:
+        for k in range(n):
+            bucket = buckets[k] if k < len(buckets) and error is None else None
+            dst = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in bucket} \
+                if bucket else None
+            _add(total, run_transfer(link, src, dst, version, cast, what, slot=k + 1))
+            if dst:
+                feed.hand(k, dst)
+            del dst
+    finally:
+        error = feed.finish() or error
     link.agree(what, error, "agreement on the engines' load_weights")
     total.complete = True
     return total
+
+
+class _Feed:
+    """Buckets into ``load_weights`` in bucket order, one call at a time: on a thread of its own when
+    ``overlap`` (a bucket is handed over once the call on the one before it returned), else in the
+    caller's. The first failure is kept (as the text every rank raises) and ends the calls."""
+
+    def __init__(self, load_weights, overlap: bool) -> None:
+        self.load_weights, self.error, self.pending = load_weights, None, None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="pipeload-stream") if overlap else None
+
+    def hand(self, k: int, dst: dict) -> None:
+        self._settle()
+        if self.error is not None:
+            return
+        if self.pool is None:
+            self.error = self._call(k, dst, None)
+            return
+        on = torch.cuda.current_stream() if any(t.is_cuda for t in dst.values()) else None
+        self.pending = self.pool.submit(self._call, k, dst, on)
+
+    def _call(self, k: int, dst: dict, on) -> str | None:
+        try:
+            with torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
+                self.load_weights(list(dst.items()))
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, after every transfer
+            return f"pipeload.stream: load_weights raised on bucket {k} ({', '.join(list(dst)[:3])}...): " \
+                   f"{type(e).__name__}: {e}"
+        return None
+
+    def _settle(self) -> None:
+        if self.pending is not None:
+            self.error, self.pending = self.error or self.pending.result(), None
+
+    def finish(self) -> str | None:
+        """Wait for the last call; the first failure's text, or None."""
+        try:
+            self._settle()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+        return self.error
 
 
 def _wants(want: Any, load_weights) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
