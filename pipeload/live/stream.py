@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
+from .. import device
 from ..errors import StateDictError
 from ..move.link import Link
 from .api import TransferStats, run_transfer
@@ -99,12 +100,12 @@ class _Feed:
         if self.pool is None:
             self.error = self._call(k, dst, None)
             return
-        on = torch.cuda.current_stream() if any(t.is_cuda for t in dst.values()) else None
+        on = next((device.current_stream(t.device) for t in dst.values() if t.device.type not in ("cpu", "meta")), None)
         self.pending = self.pool.submit(self._call, k, dst, on)
 
     def _call(self, k: int, dst: dict, on) -> str | None:
         try:
-            with torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
+            with device.on_stream(on) if on is not None else contextlib.nullcontext():
                 self.load_weights(list(dst.items()))
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, after every transfer
             return f"pipeload.stream: load_weights raised on bucket {k} ({', '.join(list(dst)[:3])}...): " \
