@@ -7,6 +7,10 @@ Measured ``repeats`` times each, in turns, barrier to barrier (the slowest rank)
 
 - **pipeload**: ``pipeload.transfer(model.state_dict(), engine_slices)`` (after one warm-up transfer that
   plans: the timed ones reuse the plan, as every RL step after the first does);
+- **stream** / **stream, no overlap**: ``pipeload.stream`` of the full Hugging Face tensors into the
+  engine's own ``load_weights`` in buckets of ``--bucket-mb`` (for engines that take only full tensors:
+  each tensor assembled on the engine rank from the balanced holders), with each bucket's
+  ``load_weights`` overlapped with the next bucket's transfer, and without;
 - **per-tensor**: what the frameworks do without buckets: for each tensor, ``full_tensor()`` on the
   trainers, a broadcast from trainer rank 0 to the four engine ranks, the engine's ``load_weights``
   slicing and fusing it;
@@ -142,7 +146,8 @@ def _rank_main(rank: int, world: int, cfg: TransferBenchConfig) -> dict[str, Any
 
     import pipeload
 
-    from ..engineshape import engine_loader, engine_params, engine_slices, leaf_modules, trainer_model
+    from ..engineshape import (checkpoint_shapes, engine_loader, engine_params, engine_slices, leaf_modules,
+                               trainer_model)
 
     s = bench_shape(cfg.size_mb)
     mesh = DeviceMesh("cpu", list(TRAINERS))
@@ -163,15 +168,25 @@ def _rank_main(rank: int, world: int, cfg: TransferBenchConfig) -> dict[str, Any
     _per_tensor(rank, model, s, names, group, load)
     reference = {k: v.clone() for k, v in params.items()} if params else None
     st = pipeload.transfer(model.state_dict() if model else None, slices, version=0)  # plans
-    times: dict[str, list[float]] = {"pipeload": [], "per-tensor": [], "bucketed": []}
+    want = {k: (v, s.dtype) for k, v in checkpoint_shapes(s).items()} if eng else None
+
+    def stream(overlap: bool) -> None:
+        pipeload.stream(model.state_dict() if model else None, want, load, bucket_mb=cfg.bucket_mb,
+                        overlap=overlap)
+
+    stream(True)  # plans each bucket
+    times: dict[str, list[float]] = {k: [] for k in ("pipeload", "stream", "stream, no overlap", "per-tensor",
+                                                     "bucketed")}
     stats = []
     for i in range(cfg.repeats):
         _zero(params)
         times["pipeload"].append(_timed(lambda: stats.append(
             pipeload.transfer(model.state_dict() if model else None, slices, version=i + 1))))
-        exact = params is None or all(torch.equal(params[k], reference[k]) for k in params)
-        if not exact:
-            raise AssertionError(f"rank {rank}: engine weights differ after pipeload.transfer")
+        _exact(rank, params, reference, "pipeload.transfer")
+        for label, overlap in (("stream", True), ("stream, no overlap", False)):
+            _zero(params)
+            times[label].append(_timed(lambda: stream(overlap)))
+            _exact(rank, params, reference, f"pipeload.stream (overlap={overlap})")
         times["per-tensor"].append(_timed(lambda: _per_tensor(rank, model, s, names, group, load)))
         times["bucketed"].append(_timed(lambda: _bucketed(rank, model, s, names, group, load,
                                                           int(cfg.bucket_mb * MiB))))
@@ -182,6 +197,11 @@ def _rank_main(rank: int, world: int, cfg: TransferBenchConfig) -> dict[str, Any
             "plan_s": [x.timings["plan"] for x in stats], "total_s": [x.timings["total"] for x in stats],
             "model_mib": sum(t.numel() for t in trainer_model(s, seed=0).state_dict().values()) * 2 / MiB
             if rank == 0 else None, "layers": s.layers}
+
+
+def _exact(rank: int, params, reference, what: str) -> None:
+    if params is not None and not all(torch.equal(params[k], reference[k]) for k in params):
+        raise AssertionError(f"rank {rank}: engine weights differ after {what}")
 
 
 def _broadcast_names(names):
@@ -247,9 +267,10 @@ def check_targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
 def format_table(result: dict[str, Any]) -> str:
     r = result["rows"]
     t = r["times"]
-    lines = [f"{'path':<12} {'seconds':>8} {'x floor':>8}"]
-    for k in ("floor", "pipeload", "bucketed", "per-tensor"):
-        lines.append(f"{k:<12} {t[k]:>8.3f} {t[k] / t['floor']:>8.2f}")
+    lines = [f"{'path':<20} {'seconds':>8} {'x floor':>8}"]
+    for k in ("floor", "pipeload", "stream", "stream, no overlap", "bucketed", "per-tensor"):
+        if k in t:
+            lines.append(f"{k:<20} {t[k]:>8.3f} {t[k] / t['floor']:>8.2f}")
     lines.append("")
     lines.append(f"engine ranks' bytes received / destination bytes: {r['received_over_dest']}")
     lines.append(f"busiest sender / senders' mean: {r['max_sender_over_mean']}; planning's share of a reused step "
