@@ -12,6 +12,7 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from pipeload.move import plan as P
 
@@ -335,3 +336,151 @@ def test_relays_forward_only_what_arrived_in_an_earlier_hop(seed):
     later = sum(1 for a in ops for op in a.sends if op.hop)
     assert later == sum(1 for a in ops for op in a.recvs if op.hop)  # both ends agree on the hops
     assert relayed <= later
+
+
+# ----------------------------------------------------------------------------------------------------
+# The vectorised pass over names with no choice (``answer(direct=True)``) against every name planned alone
+
+
+def _grid(rng, shape):
+    """A partition of ``shape`` into a grid: each dim cut at random points."""
+    cuts = [sorted({0, *rng.integers(1, s, size=int(rng.integers(0, 3))).tolist()}) if s > 1 else [0]
+            for s in shape]
+    boxes = [((), ())]
+    for c, s in zip(cuts, shape):
+        ends = c[1:] + [s]
+        boxes = [(o + (a,), n + (b - a,)) for o, n in boxes for a, b in zip(c, ends)]
+    return boxes
+
+
+def _mixed_layout(seed: int):
+    """Names of every kind an owner meets: each tensor's sources a grid (sometimes with an extra box that
+    overlaps, or none at all), each box held by one rank or several (sometimes listed twice by one rank);
+    destinations the holder's own box (a local copy), a box inside one source box, a random box (cut by
+    several), the whole tensor, replicas of one region on several ranks (fans), another shape, another
+    dtype (with or without F_CAST), empty boxes, F_ROW objects; sources F_NEEDED at times, parts of a
+    tensor no rank holds."""
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(2, 9))
+    srcs, dsts = [[] for _ in range(size)], [[] for _ in range(size)]
+    for _ in range(int(rng.integers(1, 12))):
+        name, dt = int(rng.integers(-2**62, 2**62)), int(rng.choice([0, 1, 7]))
+        ndim = int(rng.integers(0, 4))
+        shape = tuple(int(x) for x in rng.integers(1, 9, size=ndim))
+        flags = P.F_NEEDED if rng.random() < 0.2 else 0
+        if rng.random() < 0.1:  # an object: rows of a (saved world, wide) table, taken with F_ROW
+            shape = (size, 1 << 40)
+            for f in range(size):
+                if rng.random() < 0.6:
+                    srcs[f].append(P.Box(name, dt, shape, (f, 0), (1, int(rng.integers(1, 99))), flags))
+            for r in range(size):
+                if rng.random() < 0.5:
+                    dsts[r].append(P.Box(name, dt, shape, (0, 0), (0, 0) if rng.random() < 0.5 else (1, 1), P.F_ROW))
+            continue
+        boxes = [] if rng.random() < 0.05 else _grid(rng, shape)
+        if rng.random() < 0.2:  # parts no rank holds
+            boxes = [x for x in boxes if rng.random() < 0.7]
+        if boxes and ndim and rng.random() < 0.15:  # a box that overlaps another, or lies past the shape
+            off = tuple(int(rng.integers(0, s)) for s in shape)
+            ln = tuple(int(rng.integers(1, s - o + 1)) for o, s in zip(off, shape))
+            boxes.append((off, ln) if rng.random() < 0.5 else ((shape[0],) + off[1:], ln))
+        held = {}
+        for off, ln in boxes:
+            for r in rng.choice(size, size=int(rng.integers(1, min(size, 3) + 1)), replace=rng.random() < 0.1):
+                srcs[r].append(P.Box(name, dt, shape, off, ln, flags))
+                held.setdefault(int(r), []).append((off, ln))
+        for _ in range(int(rng.integers(0, 8))):
+            r, x = int(rng.integers(0, size)), rng.random()
+            if x < 0.3 and held.get(r):
+                off, ln = held[r][int(rng.integers(0, len(held[r])))]
+            elif x < 0.6 and boxes:
+                o, n = boxes[int(rng.integers(0, len(boxes)))]
+                off = tuple(a + int(rng.integers(0, m)) for a, m in zip(o, n))
+                ln = tuple(int(rng.integers(1, a + m - b + 1)) for a, m, b in zip(o, n, off))
+            elif x < 0.8 or not ndim:
+                off, ln = (0,) * ndim, shape
+            else:
+                off = tuple(int(rng.integers(0, s)) for s in shape)
+                ln = tuple(int(rng.integers(0 if rng.random() < 0.1 else 1, s - o + 1)) for o, s in zip(off, shape))
+            y = rng.random()
+            if y > 0.95:  # another shape (of another tensor rank for a scalar)
+                shape_d, off, ln = (tuple(s + 1 for s in shape), off, ln) if ndim else ((1,), (0,), (1,))
+            else:
+                shape_d = shape
+            box = P.Box(name, dt if y < 0.9 else 0 if dt else 1, shape_d, off, ln, P.F_CAST if rng.random() < 0.1 else 0)
+            for q in ([r] if rng.random() < 0.8 else rng.choice(size, size=int(rng.integers(2, size + 1)))):
+                dsts[int(q)].append(box)
+    return size, 3, srcs, dsts
+
+
+def _answers(size, nd, srcs, dsts, sides, direct):
+    sent = [P.encode(srcs[r], dsts[r], nd, size) for r in range(size)]
+    out = []
+    for o in range(size):
+        counts = np.array([c[o] for c, _ in sent])
+        words = np.concatenate([w[int(c[:o].sum()): int(c[: o + 1].sum())] for c, w in sent])
+        out.append(P.answer(counts, words, nd, size, sides, direct=direct))
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([None, (1, 8), (8, 1), (3, 3)]))
+def test_names_answered_at_once_are_answered_as_one_by_one(seed, sides):
+    """The same words for every owner (the same rows in the same order per destination rank, so the same
+    ops decoded), where some names go the vectorised way and others one by one, sharing the loads."""
+    size, nd, srcs, dsts = _mixed_layout(seed)
+    fast = _answers(size, nd, srcs, dsts, sides, True)
+    slow = _answers(size, nd, srcs, dsts, sides, False)
+    for (c1, w1), (c2, w2) in zip(fast, slow):
+        assert np.array_equal(c1, c2) and np.array_equal(w1, w2)
+    for r in range(size):
+        mine = [np.concatenate([w[int(c[:r].sum()): int(c[: r + 1].sum())] for c, w in a]) for a in (fast, slow)]
+        assert P.decode(mine[0], nd, r) == P.decode(mine[1], nd, r)
+
+
+def _owner_direct(size, nd, srcs, dsts, owner, sides=None):
+    sent = [P.encode(srcs[r], dsts[r], nd, size) for r in range(size)]
+    counts = np.array([c[owner] for c, _ in sent])
+    words = np.concatenate([w[int(c[:owner].sum()): int(c[: owner + 1].sum())] for c, w in sent])
+    rec = words.reshape(-1, P.width(nd))
+    ranks = np.repeat(np.arange(size), counts // P.width(nd))
+    order = np.lexsort((rec[:, P.K_INDEX], rec[:, P.K_KIND], rec[:, P.K_NAME]))
+    rec, ranks = rec[order], ranks[order]
+    starts = P._bounds(rec[1:, P.K_NAME] != rec[:-1, P.K_NAME])
+    return len(starts) - 1, P._direct(rec, ranks, starts, nd, sides)
+
+
+def test_direct_takes_local_copies_and_single_holders_and_leaves_choices():
+    """TP 2 (columns) into TP 4: every quarter inside one half, held by one rank or by its own needer;
+    names whose halves are replicated (two holders) go one by one."""
+    size, shape = 4, (8, 16)
+    single = [3 * k for k in range(1, 40)]
+    replicated = [3 * k + 1 for k in range(1, 40)]
+    srcs = {r: [_box(n, shape, (0, 8 * (r % 2)), (8, 8)) for n in single if r < 2] +
+            [_box(n, shape, (0, 8 * (r % 2)), (8, 8)) for n in replicated] for r in range(size)}
+    dsts = {r: [_box(n, shape, (0, 4 * r), (8, 4)) for n in single + replicated] for r in range(size)}
+    for owner in range(size):
+        n, d = _owner_direct(size, 2, [srcs[r] for r in range(size)], [dsts[r] for r in range(size)], owner)
+        names = sorted(set(np.array(single + replicated)[P.owner_of(np.array(single + replicated), size) == owner]))
+        slow = {names[i] for i in d.slow.tolist()}
+        assert slow == {x for x in names if x in replicated}
+    _check_exact(srcs, dsts, _group_plan(srcs, dsts, size))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_meeting_is_not_disjoint_name_by_name(seed):
+    """:func:`P._meeting` over many names at once against :func:`P._disjoint` on each name's boxes."""
+    rng = np.random.default_rng(seed)
+    n, ndim = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+    per_name = []
+    for _ in range(n):
+        boxes = {(tuple(rng.integers(0, 6, size=ndim).tolist()), tuple(rng.integers(0, 4, size=ndim).tolist()))
+                 for _ in range(int(rng.integers(0, 6)))}
+        per_name.append(sorted(boxes))
+    bnid = np.array([k for k, b in enumerate(per_name) for _ in b], dtype=np.int64)
+    boff = np.array([o for b in per_name for o, _ in b], dtype=np.int64).reshape(-1, ndim)
+    bln = np.array([x for b in per_name for _, x in b], dtype=np.int64).reshape(-1, ndim)
+    got = P._meeting(bnid, boff, bln, n).tolist()
+    want = [bool(b) and not P._disjoint(np.array([[o, x] for o, x in b], dtype=np.int64)) for b in per_name]
+    assert got == want

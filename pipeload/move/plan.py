@@ -37,7 +37,10 @@ Cost per rank: its own records out (``O(S)`` words) and one answer row back per 
 receives, plus, on an owner, ``O(holders + needers + pieces)`` of the names it owns, in numpy (no Python
 step per piece or per holder: the greedy runs as a water-filling per run of equal pieces; a relayed fan
 is assigned per fan), with ``O(log)`` candidate search per destination box along dim 0 — never
-``W x S``. A rank's pieces are what its layout makes them: a destination row block meets every source
+``W x S``. The names whose plan has no choice in it (every destination inside one source box that it
+holds itself or that one rank holds: a same-layout transfer, a finer TP from single holders) are
+answered together in one numpy pass (:func:`_direct`), the rest one name at a time (:func:`_plan_name`),
+with the same rows in the same order. A rank's pieces are what its layout makes them: a destination row block meets every source
 shard of its rows, so sources sharded finer than the destinations multiply them (``docs/SCALE.md``,
 "Live transfers"). Distinct source boxes of one name must not overlap (every DTensor layout partitions
 its tensor, replicas repeat a box exactly); an owner that finds overlap reports it instead of guessing.
@@ -173,24 +176,53 @@ def _fill(rec: np.ndarray, base: int, kind: int, boxes: list[Box], nd: int) -> N
 
 
 def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int,
-           sides: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+           sides: tuple[int, int] | None = None, direct: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """An owner's answers to the records it received (``counts`` words from each rank, in rank order):
     (words per destination rank, the answers in rank order, flat), for the second all-to-all.
     ``sides``: (ranks holding sources, ranks holding destinations) in the group, for :func:`relays`;
-    None: never relay."""
+    None: never relay. ``direct``: False plans every name through :func:`_plan_name` (the reference the
+    vectorised pass of :func:`_direct` is tested against); the answers are the same words either way."""
     w = width(nd)
     rec = np.asarray(words, dtype=np.int64).reshape(-1, w)
     ranks = np.repeat(np.arange(len(counts), dtype=np.int64), np.asarray(counts) // w)
     out: list[np.ndarray] = []
-    loads = np.zeros(size, dtype=np.int64)  # bytes each rank sends so far, over this owner's names
     if len(rec):
         # by name, kind, index, rank: the records arrive by rank, which the stable sort keeps among ties
         order = np.lexsort((rec[:, K_INDEX], rec[:, K_KIND], rec[:, K_NAME]))
         rec, ranks = rec[order], ranks[order]
         starts = _bounds(rec[1:, K_NAME] != rec[:-1, K_NAME])
-        for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
-            out.extend(_plan_name(rec[a:b], ranks[a:b], nd, loads, sides))
+        out = _plan_names(rec, ranks, starts, nd, size, sides, direct)
     return _by_destination(out, nd, size)
+
+
+def _plan_names(rec: np.ndarray, ranks: np.ndarray, starts: np.ndarray, nd: int, size: int, sides,
+                direct: bool) -> list[np.ndarray]:
+    """Every name's answer blocks in name order: the names :func:`_direct` answers at once, as slices of
+    its rows, between the others, each planned by :func:`_plan_name`. ``loads`` (bytes each rank sends
+    so far, over this owner's names) gets the direct names' sends before each later name is planned,
+    as the loop over every name would: so a name planned alone sees the loads it sees there, and every
+    row, and its place among a destination rank's rows, is the loop's."""
+    loads = np.zeros(size, dtype=np.int64)
+    n = len(starts) - 1
+    if not direct:
+        d = _Direct(np.arange(n), np.zeros((0, answer_width(nd) + 1), np.int64), np.zeros(n + 1, np.int64),
+                    *(np.zeros(0, np.int64),) * 3)
+    else:
+        d = _direct(rec, ranks, starts, nd, sides)
+    out: list[np.ndarray] = []
+    sent = np.searchsorted(d.load_name, d.slow)  # the direct sends before each name planned alone
+    prev, x = 0, 0
+    for s, y in zip(d.slow.tolist(), sent.tolist()):
+        if d.at[s] > d.at[prev]:
+            out.append(d.rows[d.at[prev]: d.at[s]])
+        if y > x:
+            np.add.at(loads, d.load_rank[x:y], d.load_bytes[x:y])
+            x = y
+        out.extend(_plan_name(rec[starts[s]: starts[s + 1]], ranks[starts[s]: starts[s + 1]], nd, loads, sides))
+        prev = s + 1
+    if len(d.rows) > d.at[prev]:
+        out.append(d.rows[d.at[prev]:])
+    return out
 
 
 def _by_destination(blocks: list[np.ndarray], nd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -601,6 +633,201 @@ def _greedy_sequential(pieces: np.ndarray, box: np.ndarray, size: np.ndarray, ho
         out[j] = h0 + best
         loads[rank[best]] += int(size[p])
     return out
+
+
+class _Direct(NamedTuple):
+    """The names :func:`_direct` answers at once. ``slow``: the positions of the others, ascending; the
+    direct names' rows (``[destination rank, *answer]``) in name order, name ``k``'s at
+    ``rows[at[k]:at[k + 1]]``; their sends' bytes, by name ascending: name, sender, bytes."""
+
+    slow: np.ndarray
+    rows: np.ndarray
+    at: np.ndarray
+    load_name: np.ndarray
+    load_rank: np.ndarray
+    load_bytes: np.ndarray
+
+
+def _direct(rec: np.ndarray, ranks: np.ndarray, starts: np.ndarray, nd: int, sides) -> _Direct:
+    """The answers of the names whose plan has no choice in it, for all of them at once (numpy over the
+    records, no step per name); every other name is left to :func:`_plan_name`.
+
+    A name is direct when its sources agree on tensor rank, dtype and shape, its distinct source boxes
+    are disjoint (:func:`_meeting`), and each destination has that rank, dtype and shape, no
+    :data:`F_ROW`, some elements, and lies whole inside one source box (:func:`_containing`) that either
+    it holds itself (a local copy, from its lowest index of the box) or exactly one source record holds
+    (one possible sender); where relays may pay, no two of its remote destinations are the same region.
+    A name no destination asks for and no source flags :data:`F_NEEDED` is direct with no rows.
+
+    Why the rows are :func:`_plan_name`'s: it reports no problem for such a name (nothing of
+    :func:`_check_dests`, :func:`_distinct`'s overlap check, :func:`_pieces`' uncovered), and
+    :func:`_pieces` cuts each destination into exactly one piece, the destination itself (a box that met
+    it would meet its containing box, and the boxes are disjoint). :func:`_assign` then makes it a local
+    copy from :func:`_own_index`'s index, or a send from the box's only holder (what :func:`_greedy`
+    and :func:`_greedy_sequential` pick for a single holder), :func:`_fans` finds no fan, and the rows
+    come heaviest piece first, ties in destination order, each send followed by its receive: the order
+    :func:`_direct_rows` writes. The loads those sends add are added in name order (:func:`_plan_names`)."""
+    n = len(starts) - 1
+    nid = np.repeat(np.arange(n), np.diff(starts))
+    is_src = rec[:, K_KIND] == SRC
+    ln = _dims(rec[:, HEAD + 2 * nd: HEAD + 3 * nd], rec[:, K_NDIM], 1)
+    idle, ok = _uniform(rec, nid, starts, is_src, ln, nd)
+    src = np.flatnonzero(is_src & ok[nid])
+    dst = np.flatnonzero(~is_src & ok[nid])
+    off = rec[:, HEAD + nd: HEAD + 2 * nd]
+    box, bfirst = _box_ids(nid[src], off[src], ln[src])
+    bnid, boff, bln = nid[src[bfirst]], off[src[bfirst]], ln[src[bfirst]]
+    shape = _dims(rec[starts[:-1], HEAD: HEAD + nd], rec[starts[:-1], K_NDIM], 1)
+    vol = np.zeros(n, np.int64)
+    np.add.at(vol, bnid, np.prod(bln, axis=1, dtype=np.int64))
+    ok &= (vol <= np.prod(shape, axis=1, dtype=np.int64)) & ~_meeting(bnid, boff, bln, n)
+    k = _containing(nid[dst], off[dst], ln[dst], bnid, boff, bln)
+    sender, source, local = _senders(box, ranks[src], rec[src, K_INDEX], k, ranks[dst])
+    bad = (k < 0) | (sender < 0)
+    ok[nid[dst[bad]]] = False
+    if sides is not None and max(1, sides[1]) > max(1, sides[0]):  # (:func:`_fans`' condition)
+        remote = ~local & ok[nid[dst]]
+        ok[_repeated(nid[dst[remote]], off[dst[remote]], ln[dst[remote]])] = False
+    keep = ok[nid[dst]]
+    ok |= idle
+    return _direct_rows(rec[dst[keep]], nid[dst[keep]], ranks[dst[keep]], sender[keep], source[keep],
+                        local[keep], np.prod(ln[dst[keep]], axis=1, dtype=np.int64), np.flatnonzero(~ok), n, nd)
+
+
+def _dims(a: np.ndarray, ndim: np.ndarray, pad: int) -> np.ndarray:
+    """``a`` (records' ``nd`` columns of shape, offsets or lengths) with the columns past each record's
+    tensor rank set to ``pad``."""
+    return np.where(np.arange(a.shape[1]) < ndim[:, None], a, pad)
+
+
+def _uniform(rec: np.ndarray, nid: np.ndarray, starts: np.ndarray, is_src: np.ndarray, ln: np.ndarray,
+             nd: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per name: (no destination and no :data:`F_NEEDED` source: nothing to answer; it has sources and
+    destinations, every record has its first source's tensor rank, dtype and shape, and no destination
+    is an :data:`F_ROW` or empty)."""
+    first = starts[:-1]  # a name's first record: its first source when it has one (SRC sorts first)
+    cols = [K_NDIM, K_DTYPE] + list(range(HEAD, HEAD + nd))
+    ref = rec[first][:, cols]
+    other = np.any(rec[:, cols] != ref[nid], axis=1)
+    other |= ~is_src & (((rec[:, K_FLAGS] & F_ROW) != 0) | np.any(ln <= 0, axis=1))
+    dests = np.logical_or.reduceat(~is_src, first)
+    needed = np.logical_or.reduceat((rec[:, K_FLAGS] & F_NEEDED) != 0, first)
+    return ~dests & ~needed, is_src[first] & dests & ~np.logical_or.reduceat(other, first)
+
+
+def _box_ids(nid: np.ndarray, off: np.ndarray, ln: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(per source record its distinct box, numbered by name then offsets then lengths; per box its first
+    record)."""
+    key = np.column_stack([nid, off, ln])
+    by = np.lexsort(key.T[::-1])
+    new = np.concatenate((_TRUE, np.any(key[by][1:] != key[by][:-1], axis=1))) if len(by) else by > 0
+    box = np.empty(len(by), np.int64)
+    box[by] = np.cumsum(new) - 1
+    return box, by[new]
+
+
+def _meeting(bnid: np.ndarray, boff: np.ndarray, bln: np.ndarray, n: int) -> np.ndarray:
+    """Per name: whether two of its distinct boxes (sorted by name, then offsets) meet, what
+    :func:`_disjoint` finds (the pairs of boxes that share dim-0 rows, found by one search on dim-0
+    starts made increasing across names). Names whose coordinates are too large for that: true when
+    they have more than one box (left to :func:`_plan_name`)."""
+    several = np.bincount(bnid, minlength=n) > 1
+    if not len(bnid) or not np.any(several):
+        return np.zeros(n, bool)
+    lo, hi = boff[:, 0], boff[:, 0] + bln[:, 0]
+    if max(int(np.abs(lo).max()), int(np.abs(hi).max())) >= 1 << 40 or n >= 1 << 20:
+        return several
+    minlo = np.full(n, 1 << 40, np.int64)
+    np.minimum.at(minlo, bnid, lo)
+    base = (np.arange(n, dtype=np.int64) << 42) - minlo  # name k's starts within [k << 42, (k + 1) << 42)
+    key = lo + base[bnid]
+    end = np.searchsorted(key, hi + base[bnid], "left")
+    cnt = np.maximum(end - np.arange(len(lo)) - 1, 0)
+    a = np.repeat(np.arange(len(lo)), cnt)
+    b = a + 1 + np.arange(int(cnt.sum())) - np.repeat(_offsets(cnt)[:-1], cnt)
+    meet = np.all(np.maximum(boff[a], boff[b]) < np.minimum(boff[a] + bln[a], boff[b] + bln[b]), axis=1)
+    out = np.zeros(n, bool)
+    out[bnid[a[meet]]] = True
+    return out
+
+
+def _containing(dnid: np.ndarray, doff: np.ndarray, dln: np.ndarray, bnid: np.ndarray, boff: np.ndarray,
+                bln: np.ndarray) -> np.ndarray:
+    """Per destination: a distinct box of its name that holds it whole, else -1. The one tried is the last
+    box at or before its offsets in lexicographic order (the containing box of any grid of boxes)."""
+    nb = len(bnid)
+    if not nb or not len(dnid):
+        return np.full(len(dnid), -1, np.int64)
+    nid = np.concatenate([bnid, dnid])
+    off = np.concatenate([boff, doff])
+    order = np.lexsort((np.arange(len(nid)) >= nb,) + tuple(off.T[::-1]) + (nid,))  # boxes first at ties
+    last = np.maximum.accumulate(np.where(order < nb, order, -1))
+    k = np.empty(len(dnid), np.int64)
+    k[order[order >= nb] - nb] = last[order >= nb]
+    j = np.maximum(k, 0)
+    inside = np.all((boff[j] <= doff) & (doff + dln <= boff[j] + bln[j]), axis=1)
+    return np.where((k >= 0) & inside & (bnid[j] == dnid), k, -1)
+
+
+def _senders(box: np.ndarray, srank: np.ndarray, sindex: np.ndarray, k: np.ndarray,
+             receiver: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per destination in box ``k`` (-1: none): (the rank that sends it, the source index it sends from,
+    whether that is a local copy): the receiver itself with its lowest index of the box when it holds it
+    (:func:`_own_index`), else the box's one holder; sender -1 where the box has several."""
+    if not len(box) or not len(k):
+        return np.full(len(k), -1, np.int64), np.full(len(k), -1, np.int64), np.zeros(len(k), bool)
+    span = int(max(srank.max(), receiver.max())) + 1
+    by = np.lexsort((sindex, srank, box))  # by box, rank, index (:func:`_distinct`'s holders)
+    box, srank, sindex = box[by], srank[by], sindex[by]
+    j = np.maximum(k, 0)
+    want = j * span + receiver
+    key = box * span + srank
+    at = np.minimum(np.searchsorted(key, want), len(key) - 1)
+    local = (k >= 0) & (key[at] == want)
+    first = np.searchsorted(box, j)
+    one = (k >= 0) & (np.bincount(box, minlength=len(box))[j] == 1) & ~local
+    sender = np.where(local, receiver, np.where(one, srank[first], -1))
+    return sender, np.where(local, sindex[at], sindex[first]), local
+
+
+def _repeated(nid: np.ndarray, off: np.ndarray, ln: np.ndarray) -> np.ndarray:
+    """The names with two equal rows of ``(name, offsets, lengths)``: a fan :func:`_fans` might relay."""
+    key = np.column_stack([nid, off, ln])
+    if len(key) < 2:
+        return np.zeros(0, np.int64)
+    s = key[np.lexsort(key.T[::-1])]
+    return s[1:, 0][np.all(s[1:] == s[:-1], axis=1)]
+
+
+def _direct_rows(dst: np.ndarray, nid: np.ndarray, receiver: np.ndarray, sender: np.ndarray,
+                 source: np.ndarray, local: np.ndarray, elements: np.ndarray, slow: np.ndarray, n: int,
+                 nd: int) -> _Direct:
+    """The direct names' rows from their destinations' records (in record order): per name, its pieces
+    heaviest first, ties in record order, each a local copy or a send then its receive (:func:`_assign`)."""
+    wire = elements * ITEMSIZES[dst[:, K_DTYPE]]
+    order = np.lexsort((np.arange(len(dst)), -wire, nid))
+    dst, nid, receiver, sender, source, local, wire = (
+        x[order] for x in (dst, nid, receiver, sender, source, local, wire))
+    at = _offsets(np.where(local, 1, 2))
+    rows = np.zeros((int(at[-1]), answer_width(nd) + 1), dtype=np.int64)
+    first = rows[at[:-1]]
+    first[:, 0] = sender
+    first[:, 1 + A_KIND] = np.where(local, LOCAL, SEND)
+    first[:, 1 + A_NAME] = dst[:, K_NAME]
+    first[:, 1 + A_PEER] = receiver
+    first[:, 1 + A_SRC] = source
+    first[:, 1 + A_DST] = dst[:, K_INDEX]
+    first[:, 1 + A_DTYPE] = dst[:, K_DTYPE]
+    first[:, 1 + A_NDIM] = dst[:, K_NDIM]
+    first[:, 1 + AHEAD: 1 + AHEAD + 2 * nd] = dst[:, HEAD + nd: HEAD + 3 * nd]  # offsets, lengths (zero-padded)
+    rows[at[:-1]] = first
+    second = first[~local]
+    second[:, 0] = receiver[~local]
+    second[:, 1 + A_KIND] = RECV
+    second[:, 1 + A_PEER] = sender[~local]
+    rows[at[:-1][~local] + 1] = second
+    per_name = np.bincount(nid, minlength=n) + np.bincount(nid[~local], minlength=n)
+    return _Direct(slow, rows, _offsets(per_name), nid[~local], sender[~local], wire[~local])
 
 
 def _errors(name: int, ranks: np.ndarray, index: np.ndarray, code: int, nd: int) -> np.ndarray:
