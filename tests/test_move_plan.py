@@ -74,13 +74,15 @@ def test_vectorised_greedy_is_the_greedy_one_piece_at_a_time(seed, monkeypatch):
         assert np.array_equal(c1, c2) and np.array_equal(w1, w2)
 
 
-@pytest.mark.parametrize("seed", range(20))
+@settings(max_examples=500, deadline=None)
+@given(st.integers(0, 2**32 - 1))
 def test_water_fill_is_least_loaded_one_by_one(seed):
+    """Loads near one another and far apart (in pieces), ties, one holder, more pieces than holders."""
     rng = np.random.default_rng(seed)
     h = int(rng.integers(1, 12))
-    load = rng.integers(0, 50, size=h).astype(np.int64)
-    pos = rng.permutation(h)
     w, m = int(rng.integers(1, 9)), int(rng.integers(1, 40))
+    load = rng.integers(0, [50, 5 * w, 10**6][int(rng.integers(0, 3))], size=h).astype(np.int64) + 10**9 * (seed % 2)
+    pos = rng.permutation(h)
     got = P._water_fill(load.copy(), pos, w, m).tolist()
     cur, want = load.copy(), []
     for _ in range(m):

@@ -607,15 +607,18 @@ def _greedy(pieces: np.ndarray, box: np.ndarray, size: np.ndarray, holders: _Hol
 
 def _water_fill(load: np.ndarray, pos: np.ndarray, w: int, m: int) -> np.ndarray:
     """The holders (indices into ``load``) that ``m`` pieces of ``w`` bytes go to, one by one to the
-    least loaded, ties to the lowest ``pos``: the order of ``(load + t * w, pos)`` over t = 0, 1, ...."""
-    lo, hi = int(load.min()), int(load.min()) + (m - 1) * w  # the m-th smallest value lies in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if int(np.maximum(0, (mid - load) // w + 1).sum()) >= m:
-            hi = mid
-        else:
-            lo = mid + 1
-    n = np.maximum(0, (lo - load) // w + 1)  # each holder's values up to the threshold
+    least loaded, ties to the lowest ``pos``: the order of ``(load + t * w, pos)`` over t = 0, 1, ....
+
+    The m-th smallest value lies in the first *level* ``l`` (values ``base + l * w .. base + l * w + w - 1``,
+    ``base`` the least load) that holds it: a holder of load level ``a`` (``(load - base) // w``) has
+    ``l - a + 1`` values up to level ``l``, so the ``k`` lowest levels reach ``m`` values from level
+    ``ceil((m + their sum) / k) - 1`` on, if that is at or past the k-th lowest; the first level is the
+    least such over ``k`` (each is reached, the true one among them). Its values, sorted, are the order."""
+    base = int(load.min())
+    a = np.sort((load - base) // w)
+    k = np.arange(1, len(a) + 1)
+    level = int(np.maximum(a, -(-(m + np.cumsum(a)) // k) - 1).min())
+    n = np.maximum(0, level - (load - base) // w + 1)  # each holder's values up to that level's end
     hold = np.repeat(np.arange(len(load)), n)
     value = load[hold] + (np.arange(int(n.sum())) - np.repeat(_offsets(n)[:-1], n)) * w
     return hold[np.lexsort((pos[hold], value))[:m]]
