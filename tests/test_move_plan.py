@@ -183,7 +183,7 @@ def _execute(srcs, dsts, answers):
     def region(arr, box, op):
         return arr[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(op.offsets, box.offsets, op.lengths))]
 
-    sends = sorted((op, r) for r, a in answers.items() for op in a.sends)
+    sends = sorted(((op, r) for r, a in answers.items() for op in a.sends), key=lambda t: (t[0].key, t[1]))  # hop first
     recvs = {(r, op.key): op for r, a in answers.items() for op in a.recvs}
     for op, sender in sends:
         assert recvs.pop((op.receiver, op.key)).peer == sender  # both ends agree on every message
