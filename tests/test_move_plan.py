@@ -8,6 +8,7 @@ Every rank of a small group encodes, every owner answers, every rank decodes, in
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -452,21 +453,134 @@ def _owner_direct(size, nd, srcs, dsts, owner, sides=None):
     return len(starts) - 1, P._direct(rec, ranks, starts, nd, sides)
 
 
-def test_direct_takes_local_copies_and_single_holders_and_leaves_choices():
-    """TP 2 (columns) into TP 4: every quarter inside one half, held by one rank or by its own needer;
-    names whose halves are replicated (two holders) go one by one."""
+def test_direct_takes_local_copies_and_holders_and_leaves_cut_destinations():
+    """TP 2 (columns) into TP 4: every quarter inside one half, held by one rank, by two (a choice of
+    sender) or by its own needer, all answered at once; names whose destinations straddle the halves
+    (cut in two pieces) go one by one."""
     size, shape = 4, (8, 16)
-    single = [3 * k for k in range(1, 40)]
-    replicated = [3 * k + 1 for k in range(1, 40)]
+    single = [4 * k for k in range(1, 40)]
+    replicated = [4 * k + 1 for k in range(1, 40)]
+    cut = [4 * k + 2 for k in range(1, 40)]
     srcs = {r: [_box(n, shape, (0, 8 * (r % 2)), (8, 8)) for n in single if r < 2] +
-            [_box(n, shape, (0, 8 * (r % 2)), (8, 8)) for n in replicated] for r in range(size)}
-    dsts = {r: [_box(n, shape, (0, 4 * r), (8, 4)) for n in single + replicated] for r in range(size)}
-    for owner in range(size):
+            [_box(n, shape, (0, 8 * (r % 2)), (8, 8)) for n in replicated + cut] for r in range(size)}
+    dsts = {r: [_box(n, shape, (0, 4 * r), (8, 4)) for n in single + replicated] +
+            [_box(n, shape, (0, 6), (8, 4)) for n in cut] for r in range(size)}
+    every = np.array(single + replicated + cut)
+    for owner in range(3):  # (names 4k + 3 none: owner 3 has no records)
         n, d = _owner_direct(size, 2, [srcs[r] for r in range(size)], [dsts[r] for r in range(size)], owner)
-        names = sorted(set(np.array(single + replicated)[P.owner_of(np.array(single + replicated), size) == owner]))
-        slow = {names[i] for i in d.slow.tolist()}
-        assert slow == {x for x in names if x in replicated}
-    _check_exact(srcs, dsts, _group_plan(srcs, dsts, size))
+        names = sorted(set(every[P.owner_of(every, size) == owner].tolist()))
+        assert {names[i] for i in d.slow.tolist()} == {x for x in names if x in cut}
+        assert {names[i] for i in d.choices.nid.tolist()} == {x for x in names if x in replicated}
+    answers = _group_plan(srcs, dsts, size)
+    _check_exact(srcs, dsts, answers)
+    _check_senders(srcs, answers)
+
+
+def _check_senders(srcs, answers):
+    """Every send from a box its sender holds, inside it (or, relayed, from its own destination:
+    :func:`_check_exact` follows those); every receive of a region its receiver holds no box of (it would
+    copy it locally), every local copy from a box of its own."""
+    def inside(b, op):
+        return b.name == op.name and all(o <= x and x + n <= o + m for o, m, x, n in
+                                         zip(b.offsets, b.lengths, op.offsets, op.lengths))
+    for r, a in answers.items():
+        for op in a.sends:
+            assert inside(srcs[r][op.src], op) if op.src >= 0 else op.hop > 0
+        for op in a.recvs:
+            assert not any(inside(b, op) for b in srcs.get(r, []))
+        for op in a.local:
+            assert inside(srcs[r][op.src], op)
+
+
+def _replica_layout(seed: int):
+    """Sharded tensors whose parts have replicas (HSDP, DP replicas, a tier's replicated files): each
+    part held by 1-6 ranks (now and then a rank holding two parts, or one part twice), destinations
+    each inside one part — the part itself, a slice of it, equal slices on many ranks (runs of equal
+    pieces), on holders and others — in two dtypes; now and then a destination straddling parts."""
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(2, 40))
+    srcs, dsts = {r: [] for r in range(size)}, {r: [] for r in range(size)}
+    for name in (rng.choice(10**6, size=int(rng.integers(1, 14)), replace=False) + 1).tolist():
+        dt, ndim = int(rng.choice([0, 1])), int(rng.integers(1, 3))
+        shape = tuple(int(x) for x in rng.integers(2, 12, size=ndim))
+        parts = int(rng.integers(1, min(4, shape[0]) + 1))
+        c = -(-shape[0] // parts)
+        boxes = [((s * c,) + (0,) * (ndim - 1), (min(c, shape[0] - s * c),) + shape[1:])
+                 for s in range(parts) if s * c < shape[0]]
+        for off, ln in boxes:
+            for r in rng.choice(size, size=int(rng.integers(1, min(size, 6) + 1)), replace=rng.random() < 0.1):
+                srcs[int(r)].append(P.Box(name, dt, shape, off, ln))
+        for _ in range(int(rng.integers(1, 40))):
+            off, ln = boxes[int(rng.integers(0, len(boxes)))]
+            if rng.random() < 0.5:  # a slice of the part along its last dim
+                a = int(rng.integers(0, ln[-1]))
+                off, ln = off[:-1] + (off[-1] + a,), ln[:-1] + (int(rng.integers(1, ln[-1] - a + 1)),)
+            if rng.random() < 0.05:  # straddling parts: cut in pieces, planned one by one
+                off, ln = (0,) * ndim, shape
+            box = P.Box(name, dt if rng.random() < 0.9 else 1 - dt, shape, off, ln, P.F_CAST)
+            for q in rng.choice(size, size=int(rng.integers(1, min(size, 8) + 1)), replace=False):
+                dsts[int(q)].append(box)
+    return size, srcs, dsts
+
+
+def _busiest_over_mean(answered, size, nd):
+    sent = np.zeros(size)
+    for c, w in answered:
+        rows = w.reshape(-1, P.answer_width(nd))
+        send = (rows[:, P.A_KIND] & 0xFF) == P.SEND
+        ln = np.where(np.arange(nd) < rows[:, P.A_NDIM, None], rows[:, P.AHEAD + nd: P.AHEAD + 2 * nd], 1)
+        wire = np.prod(ln, axis=1) * P.ITEMSIZES[rows[:, P.A_DTYPE]]
+        np.add.at(sent, np.repeat(np.arange(size), c // P.answer_width(nd))[send], wire[send])
+    busy = sent[sent > 0]
+    return busy.max() / busy.mean() if len(busy) else 1.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([None, (4, 4), (2, 40)]), st.sampled_from([0, 128, 10**9]))
+def test_choices_answered_at_once_are_the_greedy_over_replicas(seed, sides, steps):
+    """Names with a choice of sender answered at once — by scalar steps, by water-filling, or both
+    (``SCALAR_STEPS``) — get the name-by-name greedy's words, so its balance: the busiest sender over
+    the mean, by bytes, is the reference's (tolerance 0). And on the group: every destination byte
+    arrives once, from a holder of a box it lies in, copied locally where the needer holds one."""
+    size, srcs, dsts = _replica_layout(seed)
+    nd = 2
+    lists = [srcs[r] for r in range(size)], [dsts[r] for r in range(size)]
+    with _scalar_steps(steps):
+        fast = _answers(size, nd, *lists, sides, True)
+        answers = _group_plan(srcs, dsts, size, sides=sides is not None)
+    slow = _answers(size, nd, *lists, sides, False)
+    for (c1, w1), (c2, w2) in zip(fast, slow):
+        assert np.array_equal(c1, c2) and np.array_equal(w1, w2)
+    assert _busiest_over_mean(fast, size, nd) <= _busiest_over_mean(slow, size, nd)
+    _check_exact(srcs, dsts, answers)
+    _check_senders(srcs, answers)
+
+
+@contextlib.contextmanager
+def _scalar_steps(steps: int):
+    keep, P.SCALAR_STEPS = P.SCALAR_STEPS, steps
+    try:
+        yield
+    finally:
+        P.SCALAR_STEPS = keep
+
+
+def test_hsdp_replicas_water_filled_at_once_and_balanced():
+    """HSDP: 4 shard groups of 4 (each row block on 4 ranks); 16 engine ranks each need one row block:
+    runs of 4 equal pieces over 4 holders, for 24 names, answered at once; every holder sends as much."""
+    size, shape = 32, (16, 8)
+    names = list(range(1, 25))
+    srcs = {r: [_box(n, shape, (4 * (r % 4), 0), (4, 8)) for n in names] for r in range(16)}
+    dsts = {16 + e: [_box(n, shape, (4 * (e % 4), 0), (4, 8)) for n in names] for e in range(16)}
+    for steps in (0, 10**9):
+        with _scalar_steps(steps):
+            answers = _group_plan(srcs, dsts, size, sides=False)
+        _check_exact(srcs, dsts, answers)
+        _check_senders(srcs, answers)
+        sent = [len(answers[r].sends) for r in range(16)]
+        assert sent == [24] * 16
+    n, d = _owner_direct(size, 2, [srcs.get(r, []) for r in range(size)], [dsts.get(r, []) for r in range(size)], 1)
+    assert not len(d.slow) and len(d.choices.nid)
 
 
 @settings(max_examples=200, deadline=None)

@@ -34,16 +34,22 @@ size only the holders know — a Python object, the row of its name's table that
 holds — and learns the size from the answer's lengths (:func:`_rows`).
 
 Cost per rank: its own records out (``O(S)`` words) and one answer row back per piece it sends or
-receives, plus, on an owner, ``O(holders + needers + pieces)`` of the names it owns, in numpy (no Python
-step per piece or per holder: the greedy runs as a water-filling per run of equal pieces; a relayed fan
-is assigned per fan), with ``O(log)`` candidate search per destination box along dim 0 — never
-``W x S``. The names whose plan has no choice in it (every destination inside one source box that it
-holds itself or that one rank holds: a same-layout transfer, a finer TP from single holders) are
-answered together in one numpy pass (:func:`_direct`), the rest one name at a time (:func:`_plan_name`),
-with the same rows in the same order. A rank's pieces are what its layout makes them: a destination row block meets every source
-shard of its rows, so sources sharded finer than the destinations multiply them (``docs/SCALE.md``,
-"Live transfers"). Distinct source boxes of one name must not overlap (every DTensor layout partitions
-its tensor, replicas repeat a box exactly); an owner that finds overlap reports it instead of guessing.
+receives, plus, on an owner, ``O(holders + needers + pieces)`` of the names it owns, in numpy (the
+greedy runs as a water-filling per run of equal pieces, Python steps per piece and holder only in runs
+of at most :data:`SCALAR_STEPS` of them; a relayed fan is assigned per fan), with ``O(log)`` candidate
+search per destination box along dim 0 — never ``W x S``. The names whose every destination lies whole
+inside one source box (a same-layout transfer, a finer TP, from single holders or from replicas: DP /
+HSDP, a tier's replicated files) are answered together in one numpy pass (:func:`_direct`); where a box
+has several holders, the greedy's picks come from one loop in name order (:func:`_choose`): scalar
+steps, a piece and a holder at a time, or one water-filling per long run of equal pieces: numpy calls per
+long run, not per name. The rest (destinations cut by several source boxes, relayed fans, :data:`F_ROW`, problems) are
+planned one name at a time (:func:`_plan_name`, ~0.15-0.2 ms of numpy calls a name); the rows are the
+same, in the same order, either way.
+
+A rank's pieces are what its layout makes them: a destination row block meets every source shard of its
+rows, so sources sharded finer than the destinations multiply them (``docs/SCALE.md``, "Live
+transfers"). Distinct source boxes of one name must not overlap (every DTensor layout partitions its
+tensor, replicas repeat a box exactly); an owner that finds overlap reports it instead of guessing.
 """
 
 from __future__ import annotations
@@ -80,6 +86,10 @@ _MASK = np.uint64((1 << 63) - 1)
 # bytes each sender puts on the wire, in the destination's dtype (a cast happens on the sender)
 ITEMSIZES = np.array([4, 2, 2, 8, 8, 4, 2, 1, 1, 1, 1, 1, 8, 2, 4, 8, 16], dtype=np.int64)
 
+
+# a run of equal pieces of one box whose pieces x holders exceed this takes its senders from the
+# water-filling's numpy calls (:func:`_water_fill`, ~15 calls), a smaller one in scalar steps (~0.15 us each)
+SCALAR_STEPS = 128
 
 _TRUE = np.ones(1, dtype=bool)
 _ZERO = np.zeros(1, dtype=np.int64)
@@ -197,31 +207,43 @@ def answer(counts: np.ndarray, words: np.ndarray, nd: int, size: int,
 
 def _plan_names(rec: np.ndarray, ranks: np.ndarray, starts: np.ndarray, nd: int, size: int, sides,
                 direct: bool) -> list[np.ndarray]:
-    """Every name's answer blocks in name order: the names :func:`_direct` answers at once, as slices of
-    its rows, between the others, each planned by :func:`_plan_name`. ``loads`` (bytes each rank sends
-    so far, over this owner's names) gets the direct names' sends before each later name is planned,
-    as the loop over every name would: so a name planned alone sees the loads it sees there, and every
-    row, and its place among a destination rank's rows, is the loop's."""
+    """Every name's answer blocks in name order: the names :func:`_direct` answers, as slices of its rows,
+    between the others, each planned by :func:`_plan_name`. ``loads`` (bytes each rank sends so far,
+    over this owner's names) is built up in name order, as the loop over every name would: the sends of
+    direct names with no choice are added in bulk before the next name that looks at the loads; a
+    direct name with a choice of sender picks its senders (:func:`_choose`) when its turn comes, and a
+    name planned alone sees the loads of every name before it. So every sender, every row, and its place
+    among a destination rank's rows, is the loop's."""
     loads = np.zeros(size, dtype=np.int64)
-    n = len(starts) - 1
-    if not direct:
-        d = _Direct(np.arange(n), np.zeros((0, answer_width(nd) + 1), np.int64), np.zeros(n + 1, np.int64),
-                    *(np.zeros(0, np.int64),) * 3)
-    else:
-        d = _direct(rec, ranks, starts, nd, sides)
+    d = _direct(rec, ranks, starts, nd, sides) if direct else _no_direct(len(starts) - 1, nd)
+    c = d.choices
+    cuts = _bounds(c.nid[1:] != c.nid[:-1]) if len(c.nid) else _ZERO
+    turns = np.concatenate((d.slow, c.nid[cuts[:-1]]))  # the names that look at the loads, by name
+    zero = np.zeros(len(d.slow), np.int64)
+    a, b = np.concatenate((zero, cuts[:-1])), np.concatenate((zero, cuts[1:]))  # a turn's pieces to choose
+    by = np.argsort(turns, kind="stable")
+    turns, a, b = turns[by], a[by], b[by]
+    sent = np.searchsorted(d.load_name, turns)  # the sends with no choice before each turn
+    runs = (c.holders.rank, c.holders.rank.tolist(), np.diff(c.start).tolist(), c.h0.tolist(), c.count.tolist(),
+            c.wire.tolist())
+    rot = (rec[starts[:-1], K_NAME].view(np.uint64) % np.uint64(1 << 31)).astype(np.int64)[turns].tolist()
+    pick: list[int] = []
     out: list[np.ndarray] = []
-    sent = np.searchsorted(d.load_name, d.slow)  # the direct sends before each name planned alone
     prev, x = 0, 0
-    for s, y in zip(d.slow.tolist(), sent.tolist()):
-        if d.at[s] > d.at[prev]:
-            out.append(d.rows[d.at[prev]: d.at[s]])
+    for s, p, q, y, r in zip(turns.tolist(), a.tolist(), b.tolist(), sent.tolist(), rot):
         if y > x:
             np.add.at(loads, d.load_rank[x:y], d.load_bytes[x:y])
             x = y
+        if q > p:
+            _choose(loads, runs, r, range(p, q), pick)
+            continue
+        if d.at[s] > d.at[prev]:
+            out.append(d.rows[d.at[prev]: d.at[s]])
         out.extend(_plan_name(rec[starts[s]: starts[s + 1]], ranks[starts[s]: starts[s + 1]], nd, loads, sides))
         prev = s + 1
     if len(d.rows) > d.at[prev]:
         out.append(d.rows[d.at[prev]:])
+    _chosen(d.rows, c, np.array(pick, dtype=np.int64))
     return out
 
 
@@ -638,10 +660,27 @@ def _greedy_sequential(pieces: np.ndarray, box: np.ndarray, size: np.ndarray, ho
     return out
 
 
+class _Choices(NamedTuple):
+    """The remote pieces of the direct names that have a choice of sender, in *runs*: pieces that the
+    greedy takes one after another, of one box and as many bytes each. Run ``r``: of name ``nid[r]``,
+    its pieces' send rows ``row[start[r]:start[r + 1]]`` (each receive row follows its send), ``wire[r]``
+    bytes a piece, its box's holders ``holders.rank[h0[r]:h0[r] + |count[r]|]`` (by rank, then index;
+    ``count`` negative where a rank lists the box twice)."""
+
+    nid: np.ndarray
+    start: np.ndarray
+    h0: np.ndarray
+    count: np.ndarray
+    wire: np.ndarray
+    row: np.ndarray
+    holders: _Holders
+
+
 class _Direct(NamedTuple):
     """The names :func:`_direct` answers at once. ``slow``: the positions of the others, ascending; the
     direct names' rows (``[destination rank, *answer]``) in name order, name ``k``'s at
-    ``rows[at[k]:at[k + 1]]``; their sends' bytes, by name ascending: name, sender, bytes."""
+    ``rows[at[k]:at[k + 1]]``; the sends of those with no choice of sender, by name ascending: name,
+    sender, bytes; the pieces of the others, whose senders :func:`_plan_names` chooses."""
 
     slow: np.ndarray
     rows: np.ndarray
@@ -649,27 +688,76 @@ class _Direct(NamedTuple):
     load_name: np.ndarray
     load_rank: np.ndarray
     load_bytes: np.ndarray
+    choices: _Choices
+
+
+def _no_direct(n: int, nd: int) -> _Direct:
+    """Every one of ``n`` names left to :func:`_plan_name` (``answer(direct=False)``)."""
+    none = np.zeros(0, np.int64)
+    return _Direct(np.arange(n), np.zeros((0, answer_width(nd) + 1), np.int64), np.zeros(n + 1, np.int64),
+                   none, none, none, _Choices(none, _ZERO, none, none, none, none, _Holders(none, none, _ZERO)))
+
+
+def _choose(loads: np.ndarray, runs: tuple, rot: int, which: range, pick: list) -> None:
+    """The senders of one name's ``which`` runs (:class:`_Choices`, as ``(holder ranks, the same as a
+    list, pieces, h0, count, wire)`` per run), appended to ``pick`` as positions in the holders; ``loads``
+    updated. Each piece goes to the least loaded holder of its box, ties to the first from the name's
+    rotation, in the greedy's order: what :func:`_greedy_sequential` picks. A run's pieces are the
+    greedy's next ones (:func:`_runs`), so where its holders are distinct ranks (``count`` > 0) its
+    water-filling is the same picks (:func:`_greedy`); a short run, or one whose box a rank lists twice,
+    goes in scalar steps, a piece and a holder at a time, with no numpy call."""
+    ranks, rank, pieces, h0, count, wire = runs
+    for r in which:
+        first, n, w, m = h0[r], count[r], wire[r], pieces[r]
+        if m * n > SCALAR_STEPS:  # (count < 0: a rank holds the box twice, scalar steps over its -count)
+            hold = ranks[first: first + n]
+            got = _water_fill(loads[hold], (np.arange(n) - rot % n) % n, w, m)
+            loads[hold] += np.bincount(got, minlength=n) * w
+            pick.extend((got + first).tolist())
+            continue
+        n = abs(n)
+        for _ in range(m):
+            best, low = first, None
+            for t in range(n):
+                j = first + (rot + t) % n
+                load = loads[rank[j]]
+                if low is None or load < low:
+                    best, low = j, load
+            pick.append(best)
+            loads[rank[best]] += w
+
+
+def _chosen(rows: np.ndarray, c: _Choices, pick: np.ndarray) -> None:
+    """The chosen holders written into the pieces' send rows (sender, source) and receive rows (peer)."""
+    if not len(pick):
+        return
+    sender, source = c.holders.rank[pick], c.holders.index[pick]
+    rows[c.row, 0] = sender
+    rows[c.row, 1 + A_SRC] = source
+    rows[c.row + 1, 1 + A_PEER] = sender
+    rows[c.row + 1, 1 + A_SRC] = source
 
 
 def _direct(rec: np.ndarray, ranks: np.ndarray, starts: np.ndarray, nd: int, sides) -> _Direct:
-    """The answers of the names whose plan has no choice in it, for all of them at once (numpy over the
-    records, no step per name); every other name is left to :func:`_plan_name`.
+    """The answers of the names whose every piece is a whole destination inside one source box, for all
+    of them at once (numpy over the records, no step per name); every other name is left to
+    :func:`_plan_name`.
 
     A name is direct when its sources agree on tensor rank, dtype and shape, its distinct source boxes
     are disjoint (:func:`_meeting`), and each destination has that rank, dtype and shape, no
-    :data:`F_ROW`, some elements, and lies whole inside one source box (:func:`_containing`) that either
-    it holds itself (a local copy, from its lowest index of the box) or exactly one source record holds
-    (one possible sender); where relays may pay, no two of its remote destinations are the same region.
-    A name no destination asks for and no source flags :data:`F_NEEDED` is direct with no rows.
+    :data:`F_ROW`, some elements, and lies whole inside one source box (:func:`_containing`); where
+    relays may pay, no two of its remote destinations are the same region. A name no destination asks
+    for and no source flags :data:`F_NEEDED` is direct with no rows.
 
     Why the rows are :func:`_plan_name`'s: it reports no problem for such a name (nothing of
     :func:`_check_dests`, :func:`_distinct`'s overlap check, :func:`_pieces`' uncovered), and
     :func:`_pieces` cuts each destination into exactly one piece, the destination itself (a box that met
     it would meet its containing box, and the boxes are disjoint). :func:`_assign` then makes it a local
-    copy from :func:`_own_index`'s index, or a send from the box's only holder (what :func:`_greedy`
-    and :func:`_greedy_sequential` pick for a single holder), :func:`_fans` finds no fan, and the rows
-    come heaviest piece first, ties in destination order, each send followed by its receive: the order
-    :func:`_direct_rows` writes. The loads those sends add are added in name order (:func:`_plan_names`)."""
+    copy from :func:`_own_index`'s index where the needer holds the box, else a send from a holder of
+    the box, :func:`_fans` finds no fan, and the rows come heaviest piece first, ties in destination
+    order, each send followed by its receive: the order :func:`_direct_rows` writes. A name's remote
+    pieces all from single holders have their senders here (what any greedy picks for one holder); a
+    name with a choice gets its senders from :func:`_choose`, in name order (:func:`_plan_names`)."""
     n = len(starts) - 1
     nid = np.repeat(np.arange(n), np.diff(starts))
     is_src = rec[:, K_KIND] == SRC
@@ -685,16 +773,17 @@ def _direct(rec: np.ndarray, ranks: np.ndarray, starts: np.ndarray, nd: int, sid
     np.add.at(vol, bnid, np.prod(bln, axis=1, dtype=np.int64))
     ok &= (vol <= np.prod(shape, axis=1, dtype=np.int64)) & ~_meeting(bnid, boff, bln, n)
     k = _containing(nid[dst], off[dst], ln[dst], bnid, boff, bln)
-    sender, source, local = _senders(box, ranks[src], rec[src, K_INDEX], k, ranks[dst])
-    bad = (k < 0) | (sender < 0)
-    ok[nid[dst[bad]]] = False
+    holders = _box_holders(box, ranks[src], rec[src, K_INDEX], len(bfirst))
+    mine = np.where(k >= 0, _own_index(holders, np.maximum(k, 0), ranks[dst]), -1) if len(bfirst) else k
+    local = mine >= 0  # (the needer's own lowest index of its box: a local copy)
+    ok[nid[dst[k < 0]]] = False
     if sides is not None and max(1, sides[1]) > max(1, sides[0]):  # (:func:`_fans`' condition)
         remote = ~local & ok[nid[dst]]
         ok[_repeated(nid[dst[remote]], off[dst[remote]], ln[dst[remote]])] = False
     keep = ok[nid[dst]]
     ok |= idle
-    return _direct_rows(rec[dst[keep]], nid[dst[keep]], ranks[dst[keep]], sender[keep], source[keep],
-                        local[keep], np.prod(ln[dst[keep]], axis=1, dtype=np.int64), np.flatnonzero(~ok), n, nd)
+    return _direct_rows(rec[dst[keep]], nid[dst[keep]], ranks[dst[keep]], k[keep], mine[keep], holders, bnid,
+                        np.prod(ln[dst[keep]], axis=1, dtype=np.int64), np.flatnonzero(~ok), n, nd)
 
 
 def _dims(a: np.ndarray, ndim: np.ndarray, pad: int) -> np.ndarray:
@@ -772,25 +861,11 @@ def _containing(dnid: np.ndarray, doff: np.ndarray, dln: np.ndarray, bnid: np.nd
     return np.where((k >= 0) & inside & (bnid[j] == dnid), k, -1)
 
 
-def _senders(box: np.ndarray, srank: np.ndarray, sindex: np.ndarray, k: np.ndarray,
-             receiver: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per destination in box ``k`` (-1: none): (the rank that sends it, the source index it sends from,
-    whether that is a local copy): the receiver itself with its lowest index of the box when it holds it
-    (:func:`_own_index`), else the box's one holder; sender -1 where the box has several."""
-    if not len(box) or not len(k):
-        return np.full(len(k), -1, np.int64), np.full(len(k), -1, np.int64), np.zeros(len(k), bool)
-    span = int(max(srank.max(), receiver.max())) + 1
-    by = np.lexsort((sindex, srank, box))  # by box, rank, index (:func:`_distinct`'s holders)
-    box, srank, sindex = box[by], srank[by], sindex[by]
-    j = np.maximum(k, 0)
-    want = j * span + receiver
-    key = box * span + srank
-    at = np.minimum(np.searchsorted(key, want), len(key) - 1)
-    local = (k >= 0) & (key[at] == want)
-    first = np.searchsorted(box, j)
-    one = (k >= 0) & (np.bincount(box, minlength=len(box))[j] == 1) & ~local
-    sender = np.where(local, receiver, np.where(one, srank[first], -1))
-    return sender, np.where(local, sindex[at], sindex[first]), local
+def _box_holders(box: np.ndarray, srank: np.ndarray, sindex: np.ndarray, nbox: int) -> _Holders:
+    """Each distinct box's holders (``box``: per source record its box), by rank then index: the order
+    :func:`_distinct` gives them, which the greedy's rotation and :func:`_own_index` go by."""
+    by = np.lexsort((sindex, srank, box))
+    return _Holders(srank[by], sindex[by], np.searchsorted(box[by], np.arange(nbox + 1)))
 
 
 def _repeated(nid: np.ndarray, off: np.ndarray, ln: np.ndarray) -> np.ndarray:
@@ -802,15 +877,24 @@ def _repeated(nid: np.ndarray, off: np.ndarray, ln: np.ndarray) -> np.ndarray:
     return s[1:, 0][np.all(s[1:] == s[:-1], axis=1)]
 
 
-def _direct_rows(dst: np.ndarray, nid: np.ndarray, receiver: np.ndarray, sender: np.ndarray,
-                 source: np.ndarray, local: np.ndarray, elements: np.ndarray, slow: np.ndarray, n: int,
+def _direct_rows(dst: np.ndarray, nid: np.ndarray, receiver: np.ndarray, box: np.ndarray, mine: np.ndarray,
+                 holders: _Holders, bnid: np.ndarray, elements: np.ndarray, slow: np.ndarray, n: int,
                  nd: int) -> _Direct:
-    """The direct names' rows from their destinations' records (in record order): per name, its pieces
-    heaviest first, ties in record order, each a local copy or a send then its receive (:func:`_assign`)."""
+    """The direct names' rows from their destinations' records (in record order), each inside source
+    ``box`` (of name ``bnid[box]``): per name, its pieces heaviest first, ties in record order, each a
+    local copy from the needer's own index ``mine`` (>= 0), else a send then its receive
+    (:func:`_assign`). A name whose remote pieces each have one holder gets them as senders; the others'
+    pieces are left to :func:`_choose` (their sender and source written by :func:`_chosen`)."""
     wire = elements * ITEMSIZES[dst[:, K_DTYPE]]
     order = np.lexsort((np.arange(len(dst)), -wire, nid))
-    dst, nid, receiver, sender, source, local, wire = (
-        x[order] for x in (dst, nid, receiver, sender, source, local, wire))
+    dst, nid, receiver, box, mine, wire = (x[order] for x in (dst, nid, receiver, box, mine, wire))
+    local = mine >= 0
+    h0, count = holders.start[box], np.diff(holders.start)[box]
+    choice = np.zeros(n, bool)
+    choice[nid[~local & (count > 1)]] = True
+    chosen = ~local & choice[nid]  # (a choosing name's single holders too: the greedy's order is the name's)
+    fixed = ~local & ~chosen
+    sender = np.where(local, receiver, np.where(fixed, holders.rank[h0], -1))
     at = _offsets(np.where(local, 1, 2))
     rows = np.zeros((int(at[-1]), answer_width(nd) + 1), dtype=np.int64)
     first = rows[at[:-1]]
@@ -818,7 +902,7 @@ def _direct_rows(dst: np.ndarray, nid: np.ndarray, receiver: np.ndarray, sender:
     first[:, 1 + A_KIND] = np.where(local, LOCAL, SEND)
     first[:, 1 + A_NAME] = dst[:, K_NAME]
     first[:, 1 + A_PEER] = receiver
-    first[:, 1 + A_SRC] = source
+    first[:, 1 + A_SRC] = np.where(local, mine, holders.index[h0])
     first[:, 1 + A_DST] = dst[:, K_INDEX]
     first[:, 1 + A_DTYPE] = dst[:, K_DTYPE]
     first[:, 1 + A_NDIM] = dst[:, K_NDIM]
@@ -830,7 +914,33 @@ def _direct_rows(dst: np.ndarray, nid: np.ndarray, receiver: np.ndarray, sender:
     second[:, 1 + A_PEER] = sender[~local]
     rows[at[:-1][~local] + 1] = second
     per_name = np.bincount(nid, minlength=n) + np.bincount(nid[~local], minlength=n)
-    return _Direct(slow, rows, _offsets(per_name), nid[~local], sender[~local], wire[~local])
+    runs = _runs(nid[chosen], box[chosen], wire[chosen], at[:-1][chosen], holders, bnid, n)
+    return _Direct(slow, rows, _offsets(per_name), nid[fixed], sender[fixed], wire[fixed], runs)
+
+
+def _runs(nid: np.ndarray, box: np.ndarray, wire: np.ndarray, row: np.ndarray, holders: _Holders,
+          bnid: np.ndarray, n: int) -> _Choices:
+    """The choosing names' pieces (in the greedy's order: by name, heaviest first, ties in destination
+    order) in runs. Where no rank holds two of a name's holdings (:func:`_disjoint_holders`: every
+    DTensor layout), its pieces go box by box instead — each box's holders see only that box's pieces,
+    so they get the same picks (:func:`_greedy`'s order) — and each box's pieces of equal size are one
+    run; elsewhere a run is a stretch of the greedy's order of one box and size. Either way a run's
+    pieces are the greedy's next ones, so its water-filling is the greedy's picks, where its box's
+    holders are distinct ranks: ``count`` is negative where they are not (scalar steps only)."""
+    hbox = np.repeat(np.arange(len(holders.start) - 1), np.diff(holders.start))
+    span = int(holders.rank.max(initial=0)) + 1
+    key = np.sort(bnid[hbox] * span + holders.rank)
+    shared = np.zeros(n, bool)
+    shared[key[1:][key[1:] == key[:-1]] // span] = True
+    twice = np.zeros(len(holders.start) - 1, bool)  # boxes a rank holds twice (two indices)
+    twice[hbox[1:][(hbox[1:] == hbox[:-1]) & (holders.rank[1:] == holders.rank[:-1])]] = True
+    by = np.lexsort((np.arange(len(nid)), -wire, np.where(shared[nid], 0, box), nid))
+    nid, box, wire, row = nid[by], box[by], wire[by], row[by]
+    start = _bounds((nid[1:] != nid[:-1]) | (box[1:] != box[:-1]) | (wire[1:] != wire[:-1])) if len(nid) else _ZERO
+    k = box[start[:-1]]
+    count = np.diff(holders.start)[k]
+    return _Choices(nid[start[:-1]], start, holders.start[k], np.where(twice[k], -count, count), wire[start[:-1]],
+                    row, holders)
 
 
 def _errors(name: int, ranks: np.ndarray, index: np.ndarray, code: int, nd: int) -> np.ndarray:
