@@ -36,6 +36,7 @@ from . import stateful
 from ._busy import CONTENDED, Guard, refuse_contended_or_disagreeing
 from ._gcpause import paused_gc
 from .comm import Comm
+from . import delivery
 from ..errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
 from ..plan.exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, FLAG_RESHARDED, classes, decode_record, encode_record, hash64,
                              host_id, make_row, record_transfer)
@@ -78,6 +79,11 @@ class LoadStats:
     chunk_units: int = 0
     chunk_bytes_saved: int = 0
     private_shards: int = 0  # this rank's shards it read alone
+    # part delivery (option part_delivery): page parts this rank sent (as a page's owner) or received
+    # instead of reading their page, and the bytes it sent and received for them, point to point
+    pages_delivered: int = 0
+    part_bytes_sent: int = 0
+    part_bytes_received: int = 0
     objects: int = 0  # Python objects loaded
     files_opened: int = 0  # cold opens of data files
     groups_created: int = 0
@@ -235,6 +241,7 @@ class _Prepared:
     cut: list = field(default_factory=list)  # (piece, its shard) of every shared shard cut into pieces
     skip: set = field(default_factory=set)  # stored chunks (file, key) chunk units deliver: no private read
     units: tuple = (0, 0)  # (chunk units this rank is in, storage bytes they saved it)
+    deliveries: list = field(default_factory=list)  # part delivery: this rank's (pipeload.plan.partdelivery)
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,7 @@ class _Options:
     cast: bool = False
     storage_options: dict | None = None
     h2d_ring_bytes: int = devices.DEFAULT_H2D_RING_BYTES
+    part_delivery: str = "auto"
     # a caller's reason to refuse this rank's part, raised at planning like a problem of the state dict
     # (the DCP switch's: what the engine would serve differently from DCP; see pipeload.dcp.load)
     _refusal: str | None = None
@@ -271,6 +279,8 @@ class _Options:
         if self.broadcast_replicated_tensors not in (True, False, "auto"):
             raise ValueError("broadcast_replicated_tensors must be True, False or 'auto', "
                              f"not {self.broadcast_replicated_tensors!r}")
+        if self.part_delivery not in ("auto", "off"):
+            raise ValueError(f"part_delivery must be 'auto' or 'off', not {self.part_delivery!r}")
         if self.broadcast_batch_bytes < 0:
             raise ValueError("broadcast_batch_bytes must be non-negative")
         if self.strict != "missing":
@@ -281,7 +291,7 @@ class _Options:
     @property
     def agreed(self) -> tuple:
         """What every rank must pass alike: these decide which collectives the load issues."""
-        return (self.broadcast_replicated_tensors, self.broadcast_batch_bytes, self.strict)
+        return (self.broadcast_replicated_tensors, self.broadcast_batch_bytes, self.strict, self.part_delivery)
 
     @property
     def planned(self) -> tuple:
@@ -351,7 +361,8 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
             state_dict, run.directory, comm, run.collective, opts.strict, opts.broadcast_replicated_tensors,
             opts.broadcast_batch_bytes, opts.broadcast_groups, reader, (pool, ahead), run.clock,
             (opts.format, opts.key_map, opts.cast), keepable=start.cache_key is not None,
-            private_only=start.private_only, sent=start.sent, host=run.host, refusal=opts._refusal)
+            private_only=start.private_only, sent=start.sent, host=run.host, refusal=opts._refusal,
+            part_delivery=opts.part_delivery == "auto" and not storage.is_url(run.directory))
         _count_plan(run.stats, prep, reader)
         counters = Counters()
         decoded = await _execute_and_agree(run, opts, prep, reader, pool, counters, start.cache_key)
@@ -399,7 +410,7 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
         if entry is not None and not reuse:
             _strip(entry.state)  # replaced by this load's plan, or dropped: never holds our tensors
     refuse_contended_or_disagreeing(run.what, first[:, 0] == CONTENDED, first[:, 2], contended,
-                                    "broadcast_replicated_tensors, broadcast_batch_bytes or strict options (or "
+                                    "broadcast_replicated_tensors, broadcast_batch_bytes, strict or part_delivery options (or "
                                     "broadcast device: the group's backend and accelerator)")
     if reuse:
         start.prep = entry.state
@@ -430,7 +441,7 @@ async def _execute_and_agree(run: _Run, opts: _Options, prep: _Prepared, reader:
     try:
         decoded = await _execute(comm, reader, pool, prep.shared, prep.private, prep.plan.objects, prep.groups,
                                  prep.gp, counters, opts.max_inflight, opts.progress, run.clock, prep.skip,
-                                 prep.plan.twins)
+                                 prep.plan.twins, prep.deliveries)
         error = counters.error_report() or run.guard.late(comm)
         if run.collective:
             comm.agree(run.what, error)
@@ -461,6 +472,8 @@ def _finish(run: _Run, reader: ChunkReader, counters: Counters, t0: float) -> Lo
     stats.bytes_read = reader.bytes_read
     stats.bytes_received = counters.bytes_received
     stats.broadcasts = counters.broadcasts
+    stats.pages_delivered = counters.pages_delivered
+    stats.part_bytes_sent, stats.part_bytes_received = counters.part_bytes_sent, counters.part_bytes_received
     stats.files_opened = reader.cache.opens
     _storage_stats(stats, run.fetched)
     run.clock.lap("teardown")
@@ -526,8 +539,12 @@ def _cached(cache_key, comm: Comm, directory: str, state_dict: dict):
 def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicated_tensors, batch_bytes,
              broadcast_groups, reader, workers, clock, request, keepable: bool = False,
              private_only: bool = False, sent: tuple = (-1, None), host: int | None = None,
-             refusal: str | None = None) -> _Prepared:
+             refusal: str | None = None, part_delivery: bool = False) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
+
+    ``part_delivery`` (local files, the option on: alike on every rank): when some row is resharded and
+    the records travel (not the key owners), the plan of every component is made and this rank's page
+    deliveries are planned from it (:mod:`pipeload.engine.delivery`; no collective).
 
     ``private_only`` (every rank decided it alike from the first gather): no shard will be broadcast,
     so the exchange stops after the rows and the union of requested keys (see :func:`exchange_and_plan`).
@@ -559,7 +576,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                            batch_bytes=batch_bytes, can_create=comm.is_world, global_ranks=comm.global_ranks,
                            clock=clock, rows_out=rows_seen, private_only=private_only,
                            same_host_private=broadcast_replicated_tensors == "auto" and comm.broadcast_device.type == "cpu",
-                           host=host, resharded=moved, by_position=ckpt is not None and ckpt.by_position)
+                           host=host, resharded=moved, by_position=ckpt is not None and ckpt.by_position,
+                           part_reads=part_delivery and collective and broadcast_replicated_tensors is not False)
     unexpected = []
     if collective:
         unasked = np.ones(len(names), dtype=bool)
@@ -586,6 +604,9 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                 piece = shared[pk] = piece_shard(s, pk)
                 if piece is not s:
                     cut.append((piece, s))
+    deliveries = (delivery.plan(gp, md, names, reader, comm.rank, rows_seen[0],
+                                _my_reads(comm.rank, shared, private, gp.ops, skip))
+                  if gp.every is not None and rows_seen else [])
     clock.lap("plan")
 
     # 4. groups
@@ -593,7 +614,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     clock.lap("groups")
     prep = _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
                      rows_seen[0] if rows_seen else None, stat, ckpt, cut=cut, skip=skip,
-                     units=(len({k for k in pieces_of if k[0] < 0}), spanned - read_units))
+                     units=(len({k for k in pieces_of if k[0] < 0}), spanned - read_units), deliveries=deliveries)
     if keepable:  # taken now, as planned: an object a later load replaces is a leaf in it either way
         prep.signature = plancache.signature(state_dict)[0]
         prep.leaf_pos = plancache.leaf_positions(leaves, [*plan.leaf_paths(), *(o.fqn for o in plan.objects)])
@@ -661,7 +682,7 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
                       batch_bytes: int, can_create: bool, global_ranks=None, clock=None,
                       on_phase=None, rows_out: list | None = None, same_host_private: bool = False,
                       everything: bool = False, private_only: bool = False, host: int | None = None,
-                      resharded: bool = False, by_position: bool = False) -> GlobalPlan:
+                      resharded: bool = False, by_position: bool = False, part_reads: bool = False) -> GlobalPlan:
     """Steps 2-3 of a load on one rank: the exchange through ``ex`` and this rank's global plan.
 
     ``ex`` is the load's :class:`~pipeload.engine.comm.Comm` (or the simulated exchange of
@@ -677,6 +698,9 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     looks for chunk units, and other layouts' holder sets read by runs of storage:
     :mod:`pipeload.plan.chunkunits`, :mod:`pipeload.plan.storageorder`). ``by_position``: readers by
     storage position (every rank alike, as every rank reads one checkpoint), broadcasts in region order.
+
+    ``part_reads``: when some row is resharded (and on the record path), plan every component and attach
+    every rank's reads (:attr:`GlobalPlan.every`), the input of part delivery.
 
     ``private_only``: every rank knows no shard will be broadcast (all on one host under gloo and the
     default policy, or broadcasting off), so nobody needs another rank's record: after the rows, one
@@ -735,7 +759,7 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     return global_plan(rows, cls, records, rank, ndim=ndim, itemsize=itemsize, broadcast=broadcast,
                        batch_bytes=batch_bytes, can_create=can_create, global_ranks=global_ranks,
                        on_phase=on_phase, same_host_private=same_host_private, everything=everything,
-                       chunks=chunks, positions=positions, starts=starts)
+                       chunks=chunks, positions=positions, starts=starts, reads=part_reads and chunks is not None)
 
 
 def _refused(error: PipeloadError) -> PipeloadError:
@@ -750,11 +774,17 @@ def _key_arrays(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.n
 
 
 async def _execute(comm, reader, pool, shared, private, objects, groups, gp, counters, max_inflight,
-                   progress, clock, skip=frozenset(), twins=()) -> list:
-    """The shared phase, then the private phase, reading in ``pool``, then the copies into ``twins``
-    (:func:`~pipeload.engine.scheduler.fill_twins`); returns decoded objects."""
+                   progress, clock, skip=frozenset(), twins=(), deliveries=()) -> list:
+    """Part delivery (``deliveries``: before every broadcast), the shared phase, then the private phase,
+    reading in ``pool``, then the copies into ``twins`` (:func:`~pipeload.engine.scheduler.fill_twins`);
+    returns decoded objects."""
     bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in [*shared.values(), *private]))
     on_bytes = bar.update if bar is not None else None
+    reader.set_patches(())
+    if deliveries:
+        await asyncio.get_running_loop().run_in_executor(
+            pool, delivery.deliver, comm, reader, deliveries, counters, f"pipeload.load from {reader.directory}")
+        clock.lap("delivery")
     reader.expect(_my_reads(comm.rank, shared, private, gp.ops, skip))  # how each file is requested
     try:
         if gp.ops:

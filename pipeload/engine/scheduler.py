@@ -39,6 +39,10 @@ class Counters:
 
     bytes_received: int = 0
     broadcasts: int = 0
+    # part delivery (pipeload.engine.delivery): deliveries this rank sent or received, and their bytes
+    pages_delivered: int = 0
+    part_bytes_sent: int = 0
+    part_bytes_received: int = 0
     # (file, cause) -> fqns that failed with it: one line per cause, not one per tensor
     failed: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 

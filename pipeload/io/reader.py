@@ -191,6 +191,9 @@ class ChunkReader:
         # the plan's reads of this rank, per file (see expect()), and each file's merge gap once decided
         self._expected: dict[str, list[ReadItem]] = {}
         self._gaps: dict[str, int] = {}
+        # part delivery (pipeload.plan.partdelivery): (file, key) -> [(lo, hi, bytes)], byte ranges of stored
+        # chunks another rank read from its page and sent here; this load's reads take them from here
+        self.patches: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = {}
 
     def attach(self, ckpt, *, cast: bool = False) -> None:
         """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).
@@ -204,6 +207,7 @@ class ChunkReader:
         self.cast = cast
         self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
         self._expected, self._gaps = {}, {}
+        self.patches = {}
         opener, capacity = ckpt.opener, self.cache.capacity
         if storage.is_url(ckpt.root):  # objects: reopening one drops what it staged (and may cost a header GET)
             opener = opener or storage.open_safetensors
@@ -257,11 +261,69 @@ class ChunkReader:
         return gap
 
     def _span(self, f: Any, item: ReadItem) -> tuple[int, int]:
-        """The file bytes ``[lo, hi)`` ``item`` reads (a strided box: from its first to its last byte)."""
+        """The file bytes ``[lo, hi)`` ``item`` reads (a strided box: from its first to its last byte), less
+        a delivered head or tail (:meth:`_trimmed`): storage is never asked for a delivered page."""
         start = f.entry(item.key)[2]
-        itemsize = item.nbytes // math.prod(item.lengths)
-        lo, hi = box_span(item.chunk_lengths, item.src_offsets, item.lengths, itemsize)
+        lo, hi = self._trimmed(item, *self._chunk_span(item))
         return start + lo, start + hi
+
+    @staticmethod
+    def _chunk_span(item: ReadItem) -> tuple[int, int]:
+        """Bytes ``[lo, hi)`` of its stored chunk that ``item`` spans."""
+        itemsize = item.nbytes // math.prod(item.lengths)
+        return box_span(item.chunk_lengths, item.src_offsets, item.lengths, itemsize)
+
+    def _trimmed(self, item: ReadItem, lo: int, hi: int) -> tuple[int, int]:
+        """``[lo, hi)`` less the delivered ranges at its ends (a delivered part is always a span's head or
+        tail: see pipeload.plan.partdelivery); ``lo == hi`` when all of it was delivered. Only a contiguous
+        span is trimmed (a strided item is read whole)."""
+        parts = self.patches.get((item.file, item.key)) if self.patches else None
+        if not parts or hi - lo != item.nbytes:
+            return lo, hi
+        moved = True
+        while moved and lo < hi:
+            moved = False
+            for a, b, _ in parts:
+                if a <= lo < b:
+                    lo, moved = min(b, hi), True
+                if a < hi <= b:
+                    hi, moved = max(a, lo), True
+        return lo, max(lo, hi)
+
+    def set_patches(self, parts: Iterable[tuple[str, str, int, int, torch.Tensor]]) -> None:
+        """This load's delivered bytes: ``(file, key, lo, hi, uint8 tensor of hi - lo bytes)``."""
+        self.patches = {}
+        for file, key, lo, hi, data in parts:
+            self.patches.setdefault((file, key), []).append((lo, hi, data))
+
+    def _read_patched(self, item: ReadItem, out: torch.Tensor, f: Any) -> bool:
+        """Copy ``item`` into ``out`` taking its delivered bytes from :attr:`patches` and the rest from
+        the file (a byte-range copy); False (nothing done: the caller reads the item whole, still exact)
+        unless the item has delivered parts, is contiguous in its chunk and its destination box is a
+        contiguous host region of the stored dtype, and no checksum is pending."""
+        parts = self.patches.get((item.file, item.key))
+        if not parts or self.cast or (self.verify and item.checksum and (f.path, item.key) not in self._verified):
+            return False
+        lo, hi = self._chunk_span(item)
+        dst = narrow(out, item.dest_offsets, item.lengths)
+        if (hi - lo != item.nbytes or dst.device.type != "cpu" or not dst.is_contiguous() or dst.is_conj()
+                or dst.is_neg() or not hasattr(f, "buffer") or item.nbytes != dst.nbytes):
+            return False
+        flat = dst.view(-1).view(torch.uint8) if dst.numel() else dst.view(torch.uint8)
+        cuts = sorted((max(a, lo), min(b, hi), data[max(a, lo) - a : min(b, hi) - a]) for a, b, data in parts
+                      if a < hi and b > lo)
+        at, source = lo, os.path.join(self.directory, item.file)
+        buf = None
+        for a, b, data in [*cuts, (hi, hi, None)]:
+            if a > at:  # a run this rank reads itself
+                if buf is None:
+                    buf = torch.frombuffer(self._bytes(f, item.key, item.checksum), dtype=torch.uint8)
+                    f.advise("willneed", f.entry(item.key)[2] + at, f.entry(item.key)[2] + self._trimmed(item, lo, hi)[1])
+                copy_box(flat[at - lo : a - lo], buf[at:a], source)
+            if data is not None and b > a:
+                flat[a - lo : b - lo].copy_(data)
+            at = max(at, b)
+        return True
 
     def _bytes(self, f: SafetensorsFile, key: str, expect_checksum: str) -> memoryview:
         buf = f.buffer(key)
@@ -296,10 +358,13 @@ class ChunkReader:
                 f = files.get(item.file)
                 if f is None:
                     f = files[item.file] = self.file(item.file)
-                if item.lengths == item.chunk_lengths and hasattr(f, "willneed_tensors"):  # a load in the saved layout
+                if (item.lengths == item.chunk_lengths and hasattr(f, "willneed_tensors")  # a load in the saved layout
+                        and (item.file, item.key) not in self.patches):
                     whole.setdefault(item.file, []).append(item.key)
                     continue
-                spans.setdefault(item.file, []).append(self._span(f, item))
+                lo, hi = self._span(f, item)
+                if hi > lo:
+                    spans.setdefault(item.file, []).append((lo, hi))
             for name, keys in whole.items():
                 files[name].willneed_tensors(keys, self.merge_gap_of(name, files[name]))
             for name, ranges in spans.items():
@@ -346,7 +411,9 @@ class ChunkReader:
         try:
             f = file if file is not None else self.file(item.file)
             done = NotImplemented
-            if (not self.cast and out.device.type == "cpu" and hasattr(f, "copy_box") and out.data_ptr()
+            if self.patches and self._read_patched(item, out, f):
+                done = None
+            elif (not self.cast and out.device.type == "cpu" and hasattr(f, "copy_box") and out.data_ptr()
                     and not out.is_conj() and not out.is_neg()
                     and (not self.verify or not item.checksum or (f.path, item.key) in self._verified)):
                 # the common case in one call: no tensor views, no per-item torch calls

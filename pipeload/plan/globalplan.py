@@ -123,6 +123,8 @@ class GlobalPlan:
     _readers: dict[ShardKey, int] | Callable[[], dict[ShardKey, int]]  # see readers
     loads: list[int]  # bytes each rank reads (exact for the ranks of this rank's component)
     bound: int  # the largest unsplittable read: no plan's busiest reader reads less
+    # global_plan(reads=True) only: every box every rank of the load reads (see every_read); else None
+    every: Callable[[], list] | None = None
 
     @property
     def readers(self) -> dict[ShardKey, int]:
@@ -715,6 +717,7 @@ def global_plan(
     chunks: ChunkTable | None = None,
     positions: tuple | None = None,
     starts: Callable | None = None,
+    reads: bool = False,
 ) -> GlobalPlan:
     """This rank's view of the one global plan (see the module docstring for the rules): the steps
     above, in order.
@@ -727,8 +730,11 @@ def global_plan(
     (:func:`pipeload.plan.chunkunits.chunk_table`); without it no chunk unit is planned. ``positions``
     (:func:`pipeload.plan.storageorder.key_positions`): the records' affinities are storage regions,
     and the broadcasts go in region order. ``starts`` (:func:`pipeload.plan.storageorder.box_starts`;
-    only without ``positions``): readers by runs of each holder set in storage order.
+    only without ``positions``): readers by runs of each holder set in storage order. ``reads``: plan
+    every component (as ``everything``) and attach :attr:`GlobalPlan.every` (:func:`every_read`), the
+    input of part delivery (:mod:`pipeload.plan.partdelivery`); this rank's decisions are unchanged.
     """
+    everything = everything or reads
     lap = on_phase or (lambda name: None)
     sizes = np.array([len(m) for m in cls.members], dtype=np.int64)
     sh = shard_columns(records, ndim, itemsize)
@@ -759,10 +765,35 @@ def global_plan(
     lap("holder sets")
     # every set some broadcast of the load uses, in any component: creating one is world-wide
     in_use = set(sid_of[good].tolist()) | set(unit_sid[unit_sid >= 0].tolist())
-    return plan_component(shared, table.sets, loads, extra[cls.of_rank] if len(rows) else extra, me,
-                          component_of=lambda sid: find(table.classes[sid][0]), requested=sh.requested,
-                          in_use=in_use, stripe=stripe, min_stripe=min_stripe, batch_bytes=batch_bytes, lap=lap,
-                          positions=positions, starts=starts if positions is None else None)
+    gp = plan_component(shared, table.sets, loads, extra[cls.of_rank] if len(rows) else extra, me,
+                        component_of=lambda sid: find(table.classes[sid][0]), requested=sh.requested,
+                        in_use=in_use, stripe=stripe, min_stripe=min_stripe, batch_bytes=batch_bytes, lap=lap,
+                        positions=positions, starts=starts if positions is None else None)
+    if reads:
+        gp.every = every_read(sh, kg, candidates[good], cls, gp)
+    return gp
+
+
+def every_read(sh: Shards, kg: KeyGroups, shared_groups: np.ndarray, cls: Classes, gp: GlobalPlan):
+    """The function building every box every rank of the load reads, as ``(rank, key, private)``
+    (``key`` a shard key, a cut piece's or a unit piece's; ``private``: a key group no broadcast carries,
+    read by every member of every class holding it, less the stored chunks units deliver, exactly as
+    :func:`pipeload.engine.scheduler.read_private` skips them). Needs the plan of every component
+    (``everything``): the pieces' readers are :attr:`GlobalPlan.readers`. A pure function of the gathered
+    rows and records: every rank builds the same list (in any order of the records' items, up to order)."""
+    private = np.ones(len(kg.starts), dtype=bool)
+    private[shared_groups] = False
+    group_of = np.repeat(np.arange(len(kg.starts)), kg.ends - kg.starts)
+    rows = kg.order[private[group_of]] if len(kg.order) else kg.order
+
+    def build() -> list:
+        out = [(r, key, False) for key, r in gp.readers.items()]
+        keys = _keys(sh.index[rows], sh.offsets[rows], sh.lengths[rows], sh.nd[rows])
+        for key, c in zip(keys, sh.cl[rows].tolist()):
+            out.extend((r, key, True) for r in cls.members[c].tolist())
+        return out
+
+    return build
 
 
 

@@ -1,0 +1,118 @@
+"""Running part delivery (:mod:`pipeload.plan.partdelivery`): the owners' page bytes, point to point.
+
+Before the shared phase, for each (owner, receiver) pair of this rank in the order (owner, receiver),
+the owner reads its deliveries' bytes (from pages it reads anyway) into one packed message and sends it
+on the load's :class:`~pipeload.engine.comm.Comm`; the receiver posts one receive per pair. Every
+message is posted before any is waited on (an owner's reads need no peer), then all are awaited, oldest
+first (:class:`pipeload.move.mover.Transfers` with no in-flight bound). Why it cannot deadlock: the
+delivery messages come before every broadcast in the one global order, and both ends of each derive it
+from the same plan; the lowest incomplete message has both ends posted, so it completes, and the
+broadcasts follow in the plan's order, unchanged.
+
+An owner whose read fails still sends (zeros where the bytes failed) and records the error: the load's
+agreement then fails on every rank. A dead peer fails the transfer by name, as a failed broadcast does.
+The received bytes become the reader's patches (:meth:`pipeload.io.reader.ChunkReader.set_patches`):
+the reads of this load take a delivered head or tail from there and never ask storage for its page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..io.reader import copy_box
+from ..move.mover import Transfers
+from ..plan import partdelivery
+from ..plan.exchange import F_HOST
+from ..plan.partdelivery import Delivery
+
+
+def plan(gp, md, names: list[str], reader, me: int, rows: np.ndarray, my_items) -> list[Delivery]:
+    """This rank's deliveries (sent or received), from the plan of every component (``gp.every``), the
+    gathered rows' hosts and the headers of the files this rank reads (``my_items``: its ReadItems).
+    Local only: no collective. Files whose chunks' offsets are not known in place (an object store, a
+    DCP item decoded by torch.load) take no part: every reader of such a file decides alike."""
+    hosts = rows[:, F_HOST].tolist()
+    files = set()
+    for item in my_items:
+        if item.nbytes and item.file not in files:
+            files.add(item.file)
+    files = {name for name in files if _in_place(reader, name)}
+    if not files:
+        return []
+    _, itemsize = md.key_arrays(names)
+    return partdelivery.plan(gp.every(), md, names, itemsize, me, files,
+                             lambda file, key: _start(reader.file(file), key), hosts.__getitem__)
+
+
+def _in_place(reader, name: str) -> bool:
+    try:
+        f = reader.file(name)
+    except Exception:  # noqa: BLE001 - the read itself reports it
+        return False
+    return hasattr(f, "entry") and hasattr(f, "buffer")
+
+
+def _start(f: Any, key: str) -> int:
+    """A stored chunk's first byte in its file (a DCP item: once its local header is read)."""
+    resolve = getattr(f, "_resolve", None)
+    if resolve is not None:
+        return int(resolve(key)[2])
+    return int(f.entry(key)[2])
+
+
+def _pairs(deliveries: list[Delivery]) -> dict[tuple[int, int], list[Delivery]]:
+    out: dict[tuple[int, int], list[Delivery]] = {}
+    for d in deliveries:  # (sorted by owner, receiver, file, key, lo: the message order, and the packing)
+        out.setdefault((d.owner, d.receiver), []).append(d)
+    return out
+
+
+def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
+    """One message: the bytes of ``parts`` read from this rank's files, back to back; a part whose read
+    fails stays zero and the failure is recorded (the agreement fails the load on every rank)."""
+    msg = torch.zeros(sum(d.hi - d.lo for d in parts), dtype=torch.uint8)
+    at = 0
+    for d in parts:
+        n = d.hi - d.lo
+        try:
+            f = reader.file(d.file)
+            src = torch.frombuffer(reader._bytes(f, d.key, ""), dtype=torch.uint8)
+            copy_box(msg[at : at + n], src[d.lo : d.hi], f.path)
+        except Exception as e:  # noqa: BLE001 - still sent: the receiver waits for it
+            counters.fail(d.key, d.file, e)
+        at += n
+    return msg
+
+
+def deliver(comm, reader, deliveries: list[Delivery], counters, what: str) -> None:
+    """Send and receive this rank's deliveries (see the module docstring), then install the received
+    bytes as the reader's patches. Counts ``counters.pages_delivered`` (deliveries this rank took part
+    in), ``part_bytes_sent`` and ``part_bytes_received``."""
+    me = comm.rank
+    pairs = _pairs(deliveries)
+    t = Transfers(comm, what, limit=1 << 62)
+    received: list[tuple[list[Delivery], torch.Tensor]] = []
+    for (owner, receiver), parts in sorted(pairs.items()):
+        if owner == me:
+            msg = _pack(reader, parts, counters)
+            t.send(receiver, msg.numel(), lambda lo, hi, m=msg: m[lo:hi])
+            counters.part_bytes_sent += msg.numel()
+        elif receiver == me:
+            buf = torch.empty(sum(d.hi - d.lo for d in parts), dtype=torch.uint8)
+            t.recv(owner, buf)
+            received.append((parts, buf))
+            counters.part_bytes_received += buf.numel()
+        else:
+            continue
+        counters.pages_delivered += len(parts)
+    t.drain()
+    patches = []
+    for parts, buf in received:
+        at = 0
+        for d in parts:
+            patches.append((d.file, d.key, d.lo, d.hi, buf[at : at + d.hi - d.lo]))
+            at += d.hi - d.lo
+    reader.set_patches(patches)
