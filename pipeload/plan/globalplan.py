@@ -775,13 +775,15 @@ def global_plan(
 
 
 def every_read(sh: Shards, kg: KeyGroups, shared_groups: np.ndarray, cls: Classes, gp: GlobalPlan):
-    """The function building every box every rank of the load reads, as ``(rank, key, private)``
-    (``key`` a shard key, a cut piece's or a unit piece's; ``private``: a key group no broadcast carries,
-    read by every member of every class holding it, less the stored chunks units deliver, exactly as
-    :func:`pipeload.engine.scheduler.read_private` skips them). Needs the plan of every component
-    (``everything``): the pieces' readers are :attr:`GlobalPlan.readers`. A pure function of the gathered
-    rows and records: every rank builds the same list (in any order of the records' items, up to order)."""
-    private = np.ones(len(kg.starts), dtype=bool)
+    """The function building the boxes the ranks of the load read, as ``(rank, key, private)`` (``key`` a
+    shard key, a cut piece's or a unit piece's; ``private``: a key only one rank holds, read by it less
+    the stored chunks units deliver, exactly as :func:`pipeload.engine.scheduler.read_private` skips
+    them). Needs the plan of every component (``everything``): the pieces' readers are
+    :attr:`GlobalPlan.readers`. A pure function of the gathered rows and records: every rank builds the
+    same boxes. Keys several ranks hold and read each (not broadcast) are left out: a subset of the real
+    reads only costs savings, never exactness (an owner always reads the page it sends from; a reader
+    left out of the model reads its pages itself), and replicas would multiply the list by R."""
+    private = kg.holders == 1  # a key held by several ranks and not broadcast: each reads it, left out
     private[shared_groups] = False
     group_of = np.repeat(np.arange(len(kg.starts)), kg.ends - kg.starts)
     rows = kg.order[private[group_of]] if len(kg.order) else kg.order

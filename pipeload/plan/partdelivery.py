@@ -31,6 +31,7 @@ spans only for checkpoint keys stored in those files.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Callable, Iterable, NamedTuple
 
@@ -116,21 +117,62 @@ def decide(spans: list[tuple[int, int, int, str, int]], host: Callable[[int], in
 
 
 def plan(boxes: Iterable[tuple], md, names: list[str], itemsize, me: int, files: set[str],
-         start_of: Callable[[str, str], int], host: Callable[[int], int], page: int = PAGE) -> list[Delivery]:
+         start_of: Callable[[str, str], int], layout_of: Callable[[str], tuple],
+         host: Callable[[int], int], page: int = PAGE) -> list[Delivery]:
     """The deliveries this rank ``me`` sends or receives, sorted by (owner, receiver, file, key, lo): the
-    order of the messages and of the parts packed in each. ``files``: the files ``me`` reads (the pages
-    it takes part in are all in them; every other participant of such a page reads that file too and
-    computes the same spans for it). ``start_of(file, key)``: a stored chunk's first byte in its file."""
+    order of the messages and of the parts packed in each.
+
+    ``files``: the files ``me`` reads; ``start_of(file, key)``: a stored chunk's first byte in its file;
+    ``layout_of(file)``: its chunks as ``(firsts, ends, keys)`` sorted by first byte (each range may hold
+    more than the chunk: a DCP item's local header). Only the boxes of :func:`relevant` keys are expanded:
+    the chunks overlapping a page ``me`` touches. Every other participant of such a page touches it too,
+    so it expands every chunk overlapping it as well, and both decide the page from the same spans."""
+    by_key: dict[int, list] = {}
+    for b in boxes:
+        k = b[1][0]
+        by_key.setdefault(-1 - k if k < 0 else k, []).append(b)
+    mine = {k for k, bs in by_key.items() if any(b[0] == me for b in bs)}
+    spans = spans_of((b for k in sorted(mine) for b in by_key[k]), md, names, itemsize, files)
+    more = relevant(spans, me, start_of, layout_of, md.key_index(), page) - mine
+    if more:
+        for file, extra in spans_of((b for k in sorted(more) for b in by_key.get(k, ())), md, names, itemsize,
+                                    files).items():
+            spans.setdefault(file, []).extend(extra)
     out = []
-    for file, spans in sorted(spans_of(boxes, md, names, itemsize, files).items()):
-        if not any(r == me for *_, r in spans):
+    for file, fs in sorted(spans.items()):
+        if not any(r == me for *_, r in fs):
             continue
         starts: dict[str, int] = {}
         absolute = []
-        for key, lo, hi, r in spans:
+        for key, lo, hi, r in fs:
             s = starts.get(key)
             if s is None:
                 s = starts[key] = start_of(file, key)
             absolute.append((s + lo, s + hi, r, key, s))
         out.extend(d for d in decide(absolute, host, file, page) if me in (d.owner, d.receiver))
     return sorted(out)
+
+
+def relevant(spans: dict, me: int, start_of, layout_of, index: dict[str, int], page: int = PAGE) -> set[int]:
+    """Checkpoint key indices of the chunks overlapping the first or last page of a span of ``me`` (the
+    other pages of its spans lie inside its own chunks). A chunk key names its tensor (``fqn`` or
+    ``fqn@offsets``, :func:`pipeload.formats.chunks.chunk_key`); a key naming none is left out alike on
+    every rank."""
+    out: set[int] = set()
+    for file, fs in spans.items():
+        firsts, ends, keys = layout_of(file)
+        for key, lo, hi, r in fs:
+            if r != me:
+                continue
+            s = start_of(file, key)
+            for p in {(s + lo) // page, (s + hi - 1) // page}:
+                j = bisect.bisect_left(ends, p * page + 1)
+                while j < len(firsts) and firsts[j] < (p + 1) * page:
+                    name = keys[j]
+                    k = index.get(name)
+                    if k is None and "@" in name:
+                        k = index.get(name.rsplit("@", 1)[0])
+                    if k is not None:
+                        out.add(k)
+                    j += 1
+    return out

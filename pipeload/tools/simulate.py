@@ -60,6 +60,7 @@ from ..formats.chunkindex import ARRAYS, build_arrays, index_file_name
 from ..formats.metadata import (METADATA_FILE, ChunkMeta, Metadata, ObjectMeta, TensorMeta, chunk_key,
                                 metadata_path, read_metadata, read_metadata_bytes)
 from ..save.saver import _write_file
+from ..plan import partdelivery
 from ..plan.planner import fqn_index, local_plan, plan_record, resharded
 from ..plan import storageorder
 from ..plan.statedict import Box, flatten
@@ -500,9 +501,48 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
         gp = exchange_and_plan(ex, rank, layout.world, md, names, record, [], groups, directory="<simulated>",
                                broadcast=True, batch_bytes=6 << 20, can_create=True, clock=phases,
                                on_phase=lambda name: phases.lap(f"global plan: {name}"),
-                               resharded=resharded(plan.shards), by_position=by_position)
+                               resharded=resharded(plan.shards), by_position=by_position, part_reads=True)
         phases.lap("global plan")
+        if gp.every is not None:  # the loader's part delivery plan, chunk offsets from a simulated header
+            files = {it.file for s in plan.shards for it in s.reads}
+            starts, layouts = _sim_starts(md, names, directory)
+            partdelivery.plan(gp.every(), md, names, md.key_arrays(names)[1], rank, files,
+                              lambda f, k: starts[(f, k)], layouts.__getitem__,
+                              lambda r: r // GPUS_PER_HOST)
+            phases.lap("part delivery")
     return gp, ex, len(plan.shards)
+
+
+def _sim_starts(md, names: list[str], directory: str):
+    """(``(file, key)`` -> first byte, file -> its chunks as (firsts, ends, keys)) of a simulated checkpoint
+    (it has no data files): chunks laid end to end per file in key order, as a safetensors header would
+    place them (built before the clock and cached: a rank reads its files' headers when it opens them)."""
+    table: dict = _sim_starts.__dict__.setdefault("cache", {})
+    if directory not in table:
+        _, itemsize = md.key_arrays(names)
+        sizes: dict[str, list] = {}
+        cols = md.tensor_columns()
+        for i, name in enumerate(names):
+            if cols is not None:
+                j = cols[0][name]
+                shape = tuple(cols[3][j, : cols[2][j]].tolist())
+            else:
+                shape = tuple(md.tensors[name].shape)
+            for c in md.chunks_for(name, (0,) * len(shape), shape):
+                sizes.setdefault(c.file, []).append((c.key, math.prod(c.lengths) * int(itemsize[i])))
+        starts, layouts = {}, {}
+        for f, ks in sizes.items():
+            at, rows = 0, ([], [], [])
+            for k, n in sorted(ks):
+                starts[(f, k)] = at
+                for col, v in zip(rows, (at, at + n, k)):
+                    col.append(v)
+                at += -(-n // 8) * 8
+            layouts[f] = rows
+        table.clear()
+        table[directory] = starts, layouts
+    return table[directory]
+
 
 
 def _world_rows(lay: Layout, width: int, dcp_writers: bool = False,
@@ -537,6 +577,10 @@ def _sample_rank(lay: Layout, directory: str, rows, cls, records, rank: int, key
         keys.prepare(rank)
     os.environ["PIPELOAD_HOST_ID"] = f"host-{rank // GPUS_PER_HOST}"
     first: list = []  # the first pass's phases and exchange (the traced pass only measures memory)
+
+    if opener is None:  # the simulated headers, as the files' opening would have read them
+        md = Metadata.from_json(read_metadata_bytes(directory), source=metadata_path(directory), directory=directory)
+        _sim_starts(md, list(fqn_index(md)), directory)
 
     def run():
         phases = _Phases()
