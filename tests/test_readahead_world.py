@@ -60,6 +60,10 @@ AT_MOST = {
 }
 
 
+# loaded once more with part_delivery="off": the page owners' deliveries must have lowered its device bytes
+PART_CASE = ("small", "dp2tp2", "fsdp2tp2")
+
+
 def _state_dict(model: str, mesh, fill: bool, fsdp: bool = False) -> dict:
     """The model on ``mesh`` (None: whole tensors), ``Replicate`` on dp, or with ``fsdp`` FSDP2 over TP:
     dp splits the TP shard's rows (``_StridedShard(0, 2)`` over ``Shard(0)``, ``Shard(0)`` over ``Shard(1)``)."""
@@ -125,6 +129,14 @@ def world_layouts(rank: int, world: int, root: str) -> dict:
         stats, read = _device_bytes(d, lambda: pipeload.load(sd, d, reuse_plan=False))
         _check(model, sd, f"{model} {layout} -> {into} on rank {rank}")
         out[model, layout, into] = (stats.bytes_read, read)
+        out["delivered", model, layout, into] = (stats.pages_delivered, stats.part_bytes_sent,
+                                                 stats.part_bytes_received)
+    model, layout, into = PART_CASE  # the same load without part delivery: each node reads its cut pages
+    d = os.path.join(root, f"{model}-{layout}-{rank}")
+    sd = _state_dict(model, mesh[into], False, True)
+    stats, read = _device_bytes(d, lambda: pipeload.load(sd, d, reuse_plan=False, part_delivery="off"))
+    _check(model, sd, f"{model} {layout} -> {into} (part_delivery='off') on rank {rank}")
+    out["off"] = (stats.bytes_read, read, stats.pages_delivered)
     return out
 
 
@@ -137,3 +149,10 @@ def test_layout_changes_read_each_stored_byte_about_once_from_the_device(tmp_pat
         ratio[case] = round(sum(r[case][1] for r in results) / UNIQUE[case[0]], 3)
     print(f"device bytes / unique bytes: {ratio}")
     assert all(ratio[case] <= at_most for case, at_most in AT_MOST.items()), ratio
+    # part delivery: the cut pages of PART_CASE were read once, by their owners, and delivered
+    delivered = [r["delivered", *PART_CASE] for r in results]
+    assert sum(d[0] for d in delivered) > 0 and sum(d[1] for d in delivered) == sum(d[2] for d in delivered) > 0
+    off = round(sum(r["off"][1] for r in results) / UNIQUE[PART_CASE[0]], 3)
+    assert sum(r["off"][0] for r in results) == UNIQUE[PART_CASE[0]] and all(r["off"][2] == 0 for r in results)
+    print(f"{PART_CASE}: part delivery off {off}, on {ratio[PART_CASE]}, delivered {delivered}")
+    assert ratio[PART_CASE] < off - 0.1, (ratio[PART_CASE], off)

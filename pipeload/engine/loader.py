@@ -845,6 +845,14 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
             again costs a memory copy while a gloo broadcast costs a TCP round trip. ``True``: always
             (also within a host); ``False``: never, every rank reads what it needs. The host is
             ``socket.gethostname()``, or ``PIPELOAD_HOST_ID`` when set (to emulate separate nodes).
+        part_delivery: ``"auto"`` (default) or ``"off"``. In a load into another layout than the save's
+            (some box cuts a stored chunk), the page where two ranks' parts of a chunk meet is read once,
+            by its owner (the reader needing most of it), who sends the other ranks on other hosts their
+            bytes of it point to point, before any broadcast (:mod:`pipeload.plan.partdelivery`): each
+            such page is read from storage once instead of once per node. Local files only (an object
+            store's cost is requests, not pages), and never between ranks of one host (they share a
+            page cache); ``LoadStats.pages_delivered``, ``part_bytes_sent`` and ``part_bytes_received``
+            report it. The costs it weighs are ``partdelivery.STORAGE_COST`` and ``WIRE_COST``.
         broadcast_groups: process groups the load may reuse for broadcasting (DTensor mesh groups in the
             state dict are reused automatically).
         broadcast_batch_bytes: shards smaller than this are packed into one broadcast (6 MiB).
