@@ -48,11 +48,12 @@ def plan(gp, md, names: list[str], reader, me: int, rows: np.ndarray, my_items) 
                              lambda file: _layout(reader.file(file)), hosts.__getitem__)
 
 
-def _layout(f: Any) -> tuple[list[int], list[int], list[str]]:
-    """The chunks of an open file as (first bytes, ends, keys), by first byte: from its header (a
-    safetensors file) or its items (a DCP blob's, each from its local header on)."""
-    keys = f.keys() if hasattr(f, "keys") else list(getattr(f, "_items", ()))
-    rows = sorted((int(e[2]), int(e[3]), k) for k in keys for e in (f.entry(k),))
+def _layout(f: Any) -> tuple[list[int], list[int], list[str]] | None:
+    """The chunks of an open file as (first bytes, ends, keys), by first byte, from its header; None for
+    a file without one (a DCP blob: its pages are decided per chunk, see partdelivery.plan)."""
+    if not hasattr(f, "keys"):
+        return None
+    rows = sorted((int(e[2]), int(e[3]), k) for k in f.keys() for e in (f.entry(k),))
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 

@@ -124,7 +124,10 @@ def plan(boxes: Iterable[tuple], md, names: list[str], itemsize, me: int, files:
 
     ``files``: the files ``me`` reads; ``start_of(file, key)``: a stored chunk's first byte in its file;
     ``layout_of(file)``: its chunks as ``(firsts, ends, keys)`` sorted by first byte (each range may hold
-    more than the chunk: a DCP item's local header). Only the boxes of :func:`relevant` keys are expanded:
+    more than the chunk), or None: the file's pages are decided per chunk, among the readers of that chunk
+    only (a DCP blob, where learning a chunk's offset reads its zip headers: only a rank reading a chunk
+    looks it up; every reader of the chunk sees all its spans, so they decide alike, and a page where two
+    chunks meet is left to be read by each). Only the boxes of :func:`relevant` keys are expanded:
     the chunks overlapping a page ``me`` touches. Every other participant of such a page touches it too,
     so it expands every chunk overlapping it as well, and both decide the page from the same spans."""
     by_key: dict[int, list] = {}
@@ -133,34 +136,45 @@ def plan(boxes: Iterable[tuple], md, names: list[str], itemsize, me: int, files:
         by_key.setdefault(-1 - k if k < 0 else k, []).append(b)
     mine = {k for k, bs in by_key.items() if any(b[0] == me for b in bs)}
     spans = spans_of((b for k in sorted(mine) for b in by_key[k]), md, names, itemsize, files)
-    more = relevant(spans, me, start_of, layout_of, md.key_index(), page) - mine
-    if more:
-        for file, extra in spans_of((b for k in sorted(more) for b in by_key.get(k, ())), md, names, itemsize,
-                                    files).items():
+    keys, near = relevant(spans, me, start_of, layout_of, md.key_index(), page)
+    if keys - mine:
+        for file, extra in spans_of((b for k in sorted(keys - mine) for b in by_key.get(k, ())), md, names,
+                                    itemsize, files).items():
             spans.setdefault(file, []).extend(extra)
     out = []
     for file, fs in sorted(spans.items()):
+        fs = [x for x in fs if (file, x[0]) in near]  # (only these chunks' offsets are looked up)
         if not any(r == me for *_, r in fs):
             continue
         starts: dict[str, int] = {}
-        absolute = []
+        absolute: dict = {}
+        per_chunk = layout_of(file) is None  # pages decided per chunk, among its readers only
         for key, lo, hi, r in fs:
             s = starts.get(key)
             if s is None:
                 s = starts[key] = start_of(file, key)
-            absolute.append((s + lo, s + hi, r, key, s))
-        out.extend(d for d in decide(absolute, host, file, page) if me in (d.owner, d.receiver))
+            absolute.setdefault(key if per_chunk else "", []).append((s + lo, s + hi, r, key, s))
+        for group in absolute.values():
+            out.extend(d for d in decide(group, host, file, page) if me in (d.owner, d.receiver))
     return sorted(out)
 
 
-def relevant(spans: dict, me: int, start_of, layout_of, index: dict[str, int], page: int = PAGE) -> set[int]:
-    """Checkpoint key indices of the chunks overlapping the first or last page of a span of ``me`` (the
-    other pages of its spans lie inside its own chunks). A chunk key names its tensor (``fqn`` or
+def relevant(spans: dict, me: int, start_of, layout_of, index: dict[str, int],
+             page: int = PAGE) -> tuple[set[int], set[tuple[str, str]]]:
+    """(checkpoint key indices, ``(file, key)``) of the chunks overlapping the first or last page of a
+    span of ``me`` (the other pages of its spans lie inside its own chunks): only these chunks' spans
+    can touch a page ``me`` touches, and only their offsets are looked up (a DCP item's costs a read of
+    its local header: one inside or next to the page). A chunk key names its tensor (``fqn`` or
     ``fqn@offsets``, :func:`pipeload.formats.chunks.chunk_key`); a key naming none is left out alike on
     every rank."""
     out: set[int] = set()
+    near: set[tuple[str, str]] = set()
     for file, fs in spans.items():
-        firsts, ends, keys = layout_of(file)
+        layout = layout_of(file)
+        if layout is None:  # pages decided per chunk: this rank's own chunks only
+            near.update((file, key) for key, _, _, r in fs if r == me)
+            continue
+        firsts, ends, keys = layout
         for key, lo, hi, r in fs:
             if r != me:
                 continue
@@ -169,10 +183,11 @@ def relevant(spans: dict, me: int, start_of, layout_of, index: dict[str, int], p
                 j = bisect.bisect_left(ends, p * page + 1)
                 while j < len(firsts) and firsts[j] < (p + 1) * page:
                     name = keys[j]
+                    near.add((file, name))
                     k = index.get(name)
                     if k is None and "@" in name:
                         k = index.get(name.rsplit("@", 1)[0])
                     if k is not None:
                         out.add(k)
                     j += 1
-    return out
+    return out, near
