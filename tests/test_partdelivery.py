@@ -44,3 +44,20 @@ def test_decisions_do_not_depend_on_the_order_of_the_spans():
     for _ in range(5):
         rng.shuffle(spans)
         assert decide(spans, _hosts(0, 1, 2, 2), "f", P) == want
+
+
+def test_disjoint_spans_group_pages_as_the_sweep_does():
+    import numpy as np
+
+    from pipeload.plan.partdelivery import _neighbours, _sweep
+
+    rng = random.Random(1)
+    spans, at = [], 0
+    for i in range(300):
+        n = rng.randrange(50, 12000)
+        spans.append((at, at + n, rng.randrange(4), f"k{i // 3}", at - at % 5))
+        at += n + rng.choice((0, 0, 0, 100, 5000))
+    a = np.array([x[0] for x in spans])
+    b = np.array([x[1] for x in spans])
+    fast = list(_neighbours(spans, a, b, P))
+    assert fast and fast == list(_sweep(spans, P))

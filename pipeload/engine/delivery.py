@@ -43,8 +43,15 @@ def plan(gp, md, names: list[str], reader, me: int, rows: np.ndarray, my_items) 
     if not files:
         return []
     _, itemsize = md.key_arrays(names)
-    return partdelivery.plan(gp.every(), md, names, itemsize, me, files,
-                             lambda file, key: _start(reader.file(file), key),
+    opened: dict[str, Any] = {}
+
+    def start_of(file: str, key: str) -> int:
+        f = opened.get(file)
+        if f is None:
+            f = opened[file] = reader.file(file)
+        return _start(f, key)
+
+    return partdelivery.plan(gp.every(), md, names, itemsize, me, files, start_of,
                              lambda file: _layout(reader.file(file)), hosts.__getitem__)
 
 
@@ -84,6 +91,13 @@ def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
     """One message: the bytes of ``parts`` read from this rank's files, back to back; a part whose read
     fails stays zero and the failure is recorded (the agreement fails the load on every rank)."""
     msg = torch.zeros(sum(d.hi - d.lo for d in parts), dtype=torch.uint8)
+    for d in parts:  # every page asked for at once: storage serves them while the first are copied
+        try:
+            f = reader.file(d.file)
+            start = _start(f, d.key)
+            f.advise("willneed", start + d.lo, start + d.hi)
+        except Exception:  # noqa: BLE001 - a hint only: the copy below reports what is wrong
+            pass
     at = 0
     for d in parts:
         n = d.hi - d.lo

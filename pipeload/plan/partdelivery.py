@@ -35,6 +35,8 @@ import bisect
 import math
 from typing import Callable, Iterable, NamedTuple
 
+import numpy as np
+
 from ..formats.chunks import box_span
 from .chunkunits import unit_index
 from .planner import _intersect
@@ -64,16 +66,21 @@ def spans_of(boxes: Iterable[tuple], md, names: list[str], itemsize, files: set[
     boxes = list(boxes)
     out: dict[str, list] = {}
     units: set[tuple[str, str]] = set()
+    whole: dict[int, object] = {}  # key index -> its one stored chunk (None: stored in several)
+    cols = md.tensor_columns()
     for private_pass in (False, True):  # unit pieces first: the chunks they cover
         for rank, key, private in boxes:
             if private != private_pass:
                 continue
             idx = unit_index(key) if key[0] < 0 else key[0]
             isz = int(itemsize[idx])
-            for chunk in md.chunks_for(names[idx], key[1], key[2]):
-                hit = _intersect(chunk, key[1], key[2])
-                if hit is None:
-                    continue
+            if idx not in whole:
+                whole[idx] = _one_chunk(md, names[idx], cols)
+            one = whole[idx]
+            hits = ([(one, (key[1], None, key[2]))] if one is not None else
+                    [(c, h) for c in md.chunks_for(names[idx], key[1], key[2])
+                     if (h := _intersect(c, key[1], key[2])) is not None])
+            for chunk, hit in hits:
                 if key[0] < 0:
                     units.add((chunk.file, chunk.key))
                 if (files is not None and chunk.file not in files) or (private and (chunk.file, chunk.key) in units):
@@ -84,15 +91,58 @@ def spans_of(boxes: Iterable[tuple], md, names: list[str], itemsize, files: set[
     return out
 
 
+def _one_chunk(md, name: str, cols):
+    """The one stored chunk of tensor ``name`` when it is stored whole (any box of it lies in that chunk,
+    at its own offsets), else None. ``cols``: ``md.tensor_columns()``."""
+    if cols is not None:
+        j = cols[0][name]
+        shape = tuple(cols[3][j, : cols[2][j]].tolist())
+    else:
+        shape = tuple(md.tensors[name].shape)
+    chunks = md.chunks_for(name, (0,) * len(shape), shape)
+    if len(chunks) == 1 and tuple(chunks[0].lengths) == shape and not any(chunks[0].offsets):
+        return chunks[0]
+    return None
+
+
 def decide(spans: list[tuple[int, int, int, str, int]], host: Callable[[int], int], file: str,
            page: int = PAGE) -> list[Delivery]:
     """The deliveries of one file. ``spans``: ``(first byte, end, rank, chunk key, chunk's first byte)``
-    in file offsets. Candidate pages are those holding a span's first or last byte (an interior page is
-    covered whole by its span's rank); for each, the ranks' bytes there decide owner and receivers (see
-    the module docstring). Deterministic: the result depends only on the set of spans."""
+    in file offsets. For each page two ranks' spans touch, the ranks' bytes there decide its owner and
+    receivers (:func:`_page`). Deterministic: the result depends only on the set of spans. Spans that do
+    not overlap (each byte read by one rank: the usual case) are grouped by the page two neighbours share,
+    in numpy; overlapping ones go through a sweep over the pages holding a span's first or last byte."""
     spans = sorted(spans)
-    pages = sorted({a // page for a, *_ in spans} | {(b - 1) // page for _, b, *_ in spans})
+    if len(spans) < 2:
+        return []
+    a = np.fromiter((x[0] for x in spans), dtype=np.int64, count=len(spans))
+    b = np.fromiter((x[1] for x in spans), dtype=np.int64, count=len(spans))
+    groups = _neighbours(spans, a, b, page) if np.all(b[:-1] <= a[1:]) else _sweep(spans, page)
     out: list[Delivery] = []
+    for p, touching in groups:
+        out.extend(_page(p, touching, host, file, page))
+    return out
+
+
+def _neighbours(spans: list, a: np.ndarray, b: np.ndarray, page: int):
+    """(page, spans touching it) of each page where neighbouring spans of two ranks meet; ``spans``
+    sorted and disjoint, so the spans touching a page are consecutive."""
+    r = np.fromiter((x[2] for x in spans), dtype=np.int64, count=len(spans))
+    link = np.flatnonzero((b[:-1] - 1) // page == a[1:] // page)  # span i and i + 1 share a page
+    if not len(link):
+        return
+    pg = a[link + 1] // page
+    cut = np.flatnonzero((np.diff(pg) != 0) | (np.diff(link) != 1)) + 1
+    for lo, hi in zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [len(link)]]).tolist()):
+        first, last = int(link[lo]), int(link[hi - 1]) + 1
+        if np.any(r[first : last + 1] != r[first]):
+            yield int(pg[lo]), spans[first : last + 1]
+
+
+def _sweep(spans: list, page: int):
+    """(page, spans touching it) of each page holding a span's first or last byte and touched by two
+    ranks (an interior page is covered whole by its span's rank); ``spans`` sorted, possibly overlapping."""
+    pages = sorted({x[0] // page for x in spans} | {(x[1] - 1) // page for x in spans})
     active: list = []
     nxt = 0
     for p in pages:
@@ -100,20 +150,25 @@ def decide(spans: list[tuple[int, int, int, str, int]], host: Callable[[int], in
         while nxt < len(spans) and spans[nxt][0] < p1:
             active.append(spans[nxt])
             nxt += 1
-        active = [s for s in active if s[1] > p0]
-        if len(active) < 2:
-            continue
-        need: dict[int, int] = {}
-        for a, b, r, *_ in active:
-            need[r] = need.get(r, 0) + min(b, p1) - max(a, p0)
-        if len({host(r) for r in need}) < 2:
-            continue
-        owner = min(need, key=lambda r: (-need[r], r))
-        for a, b, r, key, start in active:
-            if (host(r) == host(owner) or need[r] >= page or page * STORAGE_COST <= need[r] * WIRE_COST):
-                continue
-            out.append(Delivery(owner, r, file, key, max(a, p0) - start, min(b, p1) - start))
-    return out
+        active = [x for x in active if x[1] > p0]
+        if len(active) >= 2 and any(x[2] != active[0][2] for x in active):
+            yield p, list(active)
+
+
+def _page(p: int, touching: list, host: Callable[[int], int], file: str, page: int) -> list[Delivery]:
+    """One page's deliveries: its owner is the rank needing most of it (ties to the lower rank); every
+    other rank on another host whose spans cover only part of it, and for which the cost model says so,
+    gets its bytes of it (one delivery per span, chunk-relative)."""
+    p0, p1 = p * page, (p + 1) * page
+    need: dict[int, int] = {}
+    for a, b, r, *_ in touching:
+        need[r] = need.get(r, 0) + min(b, p1) - max(a, p0)
+    if len({host(r) for r in need}) < 2:
+        return []
+    owner = min(need, key=lambda r: (-need[r], r))
+    return [Delivery(owner, r, file, key, max(a, p0) - start, min(b, p1) - start)
+            for a, b, r, key, start in touching
+            if host(r) != host(owner) and need[r] < page and page * STORAGE_COST > need[r] * WIRE_COST]
 
 
 def plan(boxes: Iterable[tuple], md, names: list[str], itemsize, me: int, files: set[str],
