@@ -68,6 +68,8 @@ def spans_of(boxes: Iterable[tuple], md, names: list[str], itemsize, files: set[
     units: set[tuple[str, str]] = set()
     whole: dict[int, object] = {}  # key index -> its one stored chunk (None: stored in several)
     cols = md.tensor_columns()
+    if cols is not None:
+        cols = (*cols, md.tensors.index.a["chunk_start"])
     for private_pass in (False, True):  # unit pieces first: the chunks they cover
         for rank, key, private in boxes:
             if private != private_pass:
@@ -96,6 +98,8 @@ def _one_chunk(md, name: str, cols):
     at its own offsets), else None. ``cols``: ``md.tensor_columns()``."""
     if cols is not None:
         j = cols[0][name]
+        if cols[4][j + 1] - cols[4][j] != 1:  # chunks tile the tensor (checked geometry): one is the whole
+            return None
         shape = tuple(cols[3][j, : cols[2][j]].tolist())
     else:
         shape = tuple(md.tensors[name].shape)
@@ -133,10 +137,11 @@ def _neighbours(spans: list, a: np.ndarray, b: np.ndarray, page: int):
         return
     pg = a[link + 1] // page
     cut = np.flatnonzero((np.diff(pg) != 0) | (np.diff(link) != 1)) + 1
-    for lo, hi in zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [len(link)]]).tolist()):
-        first, last = int(link[lo]), int(link[hi - 1]) + 1
-        if np.any(r[first : last + 1] != r[first]):
-            yield int(pg[lo]), spans[first : last + 1]
+    starts = np.concatenate([[0], cut])
+    mixed = np.add.reduceat((r[link] != r[link + 1]).astype(np.int64), starts) > 0  # two ranks meet there
+    ends = np.concatenate([cut, [len(link)]])
+    for lo, hi, p in zip(starts[mixed].tolist(), ends[mixed].tolist(), pg[starts[mixed]].tolist()):
+        yield p, spans[int(link[lo]) : int(link[hi - 1]) + 2]
 
 
 def _sweep(spans: list, page: int):
