@@ -138,7 +138,28 @@ def world_layouts(rank: int, world: int, root: str) -> dict:
     stats, read = _device_bytes(d, lambda: pipeload.load(sd, d, reuse_plan=False, part_delivery="off"))
     _check(model, sd, f"{model} {layout} -> {into} (part_delivery='off') on rank {rank}")
     out["off"] = (stats.bytes_read, read, stats.pages_delivered)
+    out["failed"] = _owner_fails(rank, d, sd)
     return out
+
+
+def _owner_fails(rank: int, d: str, sd: dict) -> str:
+    """PART_CASE again, rank 1's reads of the pages it owns failing: it still sends (every receiver's
+    message completes), and the agreement fails the load on every rank, naming the cause; no hang."""
+    import pipeload.engine.delivery as delivery
+    from pipeload.errors import PipeloadError, ReadError
+
+    copy = delivery.copy_box
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise ReadError("injected: an owner's page read failed")
+        delivery.copy_box = broken
+    try:
+        pipeload.load(sd, d, reuse_plan=False)
+        return ""
+    except PipeloadError as e:
+        return str(e)
+    finally:
+        delivery.copy_box = copy
 
 
 @pytest.mark.timeout(300)
@@ -157,3 +178,4 @@ def test_layout_changes_read_each_stored_byte_about_once_from_the_device(tmp_pat
     assert sum(r["off"][0] for r in results) == UNIQUE[PART_CASE[0]] and all(r["off"][2] == 0 for r in results)
     print(f"{PART_CASE}: part delivery off {off}, on {ratio[PART_CASE]}, delivered {delivered}")
     assert ratio[PART_CASE] < off - 0.1, (ratio[PART_CASE], off)
+    assert all("injected: an owner's page read failed" in r["failed"] for r in results), [r["failed"] for r in results]

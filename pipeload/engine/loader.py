@@ -542,9 +542,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
              refusal: str | None = None, part_delivery: bool = False) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
 
-    ``part_delivery`` (local files, the option on: alike on every rank): when some row is resharded and
-    the records travel (not the key owners), the plan of every component is made and this rank's page
-    deliveries are planned from it (:mod:`pipeload.engine.delivery`; no collective).
+    ``part_delivery``: plan this rank's page deliveries (:mod:`pipeload.engine.delivery`; no collective).
 
     ``private_only`` (every rank decided it alike from the first gather): no shard will be broadcast,
     so the exchange stops after the rows and the union of requested keys (see :func:`exchange_and_plan`).
@@ -604,9 +602,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                 piece = shared[pk] = piece_shard(s, pk)
                 if piece is not s:
                     cut.append((piece, s))
-    deliveries = (delivery.plan(gp, md, names, reader, comm.rank, rows_seen[0],
-                                _my_reads(comm.rank, shared, private, gp.ops, skip))
-                  if gp.every is not None and rows_seen else [])
+    deliveries = delivery.plan(gp, md, names, reader, comm.rank, rows_seen[0],
+                               _my_reads(comm.rank, shared, private, gp.ops, skip)) if gp.every else []
     clock.lap("plan")
 
     # 4. groups
@@ -696,11 +693,8 @@ def exchange_and_plan(ex, rank: int, world: int, md: Metadata | None, names: lis
     ``host``: this rank's :func:`~pipeload.plan.exchange.host_id` (None: read here). ``resharded``: some box
     of this rank is not exactly one stored chunk (its row says so; when any row does, the global plan
     looks for chunk units, and other layouts' holder sets read by runs of storage:
-    :mod:`pipeload.plan.chunkunits`, :mod:`pipeload.plan.storageorder`). ``by_position``: readers by
-    storage position (every rank alike, as every rank reads one checkpoint), broadcasts in region order.
-
-    ``part_reads``: when some row is resharded (and on the record path), plan every component and attach
-    every rank's reads (:attr:`GlobalPlan.every`), the input of part delivery.
+    :mod:`pipeload.plan.chunkunits`, :mod:`pipeload.plan.storageorder`; ``part_reads``: every rank's reads,
+    :attr:`GlobalPlan.every`). ``by_position``: readers by storage position (alike), broadcasts in region order.
 
     ``private_only``: every rank knows no shard will be broadcast (all on one host under gloo and the
     default policy, or broadcasting off), so nobody needs another rank's record: after the rows, one
@@ -847,12 +841,10 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
             ``socket.gethostname()``, or ``PIPELOAD_HOST_ID`` when set (to emulate separate nodes).
         part_delivery: ``"auto"`` (default) or ``"off"``. In a load into another layout than the save's
             (some box cuts a stored chunk), the page where two ranks' parts of a chunk meet is read once,
-            by its owner (the reader needing most of it), who sends the other ranks on other hosts their
-            bytes of it point to point, before any broadcast (:mod:`pipeload.plan.partdelivery`): each
-            such page is read from storage once instead of once per node. Local files only (an object
-            store's cost is requests, not pages), and never between ranks of one host (they share a
-            page cache); ``LoadStats.pages_delivered``, ``part_bytes_sent`` and ``part_bytes_received``
-            report it. The costs it weighs are ``partdelivery.STORAGE_COST`` and ``WIRE_COST``.
+            by its owner (the reader needing most of it), who sends the ranks of other hosts their bytes
+            of it point to point before any broadcast (:mod:`pipeload.plan.partdelivery`, its costs
+            ``STORAGE_COST`` and ``WIRE_COST``). Local files only (an object store's cost is requests),
+            never within a host (one page cache); ``LoadStats.pages_delivered`` and ``part_bytes_*``.
         broadcast_groups: process groups the load may reuse for broadcasting (DTensor mesh groups in the
             state dict are reused automatically).
         broadcast_batch_bytes: shards smaller than this are packed into one broadcast (6 MiB).
@@ -890,10 +882,16 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
         raise PipeloadError(
             "pipeload.load() was called from a running event loop; use `await pipeload.load_async(...)` there"
         )
+    return _run_to_end(lambda: load_async(state_dict, checkpoint_dir, **options))
+
+
+def _run_to_end(make) -> LoadStats:
+    """The coroutine ``make()`` returns, run to its end on the main thread's kept loop (another thread: a
+    loop of its own, closed after), leaving no task behind."""
     kept = threading.current_thread() is threading.main_thread()
     loop = _main_loop() if kept else _new_loop()
     try:
-        return loop.run_until_complete(load_async(state_dict, checkpoint_dir, **options))
+        return loop.run_until_complete(make())
     finally:
         # as asyncio.run ends: nothing a load started runs on afterwards (a load that ran to its end,
         # raising or not, leaves no task: only an interrupt does, and then the loop is not kept)
