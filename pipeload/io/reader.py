@@ -298,18 +298,21 @@ class ChunkReader:
 
     def _read_patched(self, item: ReadItem, out: torch.Tensor, f: Any) -> bool:
         """Copy ``item`` into ``out`` taking its delivered bytes from :attr:`patches` and the rest from
-        the file (a byte-range copy); False (nothing done: the caller reads the item whole, still exact)
-        unless the item has delivered parts, is contiguous in its chunk and its destination box is a
-        contiguous host region of the stored dtype, and no checksum is pending."""
+        the file (a byte-range copy; through a staging buffer when the destination box is strided); False
+        (nothing done: the caller reads the item whole, still exact) unless the item has delivered parts,
+        is contiguous in its chunk, its destination is host memory of the stored dtype, and no checksum
+        is pending."""
         parts = self.patches.get((item.file, item.key))
         if not parts or self.cast or (self.verify and item.checksum and (f.path, item.key) not in self._verified):
             return False
         lo, hi = self._chunk_span(item)
         dst = narrow(out, item.dest_offsets, item.lengths)
-        if (hi - lo != item.nbytes or dst.device.type != "cpu" or not dst.is_contiguous() or dst.is_conj()
-                or dst.is_neg() or not hasattr(f, "buffer") or item.nbytes != dst.nbytes):
+        if (hi - lo != item.nbytes or dst.device.type != "cpu" or dst.is_conj() or dst.is_neg()
+                or not hasattr(f, "buffer") or item.nbytes != dst.nbytes):
             return False
-        flat = dst.view(-1).view(torch.uint8) if dst.numel() else dst.view(torch.uint8)
+        staged = not dst.is_contiguous()
+        flat = (torch.empty(item.nbytes, dtype=torch.uint8) if staged else
+                dst.view(-1).view(torch.uint8) if dst.numel() else dst.view(torch.uint8))
         cuts = sorted((max(a, lo), min(b, hi), data[max(a, lo) - a : min(b, hi) - a]) for a, b, data in parts
                       if a < hi and b > lo)
         at, source = lo, os.path.join(self.directory, item.file)
@@ -323,6 +326,8 @@ class ChunkReader:
             if data is not None and b > a:
                 flat[a - lo : b - lo].copy_(data)
             at = max(at, b)
+        if staged:
+            dst.copy_(flat.view(dst.dtype).view(dst.shape))
         return True
 
     def _bytes(self, f: SafetensorsFile, key: str, expect_checksum: str) -> memoryview:
