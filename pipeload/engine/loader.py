@@ -410,7 +410,8 @@ async def _first_gather(run: _Run, opts: _Options, state_dict: dict, reader: Chu
         if entry is not None and not reuse:
             _strip(entry.state)  # replaced by this load's plan, or dropped: never holds our tensors
     refuse_contended_or_disagreeing(run.what, first[:, 0] == CONTENDED, first[:, 2], contended,
-                                    "broadcast_replicated_tensors, broadcast_batch_bytes, strict or part_delivery options (or "
+                                    "broadcast_replicated_tensors, broadcast_batch_bytes, strict or part_delivery "
+                                    "options (or "
                                     "broadcast device: the group's backend and accelerator)")
     if reuse:
         start.prep = entry.state
@@ -542,7 +543,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
              refusal: str | None = None, part_delivery: bool = False) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
 
-    ``part_delivery``: plan this rank's page deliveries (:mod:`pipeload.engine.delivery`; no collective).
+    ``part_delivery``: plan this rank's page deliveries too (:func:`_deliveries`; no collective).
 
     ``private_only`` (every rank decided it alike from the first gather): no shard will be broadcast,
     so the exchange stops after the rows and the union of requested keys (see :func:`exchange_and_plan`).
@@ -602,8 +603,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                 piece = shared[pk] = piece_shard(s, pk)
                 if piece is not s:
                     cut.append((piece, s))
-    deliveries = delivery.plan(gp, md, names, reader, comm.rank, rows_seen[0],
-                               _my_reads(comm.rank, shared, private, gp.ops, skip)) if gp.every else []
+    deliveries = _deliveries(workers[0], gp, md, names, reader, comm.rank, rows_seen, shared, private, skip)
     clock.lap("plan")
 
     # 4. groups
@@ -616,6 +616,16 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
         prep.signature = plancache.signature(state_dict)[0]
         prep.leaf_pos = plancache.leaf_positions(leaves, [*plan.leaf_paths(), *(o.fqn for o in plan.objects)])
     return prep
+
+
+def _deliveries(pool, gp, md, names: list[str], reader, rank: int, rows_seen: list, shared, private, skip) -> list:
+    """This rank's page deliveries (:func:`pipeload.engine.delivery.plan`) when the plan lists every rank's
+    reads (else none), planned in the read worker: it opens files, after the worker's early request of
+    this rank's own file, never beside it."""
+    if gp.every is None or not rows_seen:
+        return []
+    mine = list(_my_reads(rank, shared, private, gp.ops, skip))
+    return pool.submit(delivery.plan, gp, md, names, reader, rank, rows_seen[0], mine).result()
 
 
 def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool, reader, request,

@@ -321,7 +321,8 @@ class ChunkReader:
             if a > at:  # a run this rank reads itself
                 if buf is None:
                     buf = torch.frombuffer(self._bytes(f, item.key, item.checksum), dtype=torch.uint8)
-                    f.advise("willneed", f.entry(item.key)[2] + at, f.entry(item.key)[2] + self._trimmed(item, lo, hi)[1])
+                    first = f.entry(item.key)[2]
+                    f.advise("willneed", first + at, first + self._trimmed(item, lo, hi)[1])
                 copy_box(flat[at - lo : a - lo], buf[at:a], source)
             if data is not None and b > a:
                 flat[a - lo : b - lo].copy_(data)
