@@ -32,8 +32,10 @@ from ..plan.partdelivery import Delivery
 def plan(gp, md, names: list[str], reader, me: int, rows: np.ndarray, my_items) -> list[Delivery]:
     """This rank's deliveries (sent or received), from the plan of every component (``gp.every``), the
     gathered rows' hosts and the headers of the files this rank reads (``my_items``: its ReadItems).
-    Local only: no collective. Files whose chunks' offsets are not known in place (an object store, a
-    DCP item decoded by torch.load) take no part: every reader of such a file decides alike."""
+    Local only: no collective. Every reader of a file decides alike from its header; a DCP item that is
+    not stored in place (decoded by torch.load) gives its blob's start: its pages are then misjudged
+    alike on every rank (no saving), and the bytes still exact (parts are chunk-relative, from
+    ``buffer()`` on both ends). Object stores never come here (the loader turns it off for URLs)."""
     hosts = rows[:, F_HOST].tolist()
     files = set()
     for item in my_items:

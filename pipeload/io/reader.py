@@ -313,8 +313,8 @@ class ChunkReader:
         staged = not dst.is_contiguous()
         flat = (torch.empty(item.nbytes, dtype=torch.uint8) if staged else
                 dst.view(-1).view(torch.uint8) if dst.numel() else dst.view(torch.uint8))
-        cuts = sorted((max(a, lo), min(b, hi), data[max(a, lo) - a : min(b, hi) - a]) for a, b, data in parts
-                      if a < hi and b > lo)
+        cuts = sorted(((max(a, lo), min(b, hi), data[max(a, lo) - a : min(b, hi) - a]) for a, b, data in parts
+                       if a < hi and b > lo), key=lambda c: c[:2])
         at, source = lo, os.path.join(self.directory, item.file)
         buf = None
         for a, b, data in [*cuts, (hi, hi, None)]:

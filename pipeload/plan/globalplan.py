@@ -734,6 +734,7 @@ def global_plan(
     every component (as ``everything``) and attach :attr:`GlobalPlan.every` (:func:`every_read`), the
     input of part delivery (:mod:`pipeload.plan.partdelivery`); this rank's decisions are unchanged.
     """
+    reads = reads and len(np.unique(rows[:, F_HOST])) > 1  # one host, one page cache: nothing to deliver
     everything = everything or reads
     lap = on_phase or (lambda name: None)
     sizes = np.array([len(m) for m in cls.members], dtype=np.int64)

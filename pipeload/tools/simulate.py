@@ -524,10 +524,14 @@ def _sim_starts(md, names: list[str], directory: str):
         cols = md.tensor_columns()
         for i, name in enumerate(names):
             if cols is not None:
-                j = cols[0][name]
+                j = cols[0].get(name)
+                if j is None:  # a Python object's key
+                    continue
                 shape = tuple(cols[3][j, : cols[2][j]].tolist())
-            else:
+            elif name in md.tensors:
                 shape = tuple(md.tensors[name].shape)
+            else:
+                continue
             for c in md.chunks_for(name, (0,) * len(shape), shape):
                 sizes.setdefault(c.file, []).append((c.key, math.prod(c.lengths) * int(itemsize[i])))
         starts, layouts = {}, {}
