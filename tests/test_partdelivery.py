@@ -34,11 +34,7 @@ def test_offsets_are_inside_the_chunk_and_ties_go_to_the_lower_rank():
 
 def test_decisions_do_not_depend_on_the_order_of_the_spans():
     rng = random.Random(0)
-    spans, at = [], 0
-    for i in range(200):
-        n = rng.randrange(100, 20000)
-        spans.append((at, at + n, rng.randrange(4), f"k{i // 5}", at - at % 7))
-        at += n
+    spans = _random_spans(rng, 200, (100, 20000), per_key=5, gaps=(0,))
     want = decide(spans, _hosts(0, 1, 2, 2), "f", P)
     assert want and all(d.owner != d.receiver for d in want)
     for _ in range(5):
@@ -51,13 +47,19 @@ def test_disjoint_spans_group_pages_as_the_sweep_does():
 
     from pipeload.plan.partdelivery import _neighbours, _sweep
 
-    rng = random.Random(1)
-    spans, at = [], 0
-    for i in range(300):
-        n = rng.randrange(50, 12000)
-        spans.append((at, at + n, rng.randrange(4), f"k{i // 3}", at - at % 5))
-        at += n + rng.choice((0, 0, 0, 100, 5000))
+    spans = _random_spans(random.Random(1), 300, (50, 12000), per_key=3, gaps=(0, 0, 0, 100, 5000))
     a = np.array([x[0] for x in spans])
     b = np.array([x[1] for x in spans])
     fast = list(_neighbours(spans, a, b, P))
     assert fast and fast == list(_sweep(spans, P))
+
+
+def _random_spans(rng, count: int, sizes: tuple[int, int], per_key: int, gaps: tuple) -> list[tuple]:
+    """``count`` spans of random sizes in file order, each of one of 4 ranks, ``per_key`` a chunk key,
+    with one of ``gaps`` after each (the chunk's first byte: any value at or before the span's)."""
+    spans, at = [], 0
+    for i in range(count):
+        n = rng.randrange(*sizes)
+        spans.append((at, at + n, rng.randrange(4), f"k{i // per_key}", at - at % 7))
+        at += n + rng.choice(gaps)
+    return spans
