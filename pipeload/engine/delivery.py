@@ -4,10 +4,11 @@ Before the shared phase, for each (owner, receiver) pair of this rank in the ord
 the owner reads its deliveries' bytes (from pages it reads anyway) into one packed message and sends it
 on the load's :class:`~pipeload.engine.comm.Comm`; the receiver posts one receive per pair. Every
 message is posted before any is waited on (an owner's reads need no peer), then all are awaited, oldest
-first (:class:`pipeload.move.mover.Transfers` with no in-flight bound). Why it cannot deadlock: the
-delivery messages come before every broadcast in the one global order, and both ends of each derive it
-from the same plan; the lowest incomplete message has both ends posted, so it completes, and the
-broadcasts follow in the plan's order, unchanged.
+first (:class:`pipeload.move.mover.Transfers` with no in-flight bound). The messages travel on the
+load's broadcast device (an accelerator under NCCL: packed on the host, copied to it and back at the
+ends). Why it cannot deadlock: the delivery messages come before every broadcast in the one global
+order, and both ends of each derive it from the same plan; the lowest incomplete message has both ends
+posted, so it completes, and the broadcasts follow in the plan's order, unchanged.
 
 An owner whose read fails still sends (zeros where the bytes failed) and records the error: the load's
 agreement then fails on every rank. A dead peer fails the transfer by name, as a failed broadcast does.
@@ -117,17 +118,17 @@ def deliver(comm, reader, deliveries: list[Delivery], counters, what: str) -> No
     """Send and receive this rank's deliveries (see the module docstring), then install the received
     bytes as the reader's patches. Counts ``counters.pages_delivered`` (deliveries this rank took part
     in), ``part_bytes_sent`` and ``part_bytes_received``."""
-    me = comm.rank
+    me, wire = comm.rank, comm.broadcast_device  # (under NCCL the messages are device tensors)
     pairs = _pairs(deliveries)
     t = Transfers(comm, what, limit=1 << 62)
     received: list[tuple[list[Delivery], torch.Tensor]] = []
     for (owner, receiver), parts in sorted(pairs.items()):
         if owner == me:
-            msg = _pack(reader, parts, counters)
+            msg = _pack(reader, parts, counters).to(wire)
             t.send(receiver, msg.numel(), lambda lo, hi, m=msg: m[lo:hi])
             counters.part_bytes_sent += msg.numel()
         elif receiver == me:
-            buf = torch.empty(sum(d.hi - d.lo for d in parts), dtype=torch.uint8)
+            buf = torch.empty(sum(d.hi - d.lo for d in parts), dtype=torch.uint8, device=wire)
             t.recv(owner, buf)
             received.append((parts, buf))
             counters.part_bytes_received += buf.numel()
@@ -137,7 +138,7 @@ def deliver(comm, reader, deliveries: list[Delivery], counters, what: str) -> No
     t.drain()
     patches = []
     for parts, buf in received:
-        at = 0
+        buf, at = buf.cpu(), 0  # (the patches are copied into host reads)
         for d in parts:
             patches.append((d.file, d.key, d.lo, d.hi, buf[at : at + d.hi - d.lo]))
             at += d.hi - d.lo
