@@ -38,24 +38,25 @@ def plan(gp, md, names: list[str], reader, me: int, rows: np.ndarray, my_items) 
     alike on every rank (no saving), and the bytes still exact (parts are chunk-relative, from
     ``buffer()`` on both ends). Object stores never come here (the loader turns it off for URLs)."""
     hosts = rows[:, F_HOST].tolist()
-    files = set()
-    for item in my_items:
-        if item.nbytes and item.file not in files:
-            files.add(item.file)
-    files = {name for name in files if _in_place(reader, name)}
+    files = {name for name in {item.file for item in my_items if item.nbytes} if _in_place(reader, name)}
     if not files:
         return []
     _, itemsize = md.key_arrays(names)
-    opened: dict[str, Any] = {}
+    starts: dict[tuple[str, str], int] = {}  # (a DCP item's start costs a read of its local header)
+    layouts: dict[str, Any] = {}  # (each a sort of the file's header entries)
 
     def start_of(file: str, key: str) -> int:
-        f = opened.get(file)
-        if f is None:
-            f = opened[file] = reader.file(file)
-        return _start(f, key)
+        s = starts.get((file, key))
+        if s is None:
+            s = starts[file, key] = _start(reader.file(file), key)
+        return s
 
-    return partdelivery.plan(gp.every(), md, names, itemsize, me, files, start_of,
-                             lambda file: _layout(reader.file(file)), hosts.__getitem__)
+    def layout_of(file: str):
+        if file not in layouts:
+            layouts[file] = _layout(reader.file(file))
+        return layouts[file]
+
+    return partdelivery.plan(gp.every(), md, names, itemsize, me, files, start_of, layout_of, hosts.__getitem__)
 
 
 def _layout(f: Any) -> tuple[list[int], list[int], list[str]] | None:

@@ -32,11 +32,10 @@ import torch
 
 from .. import device as devices
 from ..plan import plancache
-from . import stateful
+from . import delivery, stateful
 from ._busy import CONTENDED, Guard, refuse_contended_or_disagreeing
 from ._gcpause import paused_gc
 from .comm import Comm
-from . import delivery
 from ..errors import CheckpointFormatError, DistributedError, PipeloadError, StateDictError
 from ..plan.exchange import (F_FLAGS, F_SAVE, FLAG_PROBLEMS, FLAG_RESHARDED, classes, decode_record, encode_record, hash64,
                              host_id, make_row, record_transfer)

@@ -513,11 +513,14 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
     return gp, ex, len(plan.shards)
 
 
+_SIM_STARTS: dict = {}  # directory -> _sim_starts' answer (the last directory's only)
+
+
 def _sim_starts(md, names: list[str], directory: str):
     """(``(file, key)`` -> first byte, file -> its chunks as (firsts, ends, keys)) of a simulated checkpoint
     (it has no data files): chunks laid end to end per file in key order, as a safetensors header would
     place them (built before the clock and cached: a rank reads its files' headers when it opens them)."""
-    table: dict = _sim_starts.__dict__.setdefault("cache", {})
+    table = _SIM_STARTS
     if directory not in table:
         _, itemsize = md.key_arrays(names)
         sizes: dict[str, list] = {}
@@ -546,7 +549,6 @@ def _sim_starts(md, names: list[str], directory: str):
         table.clear()
         table[directory] = starts, layouts
     return table[directory]
-
 
 
 def _world_rows(lay: Layout, width: int, dcp_writers: bool = False,
