@@ -209,11 +209,12 @@ def test_real_world_of_8_cuts_large_shards_and_matches_the_simulated_exchange(tm
     os.environ.pop("PIPELOAD_HOST_ID")
 
 
-@pytest.mark.parametrize("fmt", ["dcp", "hf"])
-def test_simulate_foreign_checkpoints_small_world(fmt, capsys):
+@pytest.mark.parametrize("fmt,layout", [("dcp", "fsdp"), ("hf", "fsdp"), ("dcp", "tp-from-whole")])
+def test_simulate_foreign_checkpoints_small_world(fmt, layout, capsys):
     """``simulate --format dcp|hf``: rank 0 decodes the foreign metadata once (DCP: against a plain
-    ``pickle.loads`` of the same file, and from the sidecar), the other ranks plan from its table."""
-    assert main(["simulate", "--world", "32", "--layout", "fsdp", "--format", fmt, "--json", "--samples", "2"]) == 0
+    ``pickle.loads`` of the same file, and from the sidecar), the other ranks plan from its table. A DCP
+    checkpoint of whole tensors loaded into TP (a layout change: part delivery plans) agrees too."""
+    assert main(["simulate", "--world", "32", "--layout", layout, "--format", fmt, "--json", "--samples", "2"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["plans_identical"] is True and res["format"] == fmt
     assert res["rank0_decode_s"] > 0 and res["rank0_peak_mb"] > 0 and res["per_rank_cpu_s"] > 0

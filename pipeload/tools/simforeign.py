@@ -46,7 +46,14 @@ HF_FILE_BYTES = 5 << 30
 
 def writer(lay, t, rank: int) -> int:
     """The lowest rank holding the same box of ``t`` as ``rank`` (the box depends only on the mesh
-    coordinates its placement shards over)."""
+    coordinates its placement shards over); for a layout stored whole (``tp-from-whole``), the lowest
+    rank holding any box of ``t``, which wrote its one chunk."""
+    if lay.whole:
+        return min(_box_writer(lay, t, r) for r in lay.reps)
+    return _box_writer(lay, t, rank)
+
+
+def _box_writer(lay, t, rank: int) -> int:
     pp, dp, tp = lay.coords(rank)
     dp2 = dp if lay.name == "fsdp" and t.role != "step" and t.shape else 0
     tp2 = tp if t.role in ("col", "row") or t.expert >= 0 else 0
@@ -59,9 +66,9 @@ def _distinct(lay, t):
     for r in lay.reps:
         b = lay.box(t, r)
         if b is not None and math.prod(b[1]) > 0 and b not in seen:
-            seen[b] = writer(lay, t, r)
-    if not seen:
-        seen[((0,) * len(t.shape), t.shape)] = 0
+            seen[b] = _box_writer(lay, t, r)
+    if not seen or lay.whole:  # zero-size everywhere (or stored whole: tp-from-whole): one chunk
+        seen = {((0,) * len(t.shape), t.shape): min(seen.values(), default=0)}
     return seen
 
 
