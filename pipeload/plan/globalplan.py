@@ -79,7 +79,7 @@ import bisect
 import hashlib
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -191,19 +191,21 @@ def _row_groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.flatnonzero(new)
 
 
-def _water_fill(loads: list[int], total: int) -> list[int]:
-    """Bytes to add to each of ``loads`` so that the busiest ends as low as possible (sum = ``total``)."""
-    order = sorted(range(len(loads)), key=lambda i: loads[i])
-    level, rest = 0.0, total
-    for k, i in enumerate(order):  # raise the k+1 lowest together until they reach the next load
-        nxt = loads[order[k + 1]] if k + 1 < len(order) else float("inf")
-        need = (nxt - loads[i]) * (k + 1) if k + 1 < len(order) else float("inf")
-        if need >= rest:
-            level = loads[i] + rest / (k + 1)
-            break
-        rest -= need
-    add = [max(0, int(level - x)) for x in loads]
-    add[order[0]] += total - sum(add)  # rounding remainder
+def _water_fill(loads, total: int) -> np.ndarray:
+    """Bytes to add to each of ``loads`` (int64 array-like) so that the busiest ends as low as possible
+    (sum = ``total``): the k + 1 lowest are raised together to the next load until what is left does not
+    reach it, then to ``level``; the rounding remainder goes to the lowest (ties: the first). In numpy:
+    a set can have every rank of a 16k-rank load as members."""
+    a = np.asarray(loads, dtype=np.int64)
+    order = np.argsort(a, kind="stable")
+    s = a[order]
+    need = (s[1:] - s[:-1]) * np.arange(1, len(s), dtype=np.int64)  # raising the k + 1 lowest to the next
+    spent = np.concatenate(([0], np.cumsum(need)))
+    hit = np.flatnonzero(need >= total - spent[:-1])
+    k = int(hit[0]) if len(hit) else len(s) - 1  # (the last step has no next load: it takes the rest)
+    level = int(s[k]) + (total - int(spent[k])) / (k + 1)
+    add = np.maximum(0, np.trunc(level - a.astype(np.float64))).astype(np.int64)
+    add[order[0]] += total - int(add.sum())
     return add
 
 
@@ -232,15 +234,23 @@ class _CutSet:
         self.reader = members[seg]
 
     def pieces(self) -> list[tuple[ShardKey, int, int, ShardKey, int]]:
-        """(piece key, weight, set, shard key, reader) of every piece."""
+        """(piece key, weight, set, shard key, reader) of every piece (built on each call, not kept: a
+        kept plan holds only the arrays)."""
         keys = _keys(self.index, self.offsets, self.lengths, self.ndim)
-        out = []
-        for j, r0, r1, whole, pw, r in zip(self.shard.tolist(), self.r0.tolist(), self.r1.tolist(),
-                                           self.whole.tolist(), self.piece_weight.tolist(), self.reader.tolist()):
-            key = keys[j]
-            piece = key if whole else (key[0], (key[1][0] + r0, *key[1][1:]), (r1 - r0, *key[2][1:]))
-            out.append((piece, pw, self.sid, key, r))
-        return out
+        index, off, ln, nd, reader = self.piece_columns()
+        return list(zip(_keys(index, off, ln, nd), self.piece_weight.tolist(), [self.sid] * len(index),
+                        [keys[i] for i in self.shard.tolist()], reader.tolist()))
+
+    def piece_columns(self) -> tuple[np.ndarray, ...]:
+        """(index, offsets, lengths, nd, reader) of every piece: a row range of its shard moves and
+        shortens the first dimension."""
+        j = self.shard
+        off, ln = self.offsets[j].copy(), self.lengths[j].copy()
+        if off.shape[1]:
+            cut = ~self.whole
+            off[cut, 0] += self.r0[cut]
+            ln[cut, 0] = (self.r1 - self.r0)[cut]
+        return self.index[j], off, ln, self.ndim[j], self.reader
 
 
 # -- the pipeline: each step a pure function of the steps before it --------------------------------------
@@ -585,7 +595,7 @@ def cut_streams(s: Shared, cut: list[int], sets: dict[int, HolderSet], load_arr:
             # each piece is a broadcast to the whole set, and thousands of tiny ones cost more than they balance
             k = max(1, total // UNIT_STRIPE)
             members = np.sort(members[np.lexsort((members, load_arr[members]))[:k]])
-        cs.cut(members, _water_fill(load_arr[members].tolist(), total))
+        cs.cut(members, _water_fill(load_arr[members], total))
         np.add.at(load_arr, cs.reader, cs.piece_weight)
         out.append(cs)
     return out
@@ -645,19 +655,26 @@ def batch(p_keys, p_weight, p_set, p_reader, batch_bytes: int) -> list[Op]:
     return ops
 
 
-def _readers_of(s: Shared, reader_of: np.ndarray, whole: np.ndarray, cut_sets: list[_CutSet]):
-    """The function building ``GlobalPlan.readers``: keeps only the component's rows (a kept plan must
-    not hold the W x S record rows of an R = 1 layout)."""
-    kept = (s.index[whole], s.offsets[whole], s.lengths[whole], s.nd[whole], reader_of[whole], cut_sets)
+class _Readers:
+    """Builds ``GlobalPlan.readers`` when first asked; keeps only the component's rows as arrays (a kept
+    plan must not hold the W x S record rows of an R = 1 layout, nor a key object per piece)."""
 
-    def all_readers() -> dict[ShardKey, int]:
-        idx, off, ln, nd, rd, cuts = kept
+    def __init__(self, s: Shared, reader_of: np.ndarray, whole: np.ndarray, cut_sets: list[_CutSet]):
+        self.whole = (s.index[whole], s.offsets[whole], s.lengths[whole], s.nd[whole], reader_of[whole])
+        self.cut_sets = cut_sets
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """(index, offsets, lengths, nd, reader) of every piece of the component: whole shards, then the
+        cut sets' pieces."""
+        parts = [self.whole, *(c.piece_columns() for c in self.cut_sets)]
+        return tuple(np.concatenate([p[i] for p in parts]) for i in range(5))
+
+    def __call__(self) -> dict[ShardKey, int]:
+        idx, off, ln, nd, rd = self.whole
         out = dict(zip(_keys(idx, off, ln, nd), rd.tolist()))
-        for c in cuts:
+        for c in self.cut_sets:
             out.update((p[0], p[4]) for p in c.pieces())
         return out
-
-    return all_readers
 
 
 def plan_component(s: Shared, sets: dict[int, HolderSet], loads: list[int], extra: np.ndarray, me: int, *,
@@ -685,7 +702,7 @@ def plan_component(s: Shared, sets: dict[int, HolderSet], loads: list[int], extr
                 max((int(cs.piece_weight.max()) for cs in cut_sets if len(cs.piece_weight)), default=0),
                 max(loads, default=0))
     final = (load_arr + np.asarray(extra, dtype=np.int64)).tolist() if len(load_arr) else []
-    readers = _readers_of(s, reader_of, whole, cut_sets)
+    readers = _Readers(s, reader_of, whole, cut_sets)
     lap("readers")
     mine_sets = {sid for sid, hs in sets.items() if contains(hs.members, me)}
     cols, pieces = rank_pieces(s, reader_of, whole, cut_sets, mine_sets, run_offset)
@@ -776,28 +793,57 @@ def global_plan(
 
 
 def every_read(sh: Shards, kg: KeyGroups, shared_groups: np.ndarray, cls: Classes, gp: GlobalPlan):
-    """The function building the boxes the ranks of the load read, as ``(rank, key, private)`` (``key`` a
-    shard key, a cut piece's or a unit piece's; ``private``: a key only one rank holds, read by it less
-    the stored chunks units deliver, exactly as :func:`pipeload.engine.scheduler.read_private` skips
-    them). Needs the plan of every component (``everything``): the pieces' readers are
-    :attr:`GlobalPlan.readers`. A pure function of the gathered rows and records: every rank builds the
-    same boxes. Keys several ranks hold and read each (not broadcast) are left out: a subset of the real
-    reads only costs savings, never exactness (an owner always reads the page it sends from; a reader
-    left out of the model reads its pages itself), and replicas would multiply the list by R."""
+    """The function building :class:`EveryRead`: the boxes the ranks of the load read. Needs the plan of
+    every component (``everything``): the pieces' readers are :attr:`GlobalPlan.readers`' rows. A pure
+    function of the gathered rows and records: every rank builds the same boxes. Keys several ranks hold
+    and read each (not broadcast) are left out: a subset of the real reads only costs savings, never
+    exactness (an owner always reads the page it sends from; a reader left out of the model reads its
+    pages itself), and replicas would multiply the boxes by R."""
     private = kg.holders == 1  # a key held by several ranks and not broadcast: each reads it, left out
     private[shared_groups] = False
     group_of = np.repeat(np.arange(len(kg.starts)), kg.ends - kg.starts)
     rows = kg.order[private[group_of]] if len(kg.order) else kg.order
+    readers = gp._readers
 
-    def build() -> list:
-        out = [(r, key, False) for key, r in gp.readers.items()]
-        keys = _keys(sh.index[rows], sh.offsets[rows], sh.lengths[rows], sh.nd[rows])
-        for key, c in zip(keys, sh.cl[rows].tolist()):
-            out.extend((r, key, True) for r in cls.members[c].tolist())
-        return out
+    def build() -> EveryRead:
+        idx, off, ln, nd, rd = readers.columns()  # (the _Readers of plan_component, taken before any use)
+        count = np.array([len(cls.members[c]) for c in sh.cl[rows].tolist()], dtype=np.int64)
+        ranks = (np.concatenate([cls.members[c] for c in sh.cl[rows].tolist()]).astype(np.int64)
+                 if len(rows) else np.zeros(0, dtype=np.int64))
+        pick = np.repeat(rows, count)
+        return EveryRead(np.concatenate([idx, sh.index[pick]]), np.concatenate([off, sh.offsets[pick]]),
+                         np.concatenate([ln, sh.lengths[pick]]), np.concatenate([nd, sh.nd[pick]]),
+                         np.concatenate([rd, ranks]),
+                         np.concatenate([np.zeros(len(idx), dtype=bool), np.ones(len(pick), dtype=bool)]))
 
     return build
 
+
+class EveryRead:
+    """Every box every rank of the load reads, as columns: ``(rank, key, private)`` per row (``key`` a
+    shard key, a cut piece's or a unit piece's; ``private``: a key only one rank holds, read by it less the
+    stored chunks units deliver, exactly as :func:`pipeload.engine.scheduler.read_private` skips them).
+    Key objects are made only for the checkpoint keys asked for (:meth:`boxes`): part delivery expands the
+    keys of one rank's files, not the W x S boxes of the load."""
+
+    def __init__(self, index, offsets, lengths, nd, rank, private):
+        self.index, self.offsets, self.lengths, self.nd = index, offsets, lengths, nd
+        self.rank, self.private = rank, private
+        self.key = np.where(index < 0, -1 - index, index)  # checkpoint key index (a unit's: its tensor's)
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def keys_of(self, rank: int) -> set[int]:
+        """The checkpoint key indices ``rank`` reads a box of."""
+        return set(np.unique(self.key[self.rank == rank]).tolist())
+
+    def boxes(self, keys: Iterable[int]) -> list[tuple[int, ShardKey, bool]]:
+        """``(rank, key, private)`` of every box of checkpoint keys ``keys``, in row order."""
+        sel = np.flatnonzero(np.isin(self.key, np.fromiter(keys, dtype=np.int64)))
+        return list(zip(self.rank[sel].tolist(),
+                        _keys(self.index[sel], self.offsets[sel], self.lengths[sel], self.nd[sel]),
+                        self.private[sel].tolist()))
 
 
 def _cuts(total: int, largest: int, members: int, min_stripe: int) -> bool:

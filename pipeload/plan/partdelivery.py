@@ -176,13 +176,14 @@ def _page(p: int, touching: list, host: Callable[[int], int], file: str, page: i
             if host(r) != host(owner) and need[r] < page and page * STORAGE_COST > need[r] * WIRE_COST]
 
 
-def plan(boxes: Iterable[tuple], md, names: list[str], itemsize, me: int, files: set[str],
+def plan(every, md, names: list[str], itemsize, me: int, files: set[str],
          start_of: Callable[[str, str], int], layout_of: Callable[[str], tuple],
          host: Callable[[int], int], page: int = PAGE) -> list[Delivery]:
     """The deliveries this rank ``me`` sends or receives, sorted by (owner, receiver, file, key, lo): the
     order of the messages and of the parts packed in each.
 
-    ``files``: the files ``me`` reads; ``start_of(file, key)``: a stored chunk's first byte in its file;
+    ``every``: the boxes every rank reads (:class:`~pipeload.plan.globalplan.EveryRead`); ``files``: the
+    files ``me`` reads; ``start_of(file, key)``: a stored chunk's first byte in its file;
     ``layout_of(file)``: its chunks as ``(firsts, ends, keys)`` sorted by first byte (each range may hold
     more than the chunk), or None: the file's pages are decided per chunk, among the readers of that chunk
     only (a DCP blob, where learning a chunk's offset reads its zip headers: only a rank reading a chunk
@@ -190,16 +191,11 @@ def plan(boxes: Iterable[tuple], md, names: list[str], itemsize, me: int, files:
     chunks meet is left to be read by each). Only the boxes of :func:`relevant` keys are expanded:
     the chunks overlapping a page ``me`` touches. Every other participant of such a page touches it too,
     so it expands every chunk overlapping it as well, and both decide the page from the same spans."""
-    by_key: dict[int, list] = {}
-    for b in boxes:
-        k = b[1][0]
-        by_key.setdefault(-1 - k if k < 0 else k, []).append(b)
-    mine = {k for k, bs in by_key.items() if any(b[0] == me for b in bs)}
-    spans = spans_of((b for k in sorted(mine) for b in by_key[k]), md, names, itemsize, files)
+    mine = every.keys_of(me)
+    spans = spans_of(every.boxes(mine), md, names, itemsize, files)
     keys, near = relevant(spans, me, start_of, layout_of, md.key_index(), page)
     if keys - mine:
-        for file, extra in spans_of((b for k in sorted(keys - mine) for b in by_key.get(k, ())), md, names,
-                                    itemsize, files).items():
+        for file, extra in spans_of(every.boxes(keys - mine), md, names, itemsize, files).items():
             spans.setdefault(file, []).extend(extra)
     out = []
     for file, fs in sorted(spans.items()):

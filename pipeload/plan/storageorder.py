@@ -310,7 +310,7 @@ def runs(sid: np.ndarray, weight: np.ndarray, at: np.ndarray, keycols: list[np.n
         m = np.asarray(members[int(s_sorted[lo])], dtype=np.int64)
         w = weight[rows].astype(np.int64, copy=False)
         before = np.cumsum(w) - w
-        sizes = np.asarray(fill(loads[m].tolist(), int(w.sum())), dtype=np.int64)
+        sizes = np.asarray(fill(loads[m], int(w.sum())), dtype=np.int64)
         ends = np.cumsum(sizes)
         k = np.minimum(np.searchsorted(ends, before + w // 2, side="right"), len(m) - 1)
         prefer[rows] = m[k]
