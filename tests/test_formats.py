@@ -200,6 +200,28 @@ def test_dcp_unexpected_blobs_fall_back_to_torch_load(tmp_path):
     assert any("'x'" in p for p in verify_checkpoint(path2))
 
 
+def test_dcp_blobs_are_located_from_their_head():
+    """A tensor in a torch.save blob is located by the local headers before it (the pages its reader
+    reads anyway), giving the directory's answer; the zip directory at the end is not needed: a blob
+    whose trailer is overwritten still resolves, and one that is no torch.save layout is refused."""
+    from pipeload.formats import dcp as D
+
+    cases = [torch.arange(25600, dtype=torch.float32), torch.zeros(0), torch.ones(3, 4, dtype=torch.bfloat16),
+             torch.arange(100.0)[10:30], torch.arange(64, dtype=torch.int8).reshape(8, 8)[2:5], torch.tensor(3.5)]
+    for t in cases:
+        blob = _saved(t)
+        where = D._walk_records(memoryview(blob), t.dtype, tuple(t.shape))
+        assert where == D._locate_by_directory(memoryview(blob), t.dtype, tuple(t.shape))
+        assert blob[where[0] : where[1]] == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        scrambled = memoryview(blob[: where[1]] + bytes(len(blob) - where[1]))  # trailer and directory gone
+        assert D.locate_tensor(scrambled, t.dtype, tuple(t.shape)) == where
+        with pytest.raises(D._Unexpected):
+            D._locate_by_directory(scrambled, t.dtype, tuple(t.shape))
+    t = torch.arange(12.0).reshape(3, 4).t()
+    with pytest.raises(D._Unexpected, match="contiguous"):
+        D._walk_records(memoryview(_saved(t)), t.dtype, tuple(t.shape))
+
+
 # -- HF ----------------------------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ A checkpoint is a pickled ``.metadata`` (``torch.distributed.checkpoint.metadata
 
 - a tensor chunk is a whole ``torch.save`` blob: a zip archive whose members are stored
   uncompressed (``<archive>/data.pkl``, ``<archive>/data/<key>``, ...). Its bytes are read in place:
-  the central directory is parsed to find the storage record, ``data.pkl`` is read by a restricted
+  the local headers are walked from the blob's start to the storage record (the central directory at
+  its end when the walk does not apply: :func:`locate_tensor`), ``data.pkl`` is read by a restricted
   unpickler that only records (storage, offset, size, stride) and admits no other global, the sizes
   are checked, and the record's bytes are viewed zero-copy through ``_fastio.RawFile``. Anything else
   (a compressed member, a strided or non-little-endian tensor, a transform such as compression) is
@@ -232,6 +233,9 @@ _LOCAL = 0x04034B50
 _EOCD_REC = struct.Struct("<IHHHHIIH")  # end of central directory (22 bytes, then the archive comment)
 _CDIR_REC = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory entry (46 bytes, then name/extra/comment)
 _LOCAL_REC = struct.Struct("<I22xHH")  # local header: signature ... name and extra lengths (30 bytes)
+_LOCAL_FULL = struct.Struct("<I2xHH8xIIHH")  # local header: signature, flags, method, sizes, name/extra lengths
+_DESCRIPTOR_SIG = struct.pack("<I", 0x08074B50)
+_WALK_WINDOW = 64 << 10  # the local headers before a tensor's storage record lie in its blob's first KiBs
 
 
 def zip_members(blob: memoryview) -> dict[str, tuple[int, int]]:
@@ -325,7 +329,119 @@ def locate_tensor(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]
 
     Raises _Unexpected unless the tensor is plain, of ``dtype`` and shape ``lengths``, contiguous,
     little-endian, and its storage record is stored uncompressed with the size its numel implies.
+
+    The records are found walking the local headers from the blob's start (:func:`_walk_records`): only
+    the pages before the tensor's bytes are touched, the first of which the reader of the tensor's head
+    reads anyway. The zip directory at the blob's end, a page only the reader of the tensor's tail needs,
+    is read only when the walk does not apply (an archive not laid out as torch.save lays it out).
     """
+    try:
+        return _walk_records(blob, dtype, lengths)
+    except _Unexpected:
+        return _locate_by_directory(blob, dtype, lengths)
+
+
+def _walk_records(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]) -> tuple[int, int]:
+    """:func:`locate_tensor` by the local headers: ``data.pkl`` first, then small records, until the
+    storage record data.pkl names. A record written with a data descriptor (sizes after the data, as
+    torch.save writes them) is sized by the descriptor that follows it: the first one within
+    ``_WALK_WINDOW`` whose size field equals its distance from the data (signature, CRC, two sizes)."""
+    p, prefix, want, n = 0, None, None, len(blob)
+    while p + 30 <= min(n, _WALK_WINDOW):
+        sig, flags, method, csize, usize, nlen, elen = _LOCAL_FULL.unpack_from(blob, p)
+        if sig != _LOCAL or method != 0:
+            raise _Unexpected("not a stored local header")
+        name = bytes(blob[p + 30 : p + 30 + nlen]).decode("utf-8", "replace")
+        start = p + 30 + nlen + elen
+        if want is not None and name == want:
+            return _storage_range(blob, start, csize, got, dtype)
+        if csize == 0xFFFFFFFF:
+            raise _Unexpected("a zip64 record before the storage")
+        size = csize if not (flags & 8) else _described_size(blob, start)
+        if csize != usize and not (flags & 8):
+            raise _Unexpected(f"member {name} is compressed")
+        if prefix is None:
+            if not name.endswith("data.pkl"):
+                raise _Unexpected("data.pkl is not the first record")
+            prefix = name[: -len("data.pkl")]
+            got = _tensor_pickle(blob[start : start + size], dtype, lengths)
+            want = f"{prefix}data/{got[0][1]}"
+        elif name == prefix + "byteorder" and bytes(blob[start : start + size]) != b"little":
+            raise _Unexpected("big-endian")
+        p = start + size + (_descriptor_length(blob, start + size) if flags & 8 else 0)
+    raise _Unexpected("storage record not found by the local headers")
+
+
+def _described_size(blob: memoryview, start: int) -> int:
+    """The size of a record whose local header defers it to a data descriptor: the distance from
+    ``start`` to the first descriptor whose size fields equal it, searched in windows that double from
+    a few hundred bytes (the records before a storage are small: only their page is touched), up to
+    ``_WALK_WINDOW``."""
+    at, span = 0, 512
+    while True:
+        end = min(len(blob), start + span, _WALK_WINDOW)
+        view = bytes(blob[start:end])
+        q = view.find(_DESCRIPTOR_SIG, at)
+        while q >= 0:
+            if q + 24 > len(view) and end < min(len(blob), _WALK_WINDOW):
+                break  # its fields may lie past the window: search again in a larger one
+            if q + 16 <= len(view) and struct.unpack_from("<II", view, q + 8) == (q, q):
+                return q
+            if q + 24 <= len(view) and struct.unpack_from("<QQ", view, q + 8) == (q, q):
+                return q
+            at = q + 1
+            q = view.find(_DESCRIPTOR_SIG, at)
+        if end >= min(len(blob), _WALK_WINDOW):
+            raise _Unexpected("no data descriptor")
+        span *= 2
+
+
+def _descriptor_length(blob: memoryview, at: int) -> int:
+    """Bytes of the data descriptor at ``at`` (signature, CRC and 32- or 64-bit sizes): the one
+    :func:`_described_size` matched, so the next local header follows it."""
+    if bytes(blob[at : at + 4]) != _DESCRIPTOR_SIG:
+        raise _Unexpected("no data descriptor")
+    for length in (16, 24):
+        if bytes(blob[at + length : at + length + 4]) == struct.pack("<I", _LOCAL):
+            return length
+    raise _Unexpected("no local header after a data descriptor")
+
+
+def _tensor_pickle(data: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]) -> tuple:
+    """data.pkl of one plain tensor: ((storage dtype, key, numel), offset, size, stride), checked
+    against ``dtype`` and shape ``lengths`` (contiguous, non-negative offset)."""
+    try:
+        got = _TensorPickle(io.BytesIO(bytes(data))).load()
+    except _Unexpected:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _Unexpected(f"data.pkl: {type(e).__name__}") from None
+    if not (isinstance(got, tuple) and len(got) == 5 and got[0] == "tensor" and isinstance(got[1], _StorageRef)):
+        raise _Unexpected("not one tensor")
+    _, ref, offset, size, stride = got
+    if ref[0] != dtype or size != tuple(lengths) or type(offset) is not int or offset < 0:
+        raise _Unexpected("dtype, shape or offset differs")
+    expect = 1
+    for dim in reversed(range(len(size))):
+        if size[dim] != 1 and stride[dim] != expect:
+            raise _Unexpected("not contiguous")
+        expect *= size[dim]
+    return ref, offset, expect
+
+
+def _storage_range(blob: memoryview, start: int, csize: int, got: tuple, dtype: torch.dtype) -> tuple[int, int]:
+    """(start, end) of the tensor's bytes in a storage record whose data begins at ``start``; ``csize``:
+    the local header's size (0 when a descriptor carries it: the storage's numel sizes it then)."""
+    (_, _, snumel), offset, numel = got
+    nbytes = snumel * dtype.itemsize
+    if (csize and csize != 0xFFFFFFFF and csize != nbytes) or offset + numel > snumel or start + nbytes > len(blob):
+        raise _Unexpected("storage record size")
+    first = start + offset * dtype.itemsize
+    return first, first + numel * dtype.itemsize
+
+
+def _locate_by_directory(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]) -> tuple[int, int]:
+    """:func:`locate_tensor` by the zip's central directory (any member order)."""
     members = zip_members(blob)
     pkl = [k for k in members if k.endswith("/data.pkl") or k == "data.pkl"]
     if len(pkl) != 1:
@@ -335,28 +451,11 @@ def locate_tensor(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]
     if order is not None and bytes(blob[order[0] : order[0] + order[1]]) != b"little":
         raise _Unexpected("big-endian")
     s, n = zip_member(blob, members, pkl[0])
-    try:
-        got = _TensorPickle(io.BytesIO(bytes(blob[s : s + n]))).load()
-    except _Unexpected:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise _Unexpected(f"data.pkl: {type(e).__name__}") from None
-    if not (isinstance(got, tuple) and len(got) == 5 and got[0] == "tensor" and isinstance(got[1], _StorageRef)):
-        raise _Unexpected("not one tensor")
-    _, (sdtype, skey, snumel), offset, size, stride = got
-    if sdtype != dtype or size != tuple(lengths) or type(offset) is not int or offset < 0:
-        raise _Unexpected("dtype, shape or offset differs")
-    expect, numel = 1, 1
-    for dim in reversed(range(len(size))):
-        if size[dim] != 1 and stride[dim] != expect:
-            raise _Unexpected("not contiguous")
-        expect *= size[dim]
-        numel *= size[dim]
-    rec = zip_member(blob, members, f"{prefix}data/{skey}")
-    if rec is None or rec[1] != snumel * dtype.itemsize or offset + numel > snumel:
+    got = _tensor_pickle(blob[s : s + n], dtype, lengths)
+    rec = zip_member(blob, members, f"{prefix}data/{got[0][1]}")
+    if rec is None:
         raise _Unexpected("storage record size")
-    start = rec[0] + offset * dtype.itemsize
-    return start, start + numel * dtype.itemsize
+    return _storage_range(blob, rec[0], rec[1], got, dtype)
 
 
 class DistcpFile:
@@ -368,9 +467,10 @@ class DistcpFile:
     ``entry()`` touches no page of the file: the reader calls it to plan prefetches well before it
     copies, and a page fault there would be a synchronous read queued behind the prefetches already
     issued. Until an item is resolved its start is the blob's (the tensor's bytes begin a header
-    later); ``advise("willneed")`` therefore extends a range by the largest header and asks for the
-    trailer of the blob its last byte lies in, so a hint computed from that start still covers the
-    tensor's bytes and the zip directory, and not the rest of the blob (another rank's part).
+    later); ``advise("willneed")`` therefore extends a range by the largest header (within its blob) and
+    asks for the head of the blob its first byte lies in, so a hint computed from that start still
+    covers the tensor's bytes and the local headers that locate them (:func:`locate_tensor`), and not
+    the rest of the blob (another rank's part).
     """
 
     def __init__(self, path: str, items: dict[str, tuple]):
@@ -412,18 +512,15 @@ class DistcpFile:
             end = self.raw.size
         else:
             # A range computed from an unresolved item's blob start lies up to a header (< slack) before
-            # the tensor's bytes: extend it by that much, and ask for the blob's trailer (the zip's
-            # directory, read to locate the tensor) on its own. The rest of the blob is another part of
-            # the tensor, maybe another rank's (a load into another layout): never asked for here.
-            i = bisect.bisect_right(self._blob_starts, max(start, end - 1)) - 1
-            if i >= 0 and self._blobs[i][1] > end:
-                blob_end = self._blobs[i][1]
-                tail = max(start, blob_end - self._slack)
-                if end + self._slack >= tail:
-                    end = blob_end
-                else:
-                    self.raw.willneed(tail, blob_end)
-                    end += self._slack
+            # the tensor's bytes: extend it by that much, within the blob its last byte lies in. Locating
+            # the tensor reads its blob's head (the local headers): asked for on its own when the range
+            # starts past it. The rest of the blob is another part of the tensor, maybe another rank's (a
+            # load into another layout): never asked for here.
+            i = bisect.bisect_right(self._blob_starts, start) - 1
+            if i >= 0 and start > self._blobs[i][0] + self._slack and start < self._blobs[i][1]:
+                self.raw.willneed(self._blobs[i][0], self._blobs[i][0] + self._slack)
+            j = bisect.bisect_right(self._blob_starts, max(start, end - 1)) - 1
+            end = min(end + self._slack, self._blobs[j][1]) if j >= 0 and self._blobs[j][1] > end else end
         self.raw.willneed(start, end)
 
     def _resolve(self, key: str) -> tuple:
