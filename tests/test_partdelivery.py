@@ -63,3 +63,52 @@ def _random_spans(rng, count: int, sizes: tuple[int, int], per_key: int, gaps: t
         spans.append((at, at + n, rng.randrange(4), f"k{i // per_key}", at - at % 7))
         at += n + rng.choice(gaps)
     return spans
+
+
+def test_blob_positions_go_from_each_locator_to_the_readers_of_its_blob_and_its_neighbours():
+    """heads(): every rank derives the same messages from what it holds (the spans of the blobs it reads
+    and of their neighbours), so what one rank sends another expects; a blob named by two keys (its fqn
+    and its chunk key, one offset) is one blob; same-host readers get nothing (one page cache)."""
+    from pipeload.plan.partdelivery import heads, neighbours
+
+    rng = random.Random(3)
+    hosts = _hosts(0, 1, 2, 2)
+    layouts, spans_all = {}, {}
+    for f in ("a", "b"):
+        keys = [f"{f}{i}" for i in range(30)]
+        firsts = [i * 5000 for i in range(30)]
+        # each blob under its key and an alias at the same offset
+        layouts[f] = ([x for x in firsts for _ in (0, 1)], [x + 5000 for x in firsts for _ in (0, 1)],
+                      [k for key in keys for k in (key, key + "@0")])
+        spans_all[f] = [(k, lo, lo + rng.randint(1, 900), r) for k in keys if rng.random() < 0.8
+                        for r in rng.sample(range(4), rng.randint(1, 3)) for lo in (rng.randint(0, 2000),)]
+    index = {f"{f}{i}": j for j, (f, i) in enumerate((f, i) for f in "ab" for i in range(30))}
+
+    def known(me: int) -> dict:
+        """The spans rank ``me`` holds: the keys it reads, then their neighbours'."""
+        mine = {index[x[0]] for fs in spans_all.values() for x in fs if x[3] == me}
+        part = {f: [x for x in fs if index[x[0]] in mine] for f, fs in spans_all.items()}
+        more = neighbours(part, me, layouts.__getitem__, "ab", index) | mine
+        return {f: [x for x in fs if index[x[0]] in more] for f, fs in spans_all.items()}
+
+    got = {me: heads(known(me), me, hosts, "ab", layouts.__getitem__) for me in range(4)}
+    want = {me: heads(spans_all, me, hosts, "ab", layouts.__getitem__) for me in range(4)}
+    assert got == want
+    pairs = 0
+    for a in range(4):
+        for b, items in got[a][0].items():
+            assert got[b][1].get(a) == items and hosts(a) != hosts(b)
+            pairs += 1
+        for b, items in got[a][1].items():
+            assert got[b][0].get(a) == items
+    assert pairs and not got[2][0].get(3) and not got[3][0].get(2)
+    assert all(not k.endswith("@0") for me in range(4) for items in got[me][0].values() for _, k in items)
+
+
+def test_a_chunks_locator_owns_the_page_of_its_head_when_it_reads_there():
+    # page 2 holds 1808 bytes of rank 0's chunk "a" and 2288 of rank 1's "b": rank 0 owns it unless the
+    # page holds the head of a chunk rank 0 locates
+    spans = [(0, 10000, 0, "a", 0), (10000, 20000, 1, "b", 10000)]
+    assert decide(spans, _hosts(0, 1), "f", P) == [Delivery(1, 0, "f", "a", 8192, 10000)]
+    assert decide(spans, _hosts(0, 1), "f", P, {2: 0}.get) == [Delivery(0, 1, "f", "b", 0, 2288)]
+    assert decide(spans, _hosts(0, 1), "f", P, {2: 3}.get) == [Delivery(1, 0, "f", "a", 8192, 10000)]  # not there

@@ -51,6 +51,10 @@ AT_MOST = {
     ("large", "tp1", "dp2tp2"): 1.10, ("large", "tp1", "tp4"): 1.10,  # measured 1.017-1.034
     ("large", "tp4", "dp2tp2"): 1.10, ("large", "dcp-tp1", "dp2tp2"): 1.10,
     ("small", "tp4", "dp2tp2"): 1.10, ("small", "dcp-tp4", "dp2tp2"): 1.35,  # after runs: 1.034, 1.125
+    # DCP blobs cut between nodes: each blob's head read once, by its locator, which tells the other
+    # readers (and those of the blobs next to it) where the tensor starts; the pages where two blobs
+    # meet are then owned and delivered like any other (1.088 and 1.203 when every reader read the heads)
+    ("small", "dcp-tp1", "dp2tp2"): 1.05, ("small", "dcp-tp1", "tp4"): 1.05,
     ("small", "dp2tp2", "tp1"): 1.06,  # 1.021
     # FSDP2 over TP (fsdp2tp2: dp splits each TP shard's rows) saved and loaded across DP x TP. Into FSDP2
     # each rank's box is a part of a stored chunk no other rank holds, read privately, and the page where
@@ -62,6 +66,8 @@ AT_MOST = {
 
 # loaded once more with part_delivery="off": the page owners' deliveries must have lowered its device bytes
 PART_CASE = ("small", "dp2tp2", "fsdp2tp2")
+# loaded twice more with its plan kept: the reused plan carries the blobs' positions the locators sent
+REUSE_CASE = ("small", "dcp-tp1", "tp4")
 
 
 def _state_dict(model: str, mesh, fill: bool, fsdp: bool = False) -> dict:
@@ -138,6 +144,13 @@ def world_layouts(rank: int, world: int, root: str) -> dict:
     _check(model, sd, f"{model} {layout} -> {into} (part_delivery='off') on rank {rank}")
     out["off"] = (stats.bytes_read, read, stats.pages_delivered)
     out["failed"] = _owner_fails(rank, d, sd)
+    model, layout, into = REUSE_CASE
+    d = os.path.join(root, f"{model}-{layout}-{rank}")
+    sd = _state_dict(model, mesh[into], False)
+    for i in range(2):
+        stats, read = _device_bytes(d, lambda: pipeload.load(sd, d))
+        _check(model, sd, f"{model} {layout} -> {into} (plan kept, load {i}) on rank {rank}")
+    out["reused"] = (stats.bytes_read, read, stats.plan_reused)
     return out
 
 
@@ -178,3 +191,7 @@ def test_layout_changes_read_each_stored_byte_about_once_from_the_device(tmp_pat
     print(f"{PART_CASE}: part delivery off {off}, on {ratio[PART_CASE]}, delivered {delivered}")
     assert ratio[PART_CASE] < off - 0.1, (ratio[PART_CASE], off)
     assert all("injected: an owner's page read failed" in r["failed"] for r in results), [r["failed"] for r in results]
+    reused = round(sum(r["reused"][1] for r in results) / UNIQUE[REUSE_CASE[0]], 3)
+    print(f"{REUSE_CASE} with its plan reused: {reused}")
+    assert all(r["reused"][2] for r in results) and sum(r["reused"][0] for r in results) == UNIQUE[REUSE_CASE[0]]
+    assert reused <= AT_MOST[REUSE_CASE], reused

@@ -10,6 +10,11 @@ ends). Why it cannot deadlock: the delivery messages come before every broadcast
 order, and both ends of each derive it from the same plan; the lowest incomplete message has both ends
 posted, so it completes, and the broadcasts follow in the plan's order, unchanged.
 
+A DCP chunk's position in its file is learnt from its blob's head (its local headers): at planning,
+the first reader of each chunk that ranks on several hosts read sends the chunk's (start, end) to the
+others (:func:`_locate`: one message per (sender, receiver) pair, 16 bytes a chunk, in the same order
+of pairs), so each head page is read once, by the rank that reads that page anyway.
+
 An owner whose read fails still sends (zeros where the bytes failed) and records the error: the load's
 agreement then fails on every rank. A dead peer fails the transfer by name, as a failed broadcast does.
 The received bytes become the reader's patches (:meth:`pipeload.io.reader.ChunkReader.set_patches`):
@@ -18,7 +23,7 @@ the reads of this load take a delivered head or tail from there and never ask st
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,17 +35,30 @@ from ..plan.exchange import F_HOST
 from ..plan.partdelivery import Delivery
 
 
-def plan(gp, md, names: list[str], reader, me: int, rows: np.ndarray, my_items) -> list[Delivery]:
+class Planned(NamedTuple):
+    """This rank's part delivery: its deliveries, and where the DCP chunks it reads start (``(file, key,
+    start, end)``, located by other readers or by itself: the reader's ``located`` table when the plan
+    is reused)."""
+
+    deliveries: list[Delivery]
+    located: list[tuple[str, str, int, int]]
+
+
+def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> Planned:
     """This rank's deliveries (sent or received), from the plan of every component (``gp.every``), the
     gathered rows' hosts and the headers of the files this rank reads (``my_items``: its ReadItems).
-    Local only: no collective. Every reader of a file decides alike from its header; a DCP item that is
-    not stored in place (decoded by torch.load) gives its blob's start: its pages are then misjudged
-    alike on every rank (no saving), and the bytes still exact (parts are chunk-relative, from
-    ``buffer()`` on both ends). Object stores never come here (the loader turns it off for URLs)."""
-    hosts = rows[:, F_HOST].tolist()
+    Every reader of a file decides alike from its header; a DCP item that is not stored in place (decoded
+    by torch.load) gives its blob's start: its pages are then misjudged alike on every rank (no saving),
+    and the bytes still exact (parts are chunk-relative, from ``buffer()`` on both ends). Object stores
+    never come here (the loader turns it off for URLs).
+
+    A DCP chunk's position is learnt from its blob's head: before deciding pages, the first reader of
+    each chunk read on several hosts sends its position to the other readers (:func:`_locate`), the only
+    messages of this step, point to point, planned from the same data on both ends."""
+    me, hosts = comm.rank, rows[:, F_HOST].tolist()
     files = {name for name in {item.file for item in my_items if item.nbytes} if _in_place(reader, name)}
     if not files:
-        return []
+        return Planned([], [])
     _, itemsize = md.key_arrays(names)
     starts: dict[tuple[str, str], int] = {}  # (a DCP item's start costs a read of its local header)
     layouts: dict[str, Any] = {}  # (each a sort of the file's header entries)
@@ -56,16 +74,87 @@ def plan(gp, md, names: list[str], reader, me: int, rows: np.ndarray, my_items) 
             layouts[file] = _layout(reader.file(file))
         return layouts[file]
 
-    return partdelivery.plan(gp.every(), md, names, itemsize, me, files, start_of, layout_of, hosts.__getitem__)
+    every = gp.every()
+    spans = partdelivery.my_spans(every, md, names, itemsize, me, files)
+    expanded = every.keys_of(me)
+    located: list = []
+    blobs = sorted(f for f in files if _is_blobs(reader.file(f)))
+    if blobs:  # the chunks next to this rank's: their locators tell it where they start
+        extra = partdelivery.neighbours(spans, me, layout_of, blobs, md.key_index()) - expanded
+        for file, more in partdelivery.spans_of(every.boxes(extra), md, names, itemsize, files).items():
+            spans.setdefault(file, []).extend(more)
+        expanded |= extra
+        sends, recvs = partdelivery.heads(spans, me, hosts.__getitem__, blobs, layout_of)
+        located = _locate(comm, reader, sends, recvs)
+    deliveries = partdelivery.plan(every, md, names, itemsize, me, files, start_of, layout_of, hosts.__getitem__,
+                                   spans=spans, expanded=expanded, blob_files=blobs)
+    return Planned(deliveries, [*located, *_found(reader, blobs, {(f, k) for f, k, _, _ in located})])
+
+
+def _found(reader, files: list[str], given: set) -> list[tuple[str, str, int, int]]:
+    """The positions this rank located itself in ``files`` (kept with the plan: a load reusing it
+    requests exact ranges from its first prefetch, as this one did after planning)."""
+    out = []
+    for name in files:
+        for key, (_, _, a, b, decoded) in sorted(reader.file(name)._resolved.items()):
+            if decoded is None and (name, key) not in given:
+                out.append((name, key, a, b))
+    return out
+
+
+def _locate(comm, reader, sends: dict, recvs: dict) -> list[tuple[str, str, int, int]]:
+    """Send each receiver the (start, end) of the chunks this rank located for it ((-1, -1) for one it
+    could not locate in place: the receiver then reads the head itself, and meets any error by name), and
+    receive those located for this rank; install them as ``reader.located`` and return them."""
+    t, wire = Transfers(comm, "pipeload.load: chunk positions", limit=1 << 62), comm.broadcast_device
+    got: dict[int, torch.Tensor] = {}
+    # in the one order of (sender, receiver) pairs, as the deliveries: both ends post alike (NCCL too)
+    for a, b in sorted([(comm.rank, r) for r in sends] + [(r, comm.rank) for r in recvs]):
+        if a == comm.rank:
+            msg = torch.tensor([x for file, key in sends[b] for x in _located(reader, file, key)], dtype=torch.int64)
+            msg = msg.view(torch.uint8).to(wire)
+            t.send(b, msg.numel(), lambda lo, hi, m=msg: m[lo:hi])
+        else:
+            got[a] = torch.empty(16 * len(recvs[a]), dtype=torch.uint8, device=wire)
+            t.recv(a, got[a])
+    t.drain()
+    out = [(file, key, int(x), int(y)) for peer, buf in sorted(got.items())
+           for (file, key), (x, y) in zip(recvs[peer], buf.cpu().view(torch.int64).view(-1, 2).tolist()) if x >= 0]
+    install(reader, out)
+    return out
+
+
+def _located(reader, file: str, key: str) -> tuple[int, int]:
+    try:
+        _, _, a, b, decoded = reader.file(file)._resolve(key)
+    except Exception:  # noqa: BLE001 - the receiver locates it itself and reports what is wrong
+        return -1, -1
+    return (a, b) if decoded is None else (-1, -1)
+
+
+def install(reader, located: list[tuple[str, str, int, int]]) -> None:
+    """Make ``located`` (:attr:`Planned.located`) the reader's table of chunk positions found elsewhere."""
+    table: dict[str, dict[str, tuple[int, int]]] = {}
+    for file, key, a, b in located:
+        table.setdefault(file, {})[key] = (a, b)
+    reader.located = table
 
 
 def _layout(f: Any) -> tuple[list[int], list[int], list[str]] | None:
-    """The chunks of an open file as (first bytes, ends, keys), by first byte, from its header; None for
-    a file without one (a DCP blob: its pages are decided per chunk, see partdelivery.plan)."""
+    """The chunks of an open file as (first bytes, ends, keys), by first byte, from its header (a DCP
+    file: its blobs, from the checkpoint's metadata, each holding its chunk's head and tail too); None for
+    a file with neither (its pages are decided per chunk, see partdelivery.plan)."""
+    if _is_blobs(f):
+        return [b[0] for b in f._blobs], [b[1] for b in f._blobs], [b[2] for b in f._blobs]
     if not hasattr(f, "keys"):
         return None
     rows = sorted((int(e[2]), int(e[3]), k) for k in f.keys() for e in (f.entry(k),))
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+
+def _is_blobs(f: Any) -> bool:
+    """A file whose chunks are located by reading their own head (a DCP ``.distcp``)."""
+    return hasattr(f, "locate") and hasattr(f, "_blobs")
 
 
 def _in_place(reader, name: str) -> bool:

@@ -241,6 +241,7 @@ class _Prepared:
     skip: set = field(default_factory=set)  # stored chunks (file, key) chunk units deliver: no private read
     units: tuple = (0, 0)  # (chunk units this rank is in, storage bytes they saved it)
     deliveries: list = field(default_factory=list)  # part delivery: this rank's (pipeload.plan.partdelivery)
+    located: list = field(default_factory=list)  # chunk positions other readers found (delivery.Planned)
 
 
 @dataclass(frozen=True)
@@ -441,7 +442,7 @@ async def _execute_and_agree(run: _Run, opts: _Options, prep: _Prepared, reader:
     try:
         decoded = await _execute(comm, reader, pool, prep.shared, prep.private, prep.plan.objects, prep.groups,
                                  prep.gp, counters, opts.max_inflight, opts.progress, run.clock, prep.skip,
-                                 prep.plan.twins, prep.deliveries)
+                                 prep.plan.twins, prep.deliveries, prep.located)
         error = counters.error_report() or run.guard.late(comm)
         if run.collective:
             comm.agree(run.what, error)
@@ -542,7 +543,8 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
              refusal: str | None = None, part_delivery: bool = False) -> _Prepared:
     """Steps 1-4: local plan, exchange, global plan, groups (every rank, every collective in order).
 
-    ``part_delivery``: plan this rank's page deliveries too (:func:`_deliveries`; no collective).
+    ``part_delivery``: plan this rank's page deliveries too (:func:`_deliveries`; no collective, only
+    point-to-point messages between the readers of one DCP blob).
 
     ``private_only`` (every rank decided it alike from the first gather): no shard will be broadcast,
     so the exchange stops after the rows and the union of requested keys (see :func:`exchange_and_plan`).
@@ -602,7 +604,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                 piece = shared[pk] = piece_shard(s, pk)
                 if piece is not s:
                     cut.append((piece, s))
-    deliveries = _deliveries(workers[0], gp, md, names, reader, comm.rank, rows_seen, shared, private, skip)
+    deliveries, located = _deliveries(workers[0], gp, md, names, reader, comm, rows_seen, shared, private, skip)
     clock.lap("plan")
 
     # 4. groups
@@ -610,21 +612,23 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     clock.lap("groups")
     prep = _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
                      rows_seen[0] if rows_seen else None, stat, ckpt, cut=cut, skip=skip,
-                     units=(len({k for k in pieces_of if k[0] < 0}), spanned - read_units), deliveries=deliveries)
+                     units=(len({k for k in pieces_of if k[0] < 0}), spanned - read_units), deliveries=deliveries,
+                     located=located)
     if keepable:  # taken now, as planned: an object a later load replaces is a leaf in it either way
         prep.signature = plancache.signature(state_dict)[0]
         prep.leaf_pos = plancache.leaf_positions(leaves, [*plan.leaf_paths(), *(o.fqn for o in plan.objects)])
     return prep
 
 
-def _deliveries(pool, gp, md, names: list[str], reader, rank: int, rows_seen: list, shared, private, skip) -> list:
+def _deliveries(pool, gp, md, names: list[str], reader, comm, rows_seen: list, shared, private,
+                skip) -> delivery.Planned:
     """This rank's page deliveries (:func:`pipeload.engine.delivery.plan`) when the plan lists every rank's
     reads (else none), planned in the read worker: it opens files, after the worker's early request of
     this rank's own file, never beside it."""
     if gp.every is None or not rows_seen:
-        return []
-    mine = list(_my_reads(rank, shared, private, gp.ops, skip))
-    return pool.submit(delivery.plan, gp, md, names, reader, rank, rows_seen[0], mine).result()
+        return delivery.Planned([], [])
+    mine = list(_my_reads(comm.rank, shared, private, gp.ops, skip))
+    return pool.submit(delivery.plan, gp, md, names, reader, comm, rows_seen[0], mine).result()
 
 
 def _local_plan(state_dict: dict, directory: str, comm: Comm, collective: bool, strict: bool, reader, request,
@@ -777,13 +781,15 @@ def _key_arrays(md: Metadata | None, names: list[str]) -> tuple[np.ndarray, np.n
 
 
 async def _execute(comm, reader, pool, shared, private, objects, groups, gp, counters, max_inflight,
-                   progress, clock, skip=frozenset(), twins=(), deliveries=()) -> list:
-    """Part delivery (``deliveries``: before every broadcast), the shared phase, then the private phase,
-    reading in ``pool``, then the copies into ``twins`` (:func:`~pipeload.engine.scheduler.fill_twins`);
-    returns decoded objects."""
+                   progress, clock, skip=frozenset(), twins=(), deliveries=(), located=()) -> list:
+    """Part delivery (``deliveries``: before every broadcast; ``located``: chunk positions other readers
+    found, :class:`~pipeload.engine.delivery.Planned`), the shared phase, then the private phase, reading
+    in ``pool``, then the copies into ``twins`` (:func:`~pipeload.engine.scheduler.fill_twins`); returns
+    decoded objects."""
     bar = _progress_bar(progress, comm.rank, sum(s.nbytes for s in [*shared.values(), *private]))
     on_bytes = bar.update if bar is not None else None
     reader.set_patches(())
+    delivery.install(reader, located)  # (a reused plan's: this load's reader has not seen them)
     if deliveries:
         await asyncio.get_running_loop().run_in_executor(
             pool, delivery.deliver, comm, reader, deliveries, counters, f"pipeload.load from {reader.directory}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import collections
 import io
+import math
 import os
 import pickle
 import re
@@ -478,10 +479,11 @@ class DistcpFile:
         self.raw = open_raw(path)
         self._items = items
         self._resolved: dict[str, tuple] = {}
+        self.located: dict[str, tuple[int, int]] = {}  # key -> (start, end) another reader found (locate)
         self.fallbacks = 0
-        # blob (start, end) of every item, sorted: a hint's end is extended to the end of its blob
-        self._blobs = sorted((off, off + ln) for _, _, _, off, ln, _ in items.values())
-        self._blob_starts = [a for a, _ in self._blobs]
+        # blob (start, end, key) of every item, sorted: a hint's end is extended to the end of its blob
+        self._blobs = sorted((off, off + ln, key) for key, (_, _, _, off, ln, _) in items.items())
+        self._blob_starts = [a for a, _, _ in self._blobs]
         slack = 0  # bytes of a blob that are not its tensor's data (zip headers, pickle, trailer)
         for kind, dtype, lengths, _, ln, _ in items.values():
             if kind == "tensor":
@@ -512,16 +514,36 @@ class DistcpFile:
             end = self.raw.size
         else:
             # A range computed from an unresolved item's blob start lies up to a header (< slack) before
-            # the tensor's bytes: extend it by that much, within the blob its last byte lies in. Locating
+            # the tensor's bytes: extend it by that much, within the blob its last byte lies in (a range
+            # of a located item is exact: extending it would read a page delivered here). Locating
             # the tensor reads its blob's head (the local headers): asked for on its own when the range
             # starts past it. The rest of the blob is another part of the tensor, maybe another rank's (a
             # load into another layout): never asked for here.
             i = bisect.bisect_right(self._blob_starts, start) - 1
-            if i >= 0 and start > self._blobs[i][0] + self._slack and start < self._blobs[i][1]:
+            if i >= 0 and self._blobs[i][0] + self._slack < start < self._blobs[i][1] and self._head_needed(i):
                 self.raw.willneed(self._blobs[i][0], self._blobs[i][0] + self._slack)
             j = bisect.bisect_right(self._blob_starts, max(start, end - 1)) - 1
-            end = min(end + self._slack, self._blobs[j][1]) if j >= 0 and self._blobs[j][1] > end else end
+            if j >= 0 and self._blobs[j][1] > end and self._head_needed(j):  # (a located chunk's range is exact)
+                end = min(end + self._slack, self._blobs[j][1])
         self.raw.willneed(start, end)
+
+    def locate(self, table: dict[str, tuple[int, int]]) -> None:
+        """Take where other readers found items' tensor bytes (``key -> (start, end)`` in the file, from
+        the heads of their blobs, which this rank then never reads). A location that does not fit its
+        item (outside the blob, or not the tensor's size) is ignored: the item is located here."""
+        self.located = table
+
+    def _head_needed(self, i: int) -> bool:
+        """Whether blob ``i``'s chunk is still to be located (under any of its keys: one blob may be
+        named by its fqn and by its chunk key)."""
+        at = self._blobs[i][0]
+        j = bisect.bisect_left(self._blob_starts, at)
+        while j < len(self._blobs) and self._blobs[j][0] == at:
+            key = self._blobs[j][2]
+            if key in self._resolved or key in self.located:
+                return False
+            j += 1
+        return True
 
     def _resolve(self, key: str) -> tuple:
         hit = self._resolved.get(key)
@@ -531,6 +553,11 @@ class DistcpFile:
         if info is None:
             raise TensorNotFoundError(f"{self.path}: no item {key!r} in the checkpoint metadata for this file")
         kind, dtype, lengths, off, ln, transforms = info
+        given = self.located.get(key)
+        if given is not None and kind == "tensor" and not transforms and off <= given[0] <= given[1] <= off + ln \
+                and given[1] - given[0] == math.prod(lengths) * _torch_dtype(dtype).itemsize:
+            hit = self._resolved[key] = (dtype, lengths, given[0], given[1], None)
+            return hit
         if kind == "object":  # a Python object's torch.save bytes, decoded by the reader
             if transforms:
                 raise CheckpointFormatError(f"{self.path}: item {key!r} uses transforms {list(transforms)}, not supported")
@@ -568,6 +595,8 @@ class DistcpFile:
     def entry(self, key: str) -> tuple[str, tuple[int, ...], int, int]:
         """(dtype, shape, start, end); exact once resolved, the blob's start until then (see class)."""
         hit = self._resolved.get(key)
+        if hit is None and key in self.located:  # (another reader's location: no page read)
+            hit = self._resolve(key)
         if hit is not None:
             return hit[:4]
         info = self._items.get(key)

@@ -194,6 +194,9 @@ class ChunkReader:
         # part delivery (pipeload.plan.partdelivery): (file, key) -> [(lo, hi, bytes)], byte ranges of stored
         # chunks another rank read from its page and sent here; this load's reads take them from here
         self.patches: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = {}
+        # file -> {key: (start, end)}: where another reader found chunks whose position is learnt from
+        # their own header (a DCP blob's head, pipeload.engine.delivery.plan): this rank skips reading it
+        self.located: dict[str, dict[str, tuple[int, int]]] = {}
 
     def attach(self, ckpt, *, cast: bool = False) -> None:
         """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).
@@ -207,7 +210,7 @@ class ChunkReader:
         self.cast = cast
         self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
         self._expected, self._gaps = {}, {}
-        self.patches = {}
+        self.patches, self.located = {}, {}
         opener, capacity = ckpt.opener, self.cache.capacity
         if storage.is_url(ckpt.root):  # objects: reopening one drops what it staged (and may cost a header GET)
             opener = opener or storage.open_safetensors
@@ -228,6 +231,10 @@ class ChunkReader:
             path = self._paths[name] = storage.join(self.directory, name)
         f = self.cache.get(path)
         f.check_unchanged()  # a truncated mapping would SIGBUS: refuse it with a ReadError instead
+        if self.located:
+            table = self.located.get(name)
+            if table is not None and getattr(f, "located", None) is not table:
+                f.locate(table)  # (also after the file was closed and opened again)
         return f
 
     def expect(self, items: Iterable[ReadItem]) -> None:

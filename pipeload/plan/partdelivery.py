@@ -110,7 +110,7 @@ def _one_chunk(md, name: str, cols):
 
 
 def decide(spans: list[tuple[int, int, int, str, int]], host: Callable[[int], int], file: str,
-           page: int = PAGE) -> list[Delivery]:
+           page: int = PAGE, forced: Callable[[int], int | None] | None = None) -> list[Delivery]:
     """The deliveries of one file. ``spans``: ``(first byte, end, rank, chunk key, chunk's first byte)``
     in file offsets. For each page two ranks' spans touch, the ranks' bytes there decide its owner and
     receivers (:func:`_page`). Deterministic: the result depends only on the set of spans. Spans that do
@@ -124,7 +124,7 @@ def decide(spans: list[tuple[int, int, int, str, int]], host: Callable[[int], in
     groups = _neighbours(spans, a, b, page) if np.all(b[:-1] <= a[1:]) else _sweep(spans, page)
     out: list[Delivery] = []
     for p, touching in groups:
-        out.extend(_page(p, touching, host, file, page))
+        out.extend(_page(p, touching, host, file, page, forced(p) if forced is not None else None))
     return out
 
 
@@ -160,17 +160,19 @@ def _sweep(spans: list, page: int):
             yield p, list(active)
 
 
-def _page(p: int, touching: list, host: Callable[[int], int], file: str, page: int) -> list[Delivery]:
-    """One page's deliveries: its owner is the rank needing most of it (ties to the lower rank); every
-    other rank on another host whose spans cover only part of it, and for which the cost model says so,
-    gets its bytes of it (one delivery per span, chunk-relative)."""
+def _page(p: int, touching: list, host: Callable[[int], int], file: str, page: int,
+          forced: int | None = None) -> list[Delivery]:
+    """One page's deliveries: its owner is ``forced`` when that rank touches it (a chunk's locator, which
+    reads the page anyway), else the rank needing most of it (ties to the lower rank); every other rank
+    on another host whose spans cover only part of it, and for which the cost model says so, gets its
+    bytes of it (one delivery per span, chunk-relative)."""
     p0, p1 = p * page, (p + 1) * page
     need: dict[int, int] = {}
     for a, b, r, *_ in touching:
         need[r] = need.get(r, 0) + min(b, p1) - max(a, p0)
     if len({host(r) for r in need}) < 2:
         return []
-    owner = min(need, key=lambda r: (-need[r], r))
+    owner = forced if forced in need else min(need, key=lambda r: (-need[r], r))
     return [Delivery(owner, r, file, key, max(a, p0) - start, min(b, p1) - start)
             for a, b, r, key, start in touching
             if host(r) != host(owner) and need[r] < page and page * STORAGE_COST > need[r] * WIRE_COST]
@@ -178,7 +180,8 @@ def _page(p: int, touching: list, host: Callable[[int], int], file: str, page: i
 
 def plan(every, md, names: list[str], itemsize, me: int, files: set[str],
          start_of: Callable[[str, str], int], layout_of: Callable[[str], tuple],
-         host: Callable[[int], int], page: int = PAGE) -> list[Delivery]:
+         host: Callable[[int], int], page: int = PAGE, spans: dict | None = None,
+         expanded: set[int] | None = None, blob_files: Iterable[str] = ()) -> list[Delivery]:
     """The deliveries this rank ``me`` sends or receives, sorted by (owner, receiver, file, key, lo): the
     order of the messages and of the parts packed in each.
 
@@ -190,13 +193,18 @@ def plan(every, md, names: list[str], itemsize, me: int, files: set[str],
     looks it up; every reader of the chunk sees all its spans, so they decide alike, and a page where two
     chunks meet is left to be read by each). Only the boxes of :func:`relevant` keys are expanded:
     the chunks overlapping a page ``me`` touches. Every other participant of such a page touches it too,
-    so it expands every chunk overlapping it as well, and both decide the page from the same spans."""
-    mine = every.keys_of(me)
-    spans = spans_of(every.boxes(mine), md, names, itemsize, files)
+    so it expands every chunk overlapping it as well, and both decide the page from the same spans.
+    ``spans``: :func:`my_spans` when the caller has them, holding the boxes of the keys ``expanded``
+    (default: those ``me`` reads). ``blob_files``: files whose chunks are located by reading their own
+    head (DCP blobs, with the blobs as their layout): a page holding a chunk's head is owned by the
+    chunk's locator (:func:`locators`), which reads it to locate the chunk, when it touches that page."""
+    spans = my_spans(every, md, names, itemsize, me, files) if spans is None else spans
+    have = every.keys_of(me) if expanded is None else expanded
     keys, near = relevant(spans, me, start_of, layout_of, md.key_index(), page)
-    if keys - mine:
-        for file, extra in spans_of(every.boxes(keys - mine), md, names, itemsize, files).items():
+    if keys - have:
+        for file, extra in spans_of(every.boxes(keys - have), md, names, itemsize, files).items():
             spans.setdefault(file, []).extend(extra)
+    blob_files = set(blob_files)
     out = []
     for file, fs in sorted(spans.items()):
         fs = [x for x in fs if (file, x[0]) in near]  # (only these chunks' offsets are looked up)
@@ -210,9 +218,122 @@ def plan(every, md, names: list[str], itemsize, me: int, files: set[str],
             if s is None:
                 s = starts[key] = start_of(file, key)
             absolute.setdefault(key if per_chunk else "", []).append((s + lo, s + hi, r, key, s))
+        forced = _head_owner(file, fs, layout_of(file), starts, page) if file in blob_files else None
         for group in absolute.values():
-            out.extend(d for d in decide(group, host, file, page) if me in (d.owner, d.receiver))
+            out.extend(d for d in decide(group, host, file, page, forced) if me in (d.owner, d.receiver))
     return sorted(out)
+
+
+def _head_owner(file: str, fs: list, layout: tuple, starts: dict[str, int], page: int) -> Callable[[int], int | None]:
+    """page -> the locator of a chunk whose head (its blob's bytes before the tensor's) lies in it, the
+    chunk of the lowest blob first; None if no chunk with spans here has its head there. From the
+    blob layout, the chunks' starts and their spans: what every participant of the page holds."""
+    first_of = dict(zip(layout[2], layout[0]))
+    who = locators({file: fs})
+    heads = sorted((first_of[k], starts[k], who[(file, k)]) for k in starts if (file, k) in who and k in first_of)
+    owner: dict[int, int] = {}
+    for b0, s0, r in heads:
+        for p in range(b0 // page, (s0 - 1) // page + 1) if s0 > b0 else ():
+            owner.setdefault(p, r)
+    return owner.get
+
+
+def my_spans(every, md, names: list[str], itemsize, me: int, files: set[str]) -> dict:
+    """:func:`spans_of` every box of the checkpoint keys ``me`` reads (every rank's boxes of those keys),
+    in ``files``."""
+    return spans_of(every.boxes(every.keys_of(me)), md, names, itemsize, files)
+
+
+def locators(spans: dict) -> dict[tuple[str, str], int]:
+    """``(file, key)`` -> the rank that locates a chunk read by its own header: the reader of its lowest
+    byte (ties to the lower rank), whose page holding the head is one it reads anyway."""
+    best: dict[tuple[str, str], tuple[int, int]] = {}
+    for file, fs in spans.items():
+        for key, lo, _, r in fs:
+            k = (file, key)
+            if k not in best or (lo, r) < best[k]:
+                best[k] = (lo, r)
+    return {k: v[1] for k, v in best.items()}
+
+
+def neighbours(spans: dict, me: int, layout_of: Callable[[str], tuple], files: Iterable[str],
+               index: dict[str, int]) -> set[int]:
+    """Checkpoint key indices of the chunks stored next to (before or after, in the layout of ``files``)
+    a chunk ``me`` reads: their locators tell ``me`` where they start (:func:`heads`)."""
+    out: set[int] = set()
+    for file in set(files) & set(spans):
+        blobs = _blobs(layout_of(file))
+        for key in {x[0] for x in spans[file] if x[3] == me}:
+            i = blobs.at.get(key)
+            for j in (i - 1, i + 1) if i is not None else ():
+                for name in blobs.keys[j] if 0 <= j < len(blobs.keys) else ():
+                    k = _key_index(index, name)
+                    if k is not None:
+                        out.add(k)
+    return out
+
+
+def heads(spans: dict, me: int, host: Callable[[int], int], files: Iterable[str],
+          layout_of: Callable[[str], tuple]) -> tuple[dict, dict]:
+    """Who tells whom where a chunk's bytes start, for the chunks of ``files`` whose position in the file
+    is learnt by reading the chunk's own head (a DCP blob: the local headers before the tensor).
+
+    Each chunk is located by its locator (:func:`locators`); every rank on another host reading that
+    chunk or one stored next to it (the pages where two chunks meet are decided from both chunks'
+    positions) receives the position instead of reading the head. Returns (``{receiver: [(file, key)]}``
+    this rank sends, ``{locator: [(file, key)]}`` it receives), each list sorted: the order of the values
+    in one message. ``spans`` must hold every box of the chunks ``me`` reads and of their neighbours
+    (:func:`neighbours`): both ends of a message derive it from the same spans. A chunk stored under
+    several keys (aliases in the layout, one blob) is one chunk, named by the key its spans use."""
+    sends: dict[int, list] = {}
+    recvs: dict[int, list] = {}
+    for file in sorted(set(files) & set(spans)):
+        blobs = _blobs(layout_of(file))
+        who = locators({file: spans[file]})
+        readers: dict[int, set[int]] = {}  # blob -> its readers
+        named: dict[int, str] = {}  # blob -> the key its spans use
+        for key, _, _, r in spans[file]:
+            i = blobs.at.get(key)
+            if i is not None:
+                readers.setdefault(i, set()).add(r)
+                named[i] = min(key, named.get(i, key))
+        for i, key in sorted(named.items()):
+            first = who[(file, key)]
+            near = set().union(*(readers.get(j, ()) for j in (i - 1, i, i + 1)))
+            others = {r for r in near if host(r) != host(first)}
+            if first == me:
+                for r in others:
+                    sends.setdefault(r, []).append((file, key))
+            elif me in others:
+                recvs.setdefault(first, []).append((file, key))
+    return ({r: sorted(v) for r, v in sends.items()}, {r: sorted(v) for r, v in recvs.items()})
+
+
+class _Blobs(NamedTuple):
+    keys: list[tuple[str, ...]]  # each blob's keys (aliases), in storage order
+    at: dict[str, int]  # key -> its blob's index
+
+
+def _blobs(layout: tuple) -> _Blobs:
+    """A blob layout ``(firsts, ends, keys)`` with the keys naming one blob (same first byte) together."""
+    keys: list[tuple[str, ...]] = []
+    at: dict[str, int] = {}
+    last = None
+    for first, key in zip(layout[0], layout[2]):
+        if first != last:
+            keys.append(())
+            last = first
+        keys[-1] = (*keys[-1], key)
+        at[key] = len(keys) - 1
+    return _Blobs(keys, at)
+
+
+def _key_index(index: dict[str, int], name: str) -> int | None:
+    """The checkpoint key index a chunk key names (``fqn`` or ``fqn@offsets``), or None."""
+    k = index.get(name)
+    if k is None and "@" in name:
+        k = index.get(name.rsplit("@", 1)[0])
+    return k
 
 
 def relevant(spans: dict, me: int, start_of, layout_of, index: dict[str, int],
@@ -240,9 +361,7 @@ def relevant(spans: dict, me: int, start_of, layout_of, index: dict[str, int],
                 while j < len(firsts) and firsts[j] < (p + 1) * page:
                     name = keys[j]
                     near.add((file, name))
-                    k = index.get(name)
-                    if k is None and "@" in name:
-                        k = index.get(name.rsplit("@", 1)[0])
+                    k = _key_index(index, name)
                     if k is not None:
                         out.add(k)
                     j += 1
