@@ -75,17 +75,10 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
         return layouts[file]
 
     every = gp.every()
-    spans = partdelivery.my_spans(every, md, names, itemsize, me, files)
-    expanded = every.keys_of(me)
-    located: list = []
     blobs = sorted(f for f in files if _is_blobs(reader.file(f)))
-    if blobs:  # the chunks next to this rank's: their locators tell it where they start
-        extra = partdelivery.neighbours(spans, me, layout_of, blobs, md.key_index()) - expanded
-        for file, more in partdelivery.spans_of(every.boxes(extra), md, names, itemsize, files).items():
-            spans.setdefault(file, []).extend(more)
-        expanded |= extra
-        sends, recvs = partdelivery.heads(spans, me, hosts.__getitem__, blobs, layout_of)
-        located = _locate(comm, reader, sends, recvs)
+    spans, expanded, (sends, recvs) = partdelivery.with_heads(every, md, names, itemsize, me, files, blobs, layout_of,
+                                                              hosts.__getitem__)
+    located = _locate(comm, reader, sends, recvs) if sends or recvs else []
     deliveries = partdelivery.plan(every, md, names, itemsize, me, files, start_of, layout_of, hosts.__getitem__,
                                    spans=spans, expanded=expanded, blob_files=blobs)
     return Planned(deliveries, [*located, *_found(reader, blobs, {(f, k) for f, k, _, _ in located})])

@@ -244,6 +244,21 @@ def my_spans(every, md, names: list[str], itemsize, me: int, files: set[str]) ->
     return spans_of(every.boxes(every.keys_of(me)), md, names, itemsize, files)
 
 
+def with_heads(every, md, names: list[str], itemsize, me: int, files: set[str], blobs: list[str],
+               layout_of: Callable[[str], tuple], host: Callable[[int], int]) -> tuple[dict, set[int], tuple]:
+    """(spans, keys expanded, (sends, receives)): :func:`my_spans`, with, for the files in ``blobs``
+    (located by their heads), the boxes of the chunks next to this rank's (:func:`neighbours`) and the
+    position messages (:func:`heads`). The input of :func:`plan` (``spans``, ``expanded``)."""
+    spans = my_spans(every, md, names, itemsize, me, files)
+    expanded = every.keys_of(me)
+    if not blobs:
+        return spans, expanded, ({}, {})
+    extra = neighbours(spans, me, layout_of, blobs, md.key_index()) - expanded
+    for file, more in spans_of(every.boxes(extra), md, names, itemsize, files).items():
+        spans.setdefault(file, []).extend(more)
+    return spans, expanded | extra, heads(spans, me, host, blobs, layout_of)
+
+
 def locators(spans: dict) -> dict[tuple[str, str], int]:
     """``(file, key)`` -> the rank that locates a chunk read by its own header: the reader of its lowest
     byte (ties to the lower rank), whose page holding the head is one it reads anyway."""

@@ -506,9 +506,12 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
         if gp.every is not None:  # the loader's part delivery plan, chunk offsets from a simulated header
             files = {it.file for s in plan.shards for it in s.reads}
             starts, layouts = _sim_starts(md, names, directory)
-            partdelivery.plan(gp.every(), md, names, md.key_arrays(names)[1], rank, files,
-                              lambda f, k: starts[(f, k)], layouts.__getitem__,
-                              lambda r: r // GPUS_PER_HOST)
+            every, itemsize, host = gp.every(), md.key_arrays(names)[1], (lambda r: r // GPUS_PER_HOST)
+            blobs = sorted(files) if writer_of is not None else []  # (DCP: chunks located by their heads)
+            spans, expanded, _ = partdelivery.with_heads(every, md, names, itemsize, rank, files, blobs,
+                                                         layouts.__getitem__, host)
+            partdelivery.plan(every, md, names, itemsize, rank, files, lambda f, k: starts[(f, k)],
+                              layouts.__getitem__, host, spans=spans, expanded=expanded, blob_files=blobs)
             phases.lap("part delivery")
     return gp, ex, len(plan.shards)
 
