@@ -78,6 +78,7 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
     blobs = sorted(f for f in files if _is_blobs(reader.file(f)))
     spans, expanded, (sends, recvs) = partdelivery.with_heads(every, md, names, itemsize, me, files, blobs, layout_of,
                                                               hosts.__getitem__)
+    _request_heads(reader, me, spans, blobs, recvs)
     located = _locate(comm, reader, sends, recvs) if sends or recvs else []
     deliveries = partdelivery.plan(every, md, names, itemsize, me, files, start_of, layout_of, hosts.__getitem__,
                                    spans=spans, expanded=expanded, blob_files=blobs)
@@ -93,6 +94,16 @@ def _found(reader, files: list[str], given: set) -> list[tuple[str, str, int, in
             if decoded is None and (name, key) not in given:
                 out.append((name, key, a, b))
     return out
+
+
+def _request_heads(reader, me: int, spans: dict, blobs: list[str], recvs: dict) -> None:
+    """Ask storage at once for the heads of the blobs this rank locates itself (those it reads and is not
+    told about): locating them one by one would wait for each page in turn."""
+    told = {x for items in recvs.values() for x in items}
+    for name in blobs:
+        keys = sorted({key for key, _, _, r in spans.get(name, ()) if r == me and (name, key) not in told})
+        if keys:
+            reader.file(name).willneed_heads(keys)
 
 
 def _locate(comm, reader, sends: dict, recvs: dict) -> list[tuple[str, str, int, int]]:

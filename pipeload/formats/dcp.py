@@ -533,6 +533,19 @@ class DistcpFile:
         item (outside the blob, or not the tensor's size) is ignored: the item is located here."""
         self.located = table
 
+    def willneed_heads(self, keys: list[str]) -> None:
+        """Ask for the heads of the blobs of ``keys`` (what locating them reads), neighbours merged."""
+        ranges = sorted((off, off + min(ln, self._slack)) for key in keys if key not in self._resolved
+                        for _, _, _, off, ln, _ in (self._items[key],))
+        lo = hi = None
+        for a, b in ranges:
+            if lo is not None and a > hi:
+                self.raw.willneed(lo, hi)
+                lo = None
+            lo, hi = (a, b) if lo is None else (lo, max(hi, b))
+        if lo is not None:
+            self.raw.willneed(lo, hi)
+
     def _head_needed(self, i: int) -> bool:
         """Whether blob ``i``'s chunk is still to be located (under any of its keys: one blob may be
         named by its fqn and by its chunk key)."""
