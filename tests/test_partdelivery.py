@@ -112,3 +112,108 @@ def test_a_chunks_locator_owns_the_page_of_its_head_when_it_reads_there():
     assert decide(spans, _hosts(0, 1), "f", P) == [Delivery(1, 0, "f", "a", 8192, 10000)]
     assert decide(spans, _hosts(0, 1), "f", P, {2: 0}.get) == [Delivery(0, 1, "f", "b", 0, 2288)]
     assert decide(spans, _hosts(0, 1), "f", P, {2: 3}.get) == [Delivery(1, 0, "f", "a", 8192, 10000)]  # not there
+
+
+# Object stores: runs (pipeload.plan.partdelivery.runs, run_deliveries, owned)
+
+def _interleaved(rng, ranks: int, count: int, sizes=(15 << 10, 50 << 10), gaps=(0,)) -> list[tuple]:
+    """``count`` spans in file order of rotating ranks (a tensor saved whole, loaded in rank slices), chunk
+    keys of 8 spans each, chunk starts at a key's first span."""
+    spans, at, start = [], 4096, 4096
+    for i in range(count):
+        if i % 8 == 0:
+            start = at
+        n = rng.randrange(*sizes)
+        spans.append((at, at + n, i % ranks, f"k{i // 8}", start))
+        at += n + rng.choice(gaps)
+    return spans
+
+
+def _check_runs(spans, cuts, file="f"):
+    """Every byte a rank needs is in its own run or delivered to it exactly once, by the run's owner."""
+    from pipeload.plan.partdelivery import by_rank, run_deliveries, union
+
+    ds = run_deliveries(spans, cuts, file)
+    got: dict[int, list] = {}
+    for d in ds:
+        s = next(x[4] for x in spans if x[3] == d.key)
+        owner = [o for lo, hi, o in cuts if lo <= s + d.lo and s + d.hi <= hi]
+        assert owner == [d.owner] and d.owner != d.receiver, d
+        got.setdefault(d.receiver, []).append((s + d.lo, s + d.hi))
+    for r, need in by_rank(spans).items():
+        mine = [(max(a, lo), min(b, hi)) for a, b in need for lo, hi, o in cuts if o == r and a < hi and b > lo]
+        pieces = sorted(got.get(r, []) + mine)
+        assert all(b <= c for (_, b), (c, _) in zip(pieces, pieces[1:])), "a byte delivered or read twice"
+        assert union(pieces) == need, r
+    return ds
+
+
+def test_interleaved_object_is_cut_into_runs_each_byte_read_once():
+    from pipeload.plan.partdelivery import RUN_BYTES, owned, runs
+
+    spans = _interleaved(random.Random(2), 4, 1600)  # ~50 MiB, each rank's pieces 15-50 KiB apart
+    cuts = runs(spans)
+    total = sum(b - a for a, b, *_ in spans)
+    assert len(cuts) == min(4, -(-total // RUN_BYTES)) and len({o for *_, o in cuts}) == len(cuts)
+    assert cuts[0][0] == spans[0][0] and cuts[-1][1] == spans[-1][1]
+    assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))  # contiguous, tiling the union
+    sizes = [hi - lo for lo, hi, _ in cuts]
+    assert max(sizes) - min(sizes) <= 1
+    _check_runs(spans, cuts)
+    for lo, hi, o in cuts:  # an owner asks for its whole run: one range, no holes here
+        assert owned(spans, cuts, o) == [(lo, hi)]
+
+
+def test_runs_only_where_own_requests_would_fetch_other_ranks_bytes():
+    from pipeload.plan.partdelivery import runs
+
+    # each rank reads one contiguous half: its own requests fetch nothing twice
+    assert runs([(0, 20 << 20, 0, "a", 0), (20 << 20, 40 << 20, 1, "b", 20 << 20)]) == []
+    assert runs([(0, 20 << 20, 0, "a", 0)]) == []  # one reader
+    spans = _interleaved(random.Random(3), 2, 400)
+    assert runs(spans)  # interleaved: its merged requests would fetch the other rank's pieces
+
+
+def test_a_run_goes_to_the_reader_needing_most_of_it():
+    from pipeload.plan.partdelivery import runs
+
+    # rank 1 reads the first 12 MiB alone, then ranks 0 and 1 interleave over the next 12 MiB
+    spans = [(0, 12 << 20, 1, "a", 0)]
+    at = 12 << 20
+    for i in range(300):
+        spans.append((at, at + 40960, i % 2, "b", 12 << 20))
+        at += 40960
+    cuts = runs(spans)
+    assert [o for *_, o in cuts] == [1, 0]
+    _check_runs(spans, cuts)
+
+
+def test_runs_do_not_depend_on_the_order_of_the_spans_and_turn_between_objects():
+    from pipeload.plan.partdelivery import run_deliveries, runs
+
+    rng = random.Random(4)
+    spans = _interleaved(rng, 4, 1000, gaps=(0, 0, 0, 512, 70000))
+    want = runs(spans, order=1)
+    ds = _check_runs(spans, want)
+    for _ in range(4):
+        rng.shuffle(spans)
+        assert runs(spans, order=1) == want and run_deliveries(spans, want, "f") == ds
+    # equal needs, two runs among four readers: the owners turn with the object's order, so the runs of
+    # successive objects spread over the ranks
+    even = _interleaved(rng, 4, 400, sizes=(40960, 40961))
+    assert [[o for *_, o in runs(even, order=k)] for k in range(3)] == [[0, 1], [2, 3], [0, 1]]
+
+
+def test_overlapping_spans_of_replicas_are_delivered_once_each():
+    from pipeload.plan.partdelivery import runs
+
+    # ranks 0 and 2 both read the same pieces (replicas reading for themselves), 1 and 3 the others
+    spans = []
+    at = 0
+    for i in range(600):
+        for r in ((0, 2), (1, 3))[i % 2]:
+            spans.append((at, at + 30000, r, f"k{i // 10}", (i // 10) * 300000))
+        at += 30000
+    cuts = runs(spans)
+    assert len(cuts) == 3
+    _check_runs(spans, cuts)

@@ -381,3 +381,160 @@ def relevant(spans: dict, me: int, start_of, layout_of, index: dict[str, int],
                         out.add(k)
                     j += 1
     return out, near
+
+
+# Object stores: part delivery by contiguous runs (the page form above is for files on a device).
+#
+# There a page saves nothing: the cost is GETs and their bytes, and a rank's ranges of an object merge
+# across the reader's 1 MiB gap, so pieces interleaved with other ranks' pieces (a load into another
+# layout than the save's) fetch the other ranks' bytes too (1.8-2.6x the objects: docs/BENCH.md). Here
+# the union of the bytes every rank reads in an object is cut into a few contiguous *runs*, each of one
+# reader (its owner), which fetches it in large GETs; every byte another rank needs inside it is a
+# Delivery from the owner. A rank's remaining reads then lie inside its own run: every byte is fetched
+# once. Cost model: storage is the scarce resource (a GET costs a round trip and its bytes cross the
+# store's link once per rank that asks), the wire between ranks is not: a run is worth it whenever the
+# ranks' own merged requests would fetch over 1/RUN_SLACK more than the union.
+RUN_BYTES = 8 << 20  # a run's size target: pipeload.io.objstore.PART_SIZE, a constant (a rank's part_size
+#                      option may differ from another's, and every reader of an object must cut it alike)
+RUN_GAP = 1 << 20  # the gap across which a rank's own requests of an object merge (the reader's merge gap)
+RUN_SLACK = 64  # runs when the ranks' own requests would fetch over 1/64 more than the union of their bytes
+OWN_GAP = 64 << 10  # an owner requests its run's needed bytes merged across holes up to this
+
+
+def union(ranges: Iterable[tuple]) -> list[tuple[int, int]]:
+    """The sorted union of byte ranges ``(a, b, ...)`` as disjoint ``(a, b)``, touching ones joined."""
+    out: list[list[int]] = []
+    for a, b, *_ in sorted(ranges):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _merged_bytes(ranges: list[tuple[int, int]], gap: int) -> int:
+    """Bytes requested for ``ranges`` (sorted, disjoint) when merged across holes up to ``gap``."""
+    total, lo, hi = 0, None, None
+    for a, b in ranges:
+        if hi is not None and a - hi <= gap:
+            hi = max(hi, b)
+            continue
+        if hi is not None:
+            total += hi - lo
+        lo, hi = a, b
+    return total + (hi - lo if hi is not None else 0)
+
+
+def by_rank(spans: Iterable[tuple]) -> dict[int, list[tuple[int, int]]]:
+    """rank -> the union of its spans ``(a, b, rank, ...)`` (file offsets)."""
+    out: dict[int, list] = {}
+    for s in spans:
+        out.setdefault(s[2], []).append(s)
+    return {r: union(v) for r, v in sorted(out.items())}
+
+
+def cut(whole: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """``n`` contiguous runs ``[lo, hi)`` tiling ``whole`` (sorted disjoint ranges) from its first byte to its
+    last, each holding ``total / n`` of its bytes (rounded down; the last takes the rest)."""
+    total = sum(b - a for a, b in whole)
+    bounds, at, k = [whole[0][0]], 0, 1
+    for a, b in whole:
+        while k < n and at + (b - a) > total * k // n:
+            bounds.append(a + total * k // n - at)
+            k += 1
+        at += b - a
+    bounds.append(whole[-1][1])
+    return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]]
+
+
+def runs(spans: list[tuple], order: int = 0, size: int = RUN_BYTES, gap: int = RUN_GAP) -> list[tuple[int, int, int]]:
+    """The runs ``(lo, hi, owner)`` of one object, or ``[]`` (its readers read as they are). ``spans``:
+    ``(first byte, end, rank, ...)`` in file offsets, every rank's; ``order``: the object's position among
+    the checkpoint's files (turns the owners from one object to the next, so the runs spread over ranks).
+
+    Runs are planned when two or more ranks read the object and their own requests (merged across
+    ``gap``) would fetch over 1/:data:`RUN_SLACK` more than the union of their bytes. The union is cut
+    into ``n = min(readers, ceil(union / size))`` runs of equal bytes (:func:`cut`); each run's owner is
+    the reader needing most of it, ties to the reader first in the rotated order (``order x n`` places
+    on), each reader owning at most one run per object. Deterministic: a function of the set of spans."""
+    mine = by_rank(spans)
+    whole = union((a, b) for r in mine.values() for a, b in r)
+    total = sum(b - a for a, b in whole)
+    if len(mine) < 2 or sum(_merged_bytes(r, gap) for r in mine.values()) * RUN_SLACK <= total * (RUN_SLACK + 1):
+        return []
+    readers = sorted(mine)
+    n = min(len(readers), max(1, -(-total // size)))
+    tiles = cut(whole, n)
+    turn = {r: (i - order * len(tiles)) % len(readers) for i, r in enumerate(readers)}
+    need = sorted((-_inside(mine[r], lo, hi), turn[r], j, r) for j, (lo, hi) in enumerate(tiles) for r in readers)
+    owner: dict[int, int] = {}
+    for _, _, j, r in need:
+        if j not in owner and r not in owner.values():
+            owner[j] = r
+    return [(lo, hi, owner[j]) for j, (lo, hi) in enumerate(tiles)]
+
+
+def _inside(ranges: list[tuple[int, int]], lo: int, hi: int) -> int:
+    return sum(max(0, min(b, hi) - max(a, lo)) for a, b in ranges)
+
+
+def run_deliveries(spans: list[tuple], cuts: list[tuple[int, int, int]], file: str) -> list[Delivery]:
+    """Every delivery of one object's runs: each rank's bytes (``spans``: ``(first byte, end, rank, chunk
+    key, chunk's first byte)``, file offsets) inside another rank's run, chunk-relative, one per span piece
+    (a rank's spans of one chunk joined first: each byte is delivered once). Sorted."""
+    per: dict[tuple[int, str, int], list] = {}
+    for a, b, r, key, s in spans:
+        per.setdefault((r, key, s), []).append((a, b))
+    out = []
+    for (r, key, s), ranges in per.items():
+        for a, b in union(ranges):
+            for lo, hi, o in cuts:
+                if o != r and lo < b and hi > a:
+                    out.append(Delivery(o, r, file, key, max(a, lo) - s, min(b, hi) - s))
+    return sorted(out)
+
+
+def owned(spans: list[tuple], cuts: list[tuple[int, int, int]], me: int, gap: int = OWN_GAP) -> list[tuple[int, int]]:
+    """The byte ranges ``me`` requests for its runs: the union of every rank's spans inside them, merged
+    across holes up to ``gap`` (few GETs; a hole is bytes nobody reads)."""
+    whole = union((a, b) for a, b, *_ in spans)
+    out: list[tuple[int, int]] = []
+    for lo, hi, o in cuts:
+        if o != me:
+            continue
+        for a, b in whole:
+            a, b = max(a, lo), min(b, hi)
+            if b <= a:
+                continue
+            if out and a - out[-1][1] <= gap:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+    return out
+
+
+def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
+              start_of: Callable[[str, str], int], keys_in: Callable[[str], set[int]],
+              order_of: Callable[[str], int]) -> tuple[list[Delivery], dict[str, list[tuple[int, int]]]]:
+    """(the deliveries ``me`` sends or receives, sorted as :func:`plan`'s; file -> the ranges ``me`` requests
+    as the owner of runs there) for objects. ``keys_in(file)``: the checkpoint key indices stored in a
+    file ``me`` reads (from its header). Every reader of an object expands the boxes of every key stored
+    in it, so all of them see the same spans there and cut it alike (:func:`runs`): an owner and each of
+    its receivers derive the same deliveries, from nothing but the files they both read."""
+    keys: set[int] = set()
+    for f in sorted(files):
+        keys |= keys_in(f)
+    spans = spans_of(every.boxes(keys), md, names, itemsize, files) if keys else {}
+    out: list[Delivery] = []
+    mine: dict[str, list[tuple[int, int]]] = {}
+    for file, fs in sorted(spans.items()):
+        if not any(r == me for *_, r in fs):
+            continue
+        absolute = [(s + lo, s + hi, r, key, s) for key, lo, hi, r in fs for s in (start_of(file, key),)]
+        cuts = runs(absolute, order_of(file))
+        if cuts:
+            out.extend(d for d in run_deliveries(absolute, cuts, file) if me in (d.owner, d.receiver))
+            mine[file] = owned(absolute, cuts, me)
+    return sorted(out), mine
