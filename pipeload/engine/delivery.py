@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..io import storage
 from ..io.reader import copy_box
 from ..move.mover import Transfers
 from ..plan import partdelivery
@@ -49,17 +50,21 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
     gathered rows' hosts and the headers of the files this rank reads (``my_items``: its ReadItems).
     Every reader of a file decides alike from its header; a DCP item that is not stored in place (decoded
     by torch.load) gives its blob's start: its pages are then misjudged alike on every rank (no saving),
-    and the bytes still exact (parts are chunk-relative, from ``buffer()`` on both ends). Object stores
-    never come here (the loader turns it off for URLs).
+    and the bytes still exact (parts are chunk-relative, from ``buffer()`` on both ends). Objects (a
+    checkpoint in object storage) are planned by runs instead (:func:`pipeload.plan.partdelivery.plan_runs`):
+    the ranges this rank fetches as an owner are left in ``reader.runs`` for :func:`deliver`.
 
     A DCP chunk's position is learnt from its blob's head: before deciding pages, the first reader of
     each chunk read on several hosts sends its position to the other readers (:func:`_locate`), the only
     messages of this step, point to point, planned from the same data on both ends."""
     me, hosts = comm.rank, rows[:, F_HOST].tolist()
     files = {name for name in {item.file for item in my_items if item.nbytes} if _in_place(reader, name)}
+    reader.runs = {}
     if not files:
         return Planned([], [])
     _, itemsize = md.key_arrays(names)
+    if storage.is_url(reader.directory):
+        return Planned(_plan_runs(gp, md, names, itemsize, reader, me, files), [])
     starts: dict[tuple[str, str], int] = {}  # (a DCP item's start costs a read of its local header)
     layouts: dict[str, Any] = {}  # (each a sort of the file's header entries)
 
@@ -144,6 +149,27 @@ def install(reader, located: list[tuple[str, str, int, int]]) -> None:
     reader.located = table
 
 
+def _plan_runs(gp, md, names: list[str], itemsize, reader, me: int, files: set[str]) -> list[Delivery]:
+    """Objects: this rank's deliveries by runs; the ranges it fetches as an owner go to ``reader.runs``.
+    Each object's chunk offsets and keys come from its header, which every reader of it holds."""
+    index, order = md.key_index(), {name: i for i, name in enumerate(md.files)}
+
+    def keys_in(file: str) -> set[int]:
+        out = set()
+        for name in reader.file(file).keys():
+            k = index.get(name)
+            if k is None and "@" in name:
+                k = index.get(name.rsplit("@", 1)[0])
+            if k is not None:
+                out.add(k)
+        return out
+
+    out, reader.runs = partdelivery.plan_runs(
+        gp.every(), md, names, itemsize, me, files, lambda file, key: _start(reader.file(file), key), keys_in,
+        lambda file: order.get(file, 0))
+    return out
+
+
 def _layout(f: Any) -> tuple[list[int], list[int], list[str]] | None:
     """The chunks of an open file as (first bytes, ends, keys), by first byte, from its header (a DCP
     file: its blobs, from the checkpoint's metadata, each holding its chunk's head and tail too); None for
@@ -188,6 +214,7 @@ def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
     """One message: the bytes of ``parts`` read from this rank's files, back to back; a part whose read
     fails stays zero and the failure is recorded (the agreement fails the load on every rank)."""
     msg = torch.zeros(sum(d.hi - d.lo for d in parts), dtype=torch.uint8)
+    objects = storage.is_url(reader.directory)  # (an object's buffer() would fetch its whole chunk)
     for d in parts:  # every page asked for at once: storage serves them while the first are copied
         try:
             f = reader.file(d.file)
@@ -200,12 +227,28 @@ def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
         n = d.hi - d.lo
         try:
             f = reader.file(d.file)
-            src = torch.frombuffer(reader._bytes(f, d.key, ""), dtype=torch.uint8)
-            copy_box(msg[at : at + n], src[d.lo : d.hi], f.path)
+            if objects:
+                start = _start(f, d.key)
+                src = torch.frombuffer(f.span(start + d.lo, start + d.hi), dtype=torch.uint8) if n else msg[:0]
+            else:
+                src = torch.frombuffer(reader._bytes(f, d.key, ""), dtype=torch.uint8)[d.lo : d.hi]
+            copy_box(msg[at : at + n], src, f.path)
         except Exception as e:  # noqa: BLE001 - still sent: the receiver waits for it
             counters.fail(d.key, d.file, e)
         at += n
     return msg
+
+
+def _fetch_runs(reader) -> None:
+    """Objects: request this rank's runs (``reader.runs``) now, in large GETs, before any part is packed
+    from them (a part's own request would then be a GET of its few KiB)."""
+    for name, ranges in sorted(getattr(reader, "runs", {}).items()):
+        try:
+            f = reader.file(name)
+            for lo, hi in ranges:
+                f.advise("willneed", lo, hi)
+        except Exception:  # noqa: BLE001 - a hint only: the parts' reads report what is wrong
+            pass
 
 
 def deliver(comm, reader, deliveries: list[Delivery], counters, what: str) -> None:
@@ -213,6 +256,7 @@ def deliver(comm, reader, deliveries: list[Delivery], counters, what: str) -> No
     bytes as the reader's patches. Counts ``counters.pages_delivered`` (deliveries this rank took part
     in), ``part_bytes_sent`` and ``part_bytes_received``."""
     me, wire = comm.rank, comm.broadcast_device  # (under NCCL the messages are device tensors)
+    _fetch_runs(reader)
     pairs = _pairs(deliveries)
     t = Transfers(comm, what, limit=1 << 62)
     received: list[tuple[list[Delivery], torch.Tensor]] = []

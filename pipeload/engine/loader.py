@@ -362,7 +362,7 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
             opts.broadcast_batch_bytes, opts.broadcast_groups, reader, (pool, ahead), run.clock,
             (opts.format, opts.key_map, opts.cast), keepable=start.cache_key is not None,
             private_only=start.private_only, sent=start.sent, host=run.host, refusal=opts._refusal,
-            part_delivery=opts.part_delivery == "auto" and not storage.is_url(run.directory))
+            part_delivery=opts.part_delivery == "auto")
         _count_plan(run.stats, prep, reader)
         counters = Counters()
         decoded = await _execute_and_agree(run, opts, prep, reader, pool, counters, start.cache_key)

@@ -197,6 +197,8 @@ class ChunkReader:
         # file -> {key: (start, end)}: where another reader found chunks whose position is learnt from
         # their own header (a DCP blob's head, pipeload.engine.delivery.plan): this rank skips reading it
         self.located: dict[str, dict[str, tuple[int, int]]] = {}
+        # objects: file -> byte ranges this rank fetches as the owner of runs (pipeload.engine.delivery)
+        self.runs: dict[str, list[tuple[int, int]]] = {}
 
     def attach(self, ckpt, *, cast: bool = False) -> None:
         """Serve the chunks of ``ckpt`` (a :class:`pipeload.formats.Checkpoint` of any layout).
@@ -210,7 +212,7 @@ class ChunkReader:
         self.cast = cast
         self.merge_gap = _MERGE_GAP if ckpt.merge_gap is None else ckpt.merge_gap
         self._expected, self._gaps = {}, {}
-        self.patches, self.located = {}, {}
+        self.patches, self.located, self.runs = {}, {}, {}
         opener, capacity = ckpt.opener, self.cache.capacity
         if storage.is_url(ckpt.root):  # objects: reopening one drops what it staged (and may cost a header GET)
             opener = opener or storage.open_safetensors
@@ -324,13 +326,18 @@ class ChunkReader:
                        if a < hi and b > lo), key=lambda c: c[:2])
         at, source = lo, os.path.join(self.directory, item.file)
         buf = None
+        first = f.entry(item.key)[2]
+        objects = storage.is_url(self.directory)  # (an object's buffer() would fetch its whole chunk)
         for a, b, data in [*cuts, (hi, hi, None)]:
             if a > at:  # a run this rank reads itself
-                if buf is None:
-                    buf = torch.frombuffer(self._bytes(f, item.key, item.checksum), dtype=torch.uint8)
-                    first = f.entry(item.key)[2]
-                    f.advise("willneed", first + at, first + self._trimmed(item, lo, hi)[1])
-                copy_box(flat[at - lo : a - lo], buf[at:a], source)
+                if objects:
+                    copy_box(flat[at - lo : a - lo], torch.frombuffer(f.span(first + at, first + a),
+                                                                      dtype=torch.uint8), source)
+                else:
+                    if buf is None:
+                        buf = torch.frombuffer(self._bytes(f, item.key, item.checksum), dtype=torch.uint8)
+                        f.advise("willneed", first + at, first + self._trimmed(item, lo, hi)[1])
+                    copy_box(flat[at - lo : a - lo], buf[at:a], source)
             if data is not None and b > a:
                 flat[a - lo : b - lo].copy_(data)
             at = max(at, b)
