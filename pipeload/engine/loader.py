@@ -858,8 +858,11 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
             (some box cuts a stored chunk), the page where two ranks' parts of a chunk meet is read once,
             by its owner (the reader needing most of it), who sends the ranks of other hosts their bytes
             of it point to point before any broadcast (:mod:`pipeload.plan.partdelivery`, its costs
-            ``STORAGE_COST`` and ``WIRE_COST``). Local files only (an object store's cost is requests),
-            never within a host (one page cache); ``LoadStats.pages_delivered`` and ``part_bytes_*``.
+            ``STORAGE_COST`` and ``WIRE_COST``), never within a host (one page cache). From an object
+            store (``s3://``) the unit is a run instead of a page: each object whose readers' own requests
+            would fetch other ranks' bytes is cut into a few contiguous runs, each fetched by one reader in
+            large GETs, which sends the other ranks their bytes inside it (``RUN_BYTES``, ``RUN_SLACK``).
+            ``LoadStats.pages_delivered`` (parts, either form) and ``part_bytes_*``.
         broadcast_groups: process groups the load may reuse for broadcasting (DTensor mesh groups in the
             state dict are reused automatically).
         broadcast_batch_bytes: shards smaller than this are packed into one broadcast (6 MiB).

@@ -27,6 +27,9 @@ Rules (a pure function of those inputs, so an owner and a receiver derive the sa
 
 Cost: one sort of the spans of the files this rank reads, ``O(S log S)``; the boxes are expanded into
 spans only for checkpoint keys stored in those files.
+
+Objects (a checkpoint in object storage) are planned by contiguous runs instead of pages (:func:`runs`,
+:func:`plan_runs`, below): there a page saves nothing, a GET and its bytes do.
 """
 
 from __future__ import annotations
