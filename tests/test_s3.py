@@ -535,7 +535,15 @@ def test_s3_layout_change_fetches_each_byte_once(s3, tmp_path):
     res = run_world(world_s3_layouts, 4, str(tmp_path), server.port, links, timeout=200, separate_hosts=True)
     listed = server.client().list_objects_v2(Bucket="clean", Prefix="whole/")["Contents"]
     objects = sum(o["Size"] for o in listed)
+    bound = 0
     for case in ("tp4", "dp2tp2"):
         fetched = sum(s[case].bytes_fetched for s in res)
         assert fetched <= 1.02 * objects, (case, fetched, objects, [s[case].bytes_fetched for s in res])
         assert sum(s[case].part_bytes_received for s in res) > 0  # the other ranks' pieces came by delivery
+        bound += math.ceil(fetched / (8 << 20)) + 2 * len(listed)
+    gets = _gets(proxy, "/clean/whole/")
+    assert len(gets) <= bound, [(r.link, r.path, r.range) for r in gets]
+    # the data objects' headers came with the metadata: one header GET each per load (rank 0's)
+    data = [o["Key"] for o in listed if o["Key"].startswith("whole/data-")]
+    heads = [r for r in gets if "/data-" in r.path and (r.range or "").startswith("bytes=0-")]
+    assert len(heads) == 2 * len(data) and {r.link for r in heads} == {0}, [(r.link, r.path) for r in heads]

@@ -129,7 +129,7 @@ def read_payload(path: str | os.PathLike, format: str | None = None) -> tuple[st
         raise ValueError(f"format must be one of {', '.join(FORMATS)} or None, got {format!r}")
     module = {"pipeload": native, "dcp": dcp, "hf": hf}[format]
     if storage.is_url(path):
-        data = hf.read_payload(path, versions) if format == "hf" else module.read_payload(path)
+        data = module.read_payload(path, versions) if format in ("hf", "pipeload") else module.read_payload(path)
         return format, data, versions
     return format, module.read_payload(path)
 

@@ -11,8 +11,10 @@ from .chunkindex import INLINE_INDEX
 from .metadata import Metadata, metadata_path, read_metadata_bytes, resolve_inside
 
 
-def read_payload(path: str) -> tuple[bytes, tuple[str, bytes] | None]:
-    """(``.metadata`` bytes, (name, bytes) of the format-2 chunk index when it is small, else None).
+def read_payload(path: str, versions: dict | None = None) -> tuple:
+    """(``.metadata`` bytes, (name, bytes) of the format-2 chunk index when it is small, else None), and
+    for objects (``versions``: rank 0's snapshot of the prefix) the data objects' headers
+    (:func:`object_headers`).
 
     Decoded on every rank (JSON and safetensors: no pickle); a large index is mapped by each rank. The
     index's name is found without parsing the JSON here (rank 0 would parse it twice per load: the
@@ -25,17 +27,73 @@ def read_payload(path: str) -> tuple[bytes, tuple[str, bytes] | None]:
         name = m.group(1).decode("utf-8", "replace")
         raw = read_small_index(path, name)
         index = (name, raw) if raw is not None else None
-    return data, index
+    if versions is None:
+        return data, index
+    return data, index, object_headers(path, data, versions)
 
 
 _HEAD = 4096  # .metadata format 2 names its index among its first keys (Metadata.to_json_v2)
 _INDEX_NAME = re.compile(rb'"index"\s*:\s*"([^"\\/]{1,255})"')
+_SAVE_ID = re.compile(rb'"save_id"\s*:\s*"([0-9A-Za-z_.-]{1,64})"')
+SHARED_HEADERS = 64  # objects: rank 0 sends the headers of at most this many data objects with .metadata
+HEADER_READS = 16  # headers rank 0 fetches at once
+
+
+def object_headers(path: str, md_bytes: bytes, versions: dict) -> dict[str, tuple[int, str, bytes]]:
+    """name -> (size, ETag, first ``8 + n`` bytes) of each data object of this save (``data-SAVEID-*``,
+    from rank 0's snapshot ``versions``), fetched by rank 0 at once (one GET each, up to
+    :data:`HEADER_READS` in flight), so that the ranks open them without a header GET each (R x files
+    GETs become files). Only up to :data:`SHARED_HEADERS` objects (at scale each rank opens a few of
+    thousands: every rank receiving every header would cost more than it saves); an object whose header
+    fails here, or that has no ETag, is left out (its readers fetch it and report what is wrong)."""
+    from ..io.storage import join, read_object_header
+
+    m = _SAVE_ID.search(md_bytes, 0, _HEAD)
+    if m is None:
+        return {}
+    first = f"data-{m.group(1).decode()}-"
+    names = sorted(n for n in versions if n.startswith(first) and n.endswith(".safetensors"))
+    if not names or len(names) > SHARED_HEADERS:
+        return {}
+
+    def one(name: str):
+        try:
+            return read_object_header(join(path, name))[1]
+        except Exception:  # noqa: BLE001 - left to the object's readers
+            return None
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(HEADER_READS, len(names)), thread_name_prefix="pipeload-headers") as pool:
+        got = list(pool.map(one, names))
+    return {n: v for n, v in zip(names, got) if v is not None and v[1]}
+
+
+class _SharedHeaders:
+    """Opener of a checkpoint's data objects from the headers rank 0 read (:func:`object_headers`): each is
+    opened at the size and ETag rank 0 read its header at, with those bytes, validated as a fetched header
+    is; every GET of it carries If-Match that ETag, so an object replaced since fails its first read (a
+    ReadError naming it). Another path is opened as before (its header fetched)."""
+
+    def __init__(self, root: str, headers: dict[str, tuple[int, str, bytes]]):
+        from ..io.storage import join
+
+        self.at = {join(root, name): version for name, version in headers.items()}
+
+    def __call__(self, path: str):
+        from ..io.storage import open_safetensors
+
+        hit = self.at.get(path)
+        return open_safetensors(path) if hit is None else open_safetensors(path, *hit)
 
 
 def from_payload(path: str, data):
     """(root, Metadata, opener, file metadata): the data files are safetensors, keyed by name."""
-    md_bytes, index = data
-    return path, Metadata.from_json(md_bytes, source=metadata_path(path), directory=path, index_data=index), None, {}
+    md_bytes, index = data[:2]
+    headers = data[2] if len(data) > 2 else None
+    opener = _SharedHeaders(path, headers) if headers else None
+    md = Metadata.from_json(md_bytes, source=metadata_path(path), directory=path, index_data=index)
+    return path, md, opener, {}
 
 
 def read_small_index(directory: str, name: str) -> bytes | None:
