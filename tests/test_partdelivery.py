@@ -217,3 +217,16 @@ def test_overlapping_spans_of_replicas_are_delivered_once_each():
     cuts = runs(spans)
     assert len(cuts) == 3
     _check_runs(spans, cuts)
+
+
+def test_cut_balances_bytes_across_holes_and_owners_skip_long_holes():
+    from pipeload.plan.partdelivery import cut, owned
+
+    whole = [(0, 100), (300, 400), (1000, 1100)]  # 300 bytes, holes of 200 and 600
+    assert cut(whole, 1) == [(0, 1100)]
+    assert cut(whole, 3) == [(0, 300), (300, 1000), (1000, 1100)]  # 100 bytes each
+    assert cut(whole, 2) == [(0, 350), (350, 1100)]
+    spans = [(a, b, 0, "k", 0) for a, b in whole]
+    cuts = [(0, 350, 0), (350, 1100, 1)]
+    assert owned(spans, cuts, 0, gap=250) == [(0, 350)]  # the 200-byte hole is requested across
+    assert owned(spans, cuts, 1, gap=250) == [(350, 400), (1000, 1100)]  # the 600-byte one is not

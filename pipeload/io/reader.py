@@ -309,17 +309,20 @@ class ChunkReader:
         """Copy ``item`` into ``out`` taking its delivered bytes from :attr:`patches` and the rest from
         the file (a byte-range copy; through a staging buffer when the destination box is strided); False
         (nothing done: the caller reads the item whole, still exact) unless the item has delivered parts,
-        is contiguous in its chunk, its destination is host memory of the stored dtype, and no checksum
-        is pending."""
+        is contiguous in its chunk, its destination is of the stored dtype, in host memory (objects: any
+        device, staged on the host: a run's owner sent the rest, and reading the item whole would fetch
+        it again), and no checksum is pending."""
         parts = self.patches.get((item.file, item.key))
         if not parts or self.cast or (self.verify and item.checksum and (f.path, item.key) not in self._verified):
             return False
         lo, hi = self._chunk_span(item)
         dst = narrow(out, item.dest_offsets, item.lengths)
-        if (hi - lo != item.nbytes or dst.device.type != "cpu" or dst.is_conj() or dst.is_neg()
+        objects = storage.is_url(self.directory)  # (an object's buffer() would fetch its whole chunk)
+        host = dst.device.type == "cpu"
+        if (hi - lo != item.nbytes or not (host or objects) or dst.is_conj() or dst.is_neg()
                 or not hasattr(f, "buffer") or item.nbytes != dst.nbytes):
             return False
-        staged = not dst.is_contiguous()
+        staged = not dst.is_contiguous() or not host
         flat = (torch.empty(item.nbytes, dtype=torch.uint8) if staged else
                 dst.view(-1).view(torch.uint8) if dst.numel() else dst.view(torch.uint8))
         cuts = sorted(((max(a, lo), min(b, hi), data[max(a, lo) - a : min(b, hi) - a]) for a, b, data in parts
@@ -327,7 +330,6 @@ class ChunkReader:
         at, source = lo, os.path.join(self.directory, item.file)
         buf = None
         first = f.entry(item.key)[2]
-        objects = storage.is_url(self.directory)  # (an object's buffer() would fetch its whole chunk)
         for a, b, data in [*cuts, (hi, hi, None)]:
             if a > at:  # a run this rank reads itself
                 if objects:
@@ -341,8 +343,10 @@ class ChunkReader:
             if data is not None and b > a:
                 flat[a - lo : b - lo].copy_(data)
             at = max(at, b)
-        if staged:
+        if staged and host:
             dst.copy_(flat.view(dst.dtype).view(dst.shape))
+        elif staged:
+            copy_box(dst, flat.view(dst.dtype).view(dst.shape), source, self.ring)
         return True
 
     def _bytes(self, f: SafetensorsFile, key: str, expect_checksum: str) -> memoryview:
