@@ -239,9 +239,10 @@ def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
     return msg
 
 
-def _fetch_runs(reader) -> None:
+def fetch_runs(reader) -> None:
     """Objects: request this rank's runs (``reader.runs``) now, in large GETs, before any part is packed
-    from them (a part's own request would then be a GET of its few KiB)."""
+    from them (a part's own request would then be a GET of its few KiB) and before any read (the
+    phases' and windows' requests then find the bytes staged). Never blocks."""
     for name, ranges in sorted(getattr(reader, "runs", {}).items()):
         try:
             f = reader.file(name)
@@ -256,7 +257,6 @@ def deliver(comm, reader, deliveries: list[Delivery], counters, what: str) -> No
     bytes as the reader's patches. Counts ``counters.pages_delivered`` (deliveries this rank took part
     in), ``part_bytes_sent`` and ``part_bytes_received``."""
     me, wire = comm.rank, comm.broadcast_device  # (under NCCL the messages are device tensors)
-    _fetch_runs(reader)
     pairs = _pairs(deliveries)
     t = Transfers(comm, what, limit=1 << 62)
     received: list[tuple[list[Delivery], torch.Tensor]] = []

@@ -790,6 +790,8 @@ async def _execute(comm, reader, pool, shared, private, objects, groups, gp, cou
     on_bytes = bar.update if bar is not None else None
     reader.set_patches(())
     delivery.install(reader, located)  # (a reused plan's: this load's reader has not seen them)
+    if reader.runs:  # objects: the ranges planned with part delivery, asked for at once
+        await asyncio.get_running_loop().run_in_executor(pool, delivery.fetch_runs, reader)
     if deliveries:
         await asyncio.get_running_loop().run_in_executor(
             pool, delivery.deliver, comm, reader, deliveries, counters, f"pipeload.load from {reader.directory}")

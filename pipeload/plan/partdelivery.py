@@ -522,7 +522,9 @@ def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
               start_of: Callable[[str, str], int], keys_in: Callable[[str], set[int]],
               order_of: Callable[[str], int]) -> tuple[list[Delivery], dict[str, list[tuple[int, int]]]]:
     """(the deliveries ``me`` sends or receives, sorted as :func:`plan`'s; file -> the ranges ``me`` requests
-    as the owner of runs there) for objects. ``keys_in(file)``: the checkpoint key indices stored in a
+    at once, before any read: as the owner of runs there, or, in an object without runs, its own spans
+    merged across :data:`RUN_GAP`: few GETs of whole parts, instead of one per phase and window) for
+    objects. ``keys_in(file)``: the checkpoint key indices stored in a
     file ``me`` reads (from its header). Every reader of an object expands the boxes of every key stored
     in it, so all of them see the same spans there and cut it alike (:func:`runs`): an owner and each of
     its receivers derive the same deliveries, from nothing but the files they both read."""
@@ -540,4 +542,7 @@ def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
         if cuts:
             out.extend(d for d in run_deliveries(absolute, cuts, file) if me in (d.owner, d.receiver))
             mine[file] = owned(absolute, cuts, me)
+        else:  # its own requests fetch nothing twice: asked for at once, merged as the reader merges them
+            mine[file] = union((a, b + RUN_GAP) for a, b in by_rank(absolute).get(me, ()))
+            mine[file] = [(a, b - RUN_GAP) for a, b in mine[file]]
     return sorted(out), mine
