@@ -656,7 +656,7 @@ def _metadata_bytes(directory: str, format: str | None) -> bytes:
     """Rank 0's metadata for everyone, pickled: the layout's payload, or the error reading it raised (which
     then reaches every rank, as a problem of each, after the exchange)."""
     try:
-        payload = formats.read_payload(directory, format)
+        payload = formats.read_payload(directory, format, headers=True)
     except Exception as e:  # noqa: BLE001 - any failure must still reach the broadcast
         payload = e if isinstance(e, PipeloadError) else CheckpointFormatError(f"{directory}: {type(e).__name__}: {e}")
     try:

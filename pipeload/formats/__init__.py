@@ -112,11 +112,13 @@ def _detect_url(path: str, names) -> str:
     raise CheckpointFormatError(f"{path}: not a checkpoint (no {METADATA_FILE}, no *.safetensors objects)")
 
 
-def read_payload(path: str | os.PathLike, format: str | None = None) -> tuple[str, Any]:
+def read_payload(path: str | os.PathLike, format: str | None = None, headers: bool = False) -> tuple[str, Any]:
     """What one rank reads for everyone: (format, layout-specific data), picklable.
 
     It holds no path: ranks may load the same checkpoint from different paths (a copy per node), and
-    each decodes the payload against its own (:func:`from_payload`).
+    each decodes the payload against its own (:func:`from_payload`). ``headers``: pipeload's layout in
+    object storage, the data objects' headers too (:func:`pipeload.formats.native.object_headers`: for
+    a load's ranks, who would each fetch the headers of the objects they open).
     """
     path = os.fspath(path)
     if storage.is_url(path):  # the versions every rank reads, pinned now: (format, data, versions)
@@ -129,7 +131,9 @@ def read_payload(path: str | os.PathLike, format: str | None = None) -> tuple[st
         raise ValueError(f"format must be one of {', '.join(FORMATS)} or None, got {format!r}")
     module = {"pipeload": native, "dcp": dcp, "hf": hf}[format]
     if storage.is_url(path):
-        data = module.read_payload(path, versions) if format in ("hf", "pipeload") else module.read_payload(path)
+        data = (hf.read_payload(path, versions) if format == "hf" else
+                native.read_payload(path, versions if headers else None) if format == "pipeload" else
+                module.read_payload(path))
         return format, data, versions
     return format, module.read_payload(path)
 

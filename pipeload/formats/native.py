@@ -13,7 +13,7 @@ from .metadata import Metadata, metadata_path, read_metadata_bytes, resolve_insi
 
 def read_payload(path: str, versions: dict | None = None) -> tuple:
     """(``.metadata`` bytes, (name, bytes) of the format-2 chunk index when it is small, else None), and
-    for objects (``versions``: rank 0's snapshot of the prefix) the data objects' headers
+    given an object prefix's snapshot (``versions``, rank 0's), the data objects' headers
     (:func:`object_headers`).
 
     Decoded on every rank (JSON and safetensors: no pickle); a large index is mapped by each rank. The
