@@ -1,5 +1,9 @@
 """Running part delivery (:mod:`pipeload.plan.partdelivery`): the owners' page bytes, point to point.
 
+From an object store the owners' bytes are those of their runs instead of pages (:func:`_plan_runs`):
+before anything else a rank asks for its planned ranges at once (:func:`fetch_runs`: its runs, in
+large GETs), then the messages go as below.
+
 Before the shared phase, for each (owner, receiver) pair of this rank in the order (owner, receiver),
 the owner reads its deliveries' bytes (from pages it reads anyway) into one packed message and sends it
 on the load's :class:`~pipeload.engine.comm.Comm`; the receiver posts one receive per pair. Every
