@@ -329,7 +329,7 @@ class ChunkReader:
                        if a < hi and b > lo), key=lambda c: c[:2])
         at, source = lo, os.path.join(self.directory, item.file)
         buf = None
-        first = f.entry(item.key)[2]
+        first = f.entry(item.key)[2] if objects else None  # (a local DCP item's: once buffer() located it)
         for a, b, data in [*cuts, (hi, hi, None)]:
             if a > at:  # a run this rank reads itself
                 if objects:
@@ -338,6 +338,7 @@ class ChunkReader:
                 else:
                     if buf is None:
                         buf = torch.frombuffer(self._bytes(f, item.key, item.checksum), dtype=torch.uint8)
+                        first = f.entry(item.key)[2]
                         f.advise("willneed", first + at, first + self._trimmed(item, lo, hi)[1])
                     copy_box(flat[at - lo : a - lo], buf[at:a], source)
             if data is not None and b > a:
