@@ -132,14 +132,25 @@ class _Raw:
         self.calls.append((lo, hi))
 
 
-def test_a_dcp_willneed_over_part_of_a_blob_asks_for_its_trailer_not_the_rest():
+def test_a_dcp_willneed_over_part_of_a_blob_asks_for_its_head_not_the_rest():
+    """A hint over part of an unlocated blob's tensor also covers what locating it reads (the blob's
+    head: the local headers), and the header's shift (slack) at its end, never the rest of the blob
+    (another rank's part); once the item is located (here or by another reader), the hint is exact."""
     f = object.__new__(DistcpFile)
     f.raw = _Raw()
-    f._blobs = [(0, 100_000), (100_000, 200_000)]
+    f._blobs = [(0, 100_000, "a"), (100_000, 200_000, "b")]
     f._blob_starts = [0, 100_000]
     f._slack = 900
-    f.advise("willneed", 0, 40_000)  # the first rows of the first blob's tensor
-    assert f.raw.calls == [(100_000 - 900, 100_000), (0, 40_900)]
+    f._resolved, f.located = {}, {}
+    f.advise("willneed", 0, 40_000)  # the first rows of the first blob's tensor: the head is in the range
+    assert f.raw.calls == [(0, 40_900)]
+    f.raw.calls.clear()
+    f.advise("willneed", 60_000, 99_000)  # its last rows: the head on its own, the end up to the blob's
+    assert f.raw.calls == [(0, 900), (60_000, 99_900)]
     f.raw.calls.clear()
     f.advise("willneed", 100_000, 199_500)  # up to within a header of the end: the whole blob
     assert f.raw.calls == [(100_000, 200_000)]
+    f.raw.calls.clear()
+    f.located = {"a": (704, 99_500)}  # another reader located "a"
+    f.advise("willneed", 60_000, 80_000)
+    assert f.raw.calls == [(60_000, 80_000)]

@@ -604,7 +604,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
                 piece = shared[pk] = piece_shard(s, pk)
                 if piece is not s:
                     cut.append((piece, s))
-    deliveries, located = _deliveries(workers[0], gp, md, names, reader, comm, rows_seen, shared, private, skip)
+    planned = _deliveries(workers[0], gp, md, names, reader, comm, rows_seen, shared, private, skip)
     clock.lap("plan")
 
     # 4. groups
@@ -612,8 +612,7 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
     clock.lap("groups")
     prep = _Prepared(plan, gp, shared, private, groups, created, list(plan.missing), unexpected,
                      rows_seen[0] if rows_seen else None, stat, ckpt, cut=cut, skip=skip,
-                     units=(len({k for k in pieces_of if k[0] < 0}), spanned - read_units), deliveries=deliveries,
-                     located=located)
+                     units=(len({k for k in pieces_of if k[0] < 0}), spanned - read_units), **planned._asdict())
     if keepable:  # taken now, as planned: an object a later load replaces is a leaf in it either way
         prep.signature = plancache.signature(state_dict)[0]
         prep.leaf_pos = plancache.leaf_positions(leaves, [*plan.leaf_paths(), *(o.fqn for o in plan.objects)])
