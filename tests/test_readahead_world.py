@@ -70,7 +70,7 @@ PART_CASE = ("small", "dp2tp2", "fsdp2tp2")
 REUSE_CASE = ("small", "dcp-tp1", "tp4")
 
 
-def _state_dict(model: str, mesh, fill: bool, fsdp: bool = False) -> dict:
+def _state_dict(model: str, mesh, fill: bool, fsdp: bool = False, dtype=torch.float32) -> dict:
     """The model on ``mesh`` (None: whole tensors), ``Replicate`` on dp, or with ``fsdp`` FSDP2 over TP:
     dp splits the TP shard's rows (``_StridedShard(0, 2)`` over ``Shard(0)``, ``Shard(0)`` over ``Shard(1)``)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -78,7 +78,7 @@ def _state_dict(model: str, mesh, fill: bool, fsdp: bool = False) -> dict:
 
     out = {}
     for name, (shape, kind) in MODELS[model].items():
-        g = L.global_value(name, shape, torch.float32) if fill else torch.zeros(shape)
+        g = L.global_value(name, shape, torch.float32) if fill else torch.zeros(shape, dtype=dtype)
         if mesh is None:  # TP 1: the whole tensor on every rank
             out[name] = g
             continue
@@ -92,7 +92,7 @@ def _check(model: str, sd: dict, where: str) -> None:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for name, (shape, _) in MODELS[model].items():
-        g = L.global_value(name, shape, torch.float32)
+        g = L.global_value(name, shape, torch.float32).to(sd[name].dtype)  # (a cast load: as copy_ converts)
         t = sd[name]
         if not hasattr(t, "to_local"):
             assert torch.equal(t, g), f"{where}: {name} differs"
@@ -144,6 +144,7 @@ def world_layouts(rank: int, world: int, root: str) -> dict:
     _check(model, sd, f"{model} {layout} -> {into} (part_delivery='off') on rank {rank}")
     out["off"] = (stats.bytes_read, read, stats.pages_delivered)
     out["failed"] = _owner_fails(rank, d, sd)
+    out["fallbacks"] = _fallbacks(rank, d, mesh[into])
     model, layout, into = REUSE_CASE
     d = os.path.join(root, f"{model}-{layout}-{rank}")
     sd = _state_dict(model, mesh[into], False)
@@ -151,6 +152,21 @@ def world_layouts(rank: int, world: int, root: str) -> dict:
         stats, read = _device_bytes(d, lambda: pipeload.load(sd, d))
         _check(model, sd, f"{model} {layout} -> {into} (plan kept, load {i}) on rank {rank}")
     out["reused"] = (stats.bytes_read, read, stats.plan_reused)
+    return out
+
+
+def _fallbacks(rank: int, d: str, mesh) -> list[int]:
+    """PART_CASE where a receiver's patched reads fall back to reading their items whole: checksums
+    verified (the parts still delivered: every owner sends what its receivers planned to get), and
+    float64 destinations (``cast=True``: no part delivery, the stored bytes are converted while copied).
+    Both exact. Returns each load's deliveries."""
+    model, layout, into = PART_CASE
+    out = []
+    for kw, dtype in (({"verify_checksums": True}, torch.float32), ({"cast": True}, torch.float64)):
+        sd = _state_dict(model, mesh, False, True, dtype)
+        stats = pipeload.load(sd, d, reuse_plan=False, **kw)
+        _check(model, sd, f"{model} {layout} -> {into} ({kw}) on rank {rank}")
+        out.append(stats.pages_delivered)
     return out
 
 
@@ -191,6 +207,7 @@ def test_layout_changes_read_each_stored_byte_about_once_from_the_device(tmp_pat
     print(f"{PART_CASE}: part delivery off {off}, on {ratio[PART_CASE]}, delivered {delivered}")
     assert ratio[PART_CASE] < off - 0.1, (ratio[PART_CASE], off)
     assert all("injected: an owner's page read failed" in r["failed"] for r in results), [r["failed"] for r in results]
+    assert all(r["fallbacks"][0] > 0 == r["fallbacks"][1] for r in results), [r["fallbacks"] for r in results]
     reused = round(sum(r["reused"][1] for r in results) / UNIQUE[REUSE_CASE[0]], 3)
     print(f"{REUSE_CASE} with its plan reused: {reused}")
     assert all(r["reused"][2] for r in results) and sum(r["reused"][0] for r in results) == UNIQUE[REUSE_CASE[0]]

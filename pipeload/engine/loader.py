@@ -362,7 +362,7 @@ async def _load(state_dict: dict, checkpoint_dir: str | os.PathLike, guard: Guar
             opts.broadcast_batch_bytes, opts.broadcast_groups, reader, (pool, ahead), run.clock,
             (opts.format, opts.key_map, opts.cast), keepable=start.cache_key is not None,
             private_only=start.private_only, sent=start.sent, host=run.host, refusal=opts._refusal,
-            part_delivery=opts.part_delivery == "auto")
+            part_delivery=opts.part_delivery == "auto" and not opts.cast)  # (cast: read whole, see load)
         _count_plan(run.stats, prep, reader)
         counters = Counters()
         decoded = await _execute_and_agree(run, opts, prep, reader, pool, counters, start.cache_key)
@@ -863,6 +863,7 @@ def load(state_dict: dict, checkpoint_dir: str | os.PathLike, **options: Any) ->
             store (``s3://``) the unit is a run instead of a page: each object whose readers' own requests
             would fetch other ranks' bytes is cut into a few contiguous runs, each fetched by one reader in
             large GETs, which sends the other ranks their bytes inside it (``RUN_BYTES``, ``RUN_SLACK``).
+            Off with ``cast=True`` (each item is read whole and converted while copied).
             ``LoadStats.pages_delivered`` (parts, either form) and ``part_bytes_*``.
         broadcast_groups: process groups the load may reuse for broadcasting (DTensor mesh groups in the
             state dict are reused automatically).
