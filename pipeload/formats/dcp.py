@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import io
 import math
 import os
@@ -345,65 +346,83 @@ def locate_tensor(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]
 def _walk_records(blob: memoryview, dtype: torch.dtype, lengths: tuple[int, ...]) -> tuple[int, int]:
     """:func:`locate_tensor` by the local headers: ``data.pkl`` first, then small records, until the
     storage record data.pkl names. A record written with a data descriptor (sizes after the data, as
-    torch.save writes them) is sized by the descriptor that follows it: the first one within
-    ``_WALK_WINDOW`` whose size field equals its distance from the data (signature, CRC, two sizes)."""
-    p, prefix, want, n = 0, None, None, len(blob)
-    while p + 30 <= min(n, _WALK_WINDOW):
-        sig, flags, method, csize, usize, nlen, elen = _LOCAL_FULL.unpack_from(blob, p)
+    torch.save writes them) is sized by the descriptor that follows it: the first one whose size fields
+    equal its distance from the data (signature, CRC, two sizes). Walks a copy of the blob's first KiB
+    (torch.save's records before a tensor's bytes take ~700), four times more while it falls short, up
+    to ``_WALK_WINDOW``: only the pages before the tensor's bytes are touched."""
+    size, limit = 1024, min(len(blob), _WALK_WINDOW)
+    while True:
+        head = bytes(blob[: min(size, limit)])
+        try:
+            return _walk(head, len(blob), dtype, lengths)
+        except _Short:
+            if len(head) >= limit:
+                raise _Unexpected("storage record not found by the local headers") from None
+            size *= 4
+
+
+class _Short(Exception):
+    """The walk needs bytes past the copy of the blob's head it was given."""
+
+
+def _walk(head: bytes, total: int, dtype: torch.dtype, lengths: tuple[int, ...]) -> tuple[int, int]:
+    """:func:`_walk_records` over ``head``, the first bytes of a blob of ``total`` bytes; raises
+    :class:`_Short` when it needs more of them."""
+    p, prefix, want, got = 0, None, None, None
+    while True:
+        if p + 30 > len(head):
+            raise _Short
+        sig, flags, method, csize, usize, nlen, elen = _LOCAL_FULL.unpack_from(head, p)
         if sig != _LOCAL or method != 0:
             raise _Unexpected("not a stored local header")
-        name = bytes(blob[p + 30 : p + 30 + nlen]).decode("utf-8", "replace")
         start = p + 30 + nlen + elen
+        if start > len(head):
+            raise _Short
+        name = head[p + 30 : p + 30 + nlen].decode("utf-8", "replace")
         if want is not None and name == want:
-            return _storage_range(blob, start, csize, got, dtype)
+            return _storage_range(total, start, csize, got, dtype)
         if csize == 0xFFFFFFFF:
             raise _Unexpected("a zip64 record before the storage")
-        size = csize if not (flags & 8) else _described_size(blob, start)
         if csize != usize and not (flags & 8):
             raise _Unexpected(f"member {name} is compressed")
+        size = csize if not (flags & 8) else _described_size(head, start)
+        if start + size > len(head):
+            raise _Short
         if prefix is None:
             if not name.endswith("data.pkl"):
                 raise _Unexpected("data.pkl is not the first record")
             prefix = name[: -len("data.pkl")]
-            got = _tensor_pickle(blob[start : start + size], dtype, lengths)
+            got = _tensor_pickle(head[start : start + size], dtype, lengths)
             want = f"{prefix}data/{got[0][1]}"
-        elif name == prefix + "byteorder" and bytes(blob[start : start + size]) != b"little":
+        elif name == prefix + "byteorder" and head[start : start + size] != b"little":
             raise _Unexpected("big-endian")
-        p = start + size + (_descriptor_length(blob, start + size) if flags & 8 else 0)
-    raise _Unexpected("storage record not found by the local headers")
+        p = start + size + (_descriptor_length(head, start + size) if flags & 8 else 0)
 
 
-def _described_size(blob: memoryview, start: int) -> int:
+def _described_size(head: bytes, start: int) -> int:
     """The size of a record whose local header defers it to a data descriptor: the distance from
-    ``start`` to the first descriptor whose size fields equal it, searched in windows that double from
-    a few hundred bytes (the records before a storage are small: only their page is touched), up to
-    ``_WALK_WINDOW``."""
-    at, span = 0, 512
-    while True:
-        end = min(len(blob), start + span, _WALK_WINDOW)
-        view = bytes(blob[start:end])
-        q = view.find(_DESCRIPTOR_SIG, at)
-        while q >= 0:
-            if q + 24 > len(view) and end < min(len(blob), _WALK_WINDOW):
-                break  # its fields may lie past the window: search again in a larger one
-            if q + 16 <= len(view) and struct.unpack_from("<II", view, q + 8) == (q, q):
-                return q
-            if q + 24 <= len(view) and struct.unpack_from("<QQ", view, q + 8) == (q, q):
-                return q
-            at = q + 1
-            q = view.find(_DESCRIPTOR_SIG, at)
-        if end >= min(len(blob), _WALK_WINDOW):
-            raise _Unexpected("no data descriptor")
-        span *= 2
+    ``start`` to the first descriptor in ``head`` whose size fields equal it (:class:`_Short` if none
+    is there yet)."""
+    q = head.find(_DESCRIPTOR_SIG, start)
+    while q >= 0:
+        d = q - start
+        if q + 24 > len(head):
+            raise _Short  # its fields may lie past the copy
+        if struct.unpack_from("<II", head, q + 8) == (d, d) or struct.unpack_from("<QQ", head, q + 8) == (d, d):
+            return d
+        q = head.find(_DESCRIPTOR_SIG, q + 1)
+    raise _Short
 
 
-def _descriptor_length(blob: memoryview, at: int) -> int:
+def _descriptor_length(head: bytes, at: int) -> int:
     """Bytes of the data descriptor at ``at`` (signature, CRC and 32- or 64-bit sizes): the one
     :func:`_described_size` matched, so the next local header follows it."""
-    if bytes(blob[at : at + 4]) != _DESCRIPTOR_SIG:
+    if at + 28 > len(head):
+        raise _Short
+    if head[at : at + 4] != _DESCRIPTOR_SIG:
         raise _Unexpected("no data descriptor")
     for length in (16, 24):
-        if bytes(blob[at + length : at + length + 4]) == struct.pack("<I", _LOCAL):
+        if head[at + length : at + length + 4] == struct.pack("<I", _LOCAL):
             return length
     raise _Unexpected("no local header after a data descriptor")
 
@@ -430,12 +449,13 @@ def _tensor_pickle(data: memoryview, dtype: torch.dtype, lengths: tuple[int, ...
     return ref, offset, expect
 
 
-def _storage_range(blob: memoryview, start: int, csize: int, got: tuple, dtype: torch.dtype) -> tuple[int, int]:
-    """(start, end) of the tensor's bytes in a storage record whose data begins at ``start``; ``csize``:
-    the local header's size (0 when a descriptor carries it: the storage's numel sizes it then)."""
+def _storage_range(total: int, start: int, csize: int, got: tuple, dtype: torch.dtype) -> tuple[int, int]:
+    """(start, end) of the tensor's bytes in a storage record whose data begins at ``start`` of a blob of
+    ``total`` bytes; ``csize``: the local header's size (0 when a descriptor carries it: the storage's
+    numel sizes it then)."""
     (_, _, snumel), offset, numel = got
     nbytes = snumel * dtype.itemsize
-    if (csize and csize != 0xFFFFFFFF and csize != nbytes) or offset + numel > snumel or start + nbytes > len(blob):
+    if (csize and csize != 0xFFFFFFFF and csize != nbytes) or offset + numel > snumel or start + nbytes > total:
         raise _Unexpected("storage record size")
     first = start + offset * dtype.itemsize
     return first, first + numel * dtype.itemsize
@@ -456,7 +476,7 @@ def _locate_by_directory(blob: memoryview, dtype: torch.dtype, lengths: tuple[in
     rec = zip_member(blob, members, f"{prefix}data/{got[0][1]}")
     if rec is None:
         raise _Unexpected("storage record size")
-    return _storage_range(blob, rec[0], rec[1], got, dtype)
+    return _storage_range(len(blob), rec[0], rec[1], got, dtype)
 
 
 class DistcpFile:
@@ -638,6 +658,7 @@ class DistcpFile:
         return self.raw.view(start, end - start)
 
 
+@functools.lru_cache(maxsize=None)
 def _torch_dtype(name: str) -> torch.dtype:
     from .metadata import torch_dtype
 
