@@ -230,3 +230,35 @@ def test_cut_balances_bytes_across_holes_and_owners_skip_long_holes():
     cuts = [(0, 350, 0), (350, 1100, 1)]
     assert owned(spans, cuts, 0, gap=250) == [(0, 350)]  # the 200-byte hole is requested across
     assert owned(spans, cuts, 1, gap=250) == [(350, 400), (1000, 1100)]  # the 600-byte one is not
+
+
+def test_a_small_range_inside_another_ranks_range_is_delivered_from_there():
+    from pipeload.plan.partdelivery import nested, nested_deliveries
+
+    # an object without runs: rank 0 reads its first half, rank 2 its second; rank 1 reads one small
+    # tensor in rank 2's half, and every rank a record right after it (merged into rank 2's range only)
+    half = 6 << 20
+    spans = [(0, half, 0, "a", 0), (half, 2 * half, 2, "b", half), (half + 4096, half + 8192, 1, "b", half)]
+    spans += [(2 * half, 2 * half + 100, r, "obj", 2 * half) for r in range(4)]
+    inner = nested(spans)
+    rec = (2 * half, 2 * half + 100)
+    assert inner == [(half + 4096, half + 8192, 1, 2), (*rec, 0, 2), (*rec, 1, 2), (*rec, 3, 2)]
+    ds = nested_deliveries(spans, inner, "f")
+    assert ds == [Delivery(2, 0, "f", "obj", 0, 100), Delivery(2, 1, "f", "b", 4096, 8192),
+                  Delivery(2, 1, "f", "obj", 0, 100), Delivery(2, 3, "f", "obj", 0, 100)]
+
+
+def test_equal_ranges_go_to_the_lower_rank_and_nesting_ignores_the_order_of_the_spans():
+    from pipeload.plan.partdelivery import nested
+
+    spans = [(100, 200, r, "k", 0) for r in (3, 1, 2)]
+    assert nested(spans) == [(100, 200, 2, 1), (100, 200, 3, 1)]
+    rng = random.Random(5)
+    spans = [(a, a + rng.randrange(1, 5000), rng.randrange(6), f"k{a}", a)
+             for a in sorted(rng.sample(range(0, 40 << 20, 4096), 300))]
+    want = nested(spans)
+    for lo, hi, r, o in want:  # each nested range lies inside a range of its owner, none of them nested
+        assert o != r and (o not in {x[2] for x in want if x[0] <= lo and hi <= x[1]})
+    for _ in range(3):
+        rng.shuffle(spans)
+        assert nested(spans) == want

@@ -518,12 +518,65 @@ def owned(spans: list[tuple], cuts: list[tuple[int, int, int]], me: int, gap: in
     return out
 
 
+def merged(spans: Iterable[tuple], gap: int = RUN_GAP) -> dict[int, list[tuple[int, int]]]:
+    """rank -> its spans ``(a, b, rank, ...)`` merged across holes up to ``gap``: the ranges its own
+    requests of an object fetch (the reader's rule), sorted."""
+    out = {}
+    for r, ranges in by_rank(spans).items():
+        joined = union((a, b + gap) for a, b in ranges)
+        out[r] = [(a, b - gap) for a, b in joined]
+    return out
+
+
+def nested(spans: list[tuple], gap: int = RUN_GAP) -> list[tuple[int, int, int, int]]:
+    """``(lo, hi, rank, owner)``: each of a rank's own ranges (:func:`merged`) of an object without runs
+    that lies inside a larger range of another rank, ``owner`` the rank whose range is the largest of those
+    holding it (ties to the lower rank). The owner fetches its range anyway: it sends the rank its bytes
+    there, one GET saved (a small tensor several ranks read, each for itself).
+    An owner's own range is never nested (it is the largest holding it). Sorted; a function of the spans.
+    One sort and a bisection per range: the ranges nested in no other, by first byte, end in order too."""
+    tops: list[tuple[int, int, int]] = []
+    inner, reach = [], -1
+    for lo, nhi, r in sorted((lo, -hi, r) for r, rs in merged(spans, gap).items() for lo, hi in rs):
+        if -nhi <= reach:  # inside an earlier range (longer, or equal and of a lower rank)
+            inner.append((lo, -nhi, r))
+        else:
+            tops.append((lo, -nhi, r))
+            reach = -nhi
+    firsts, ends = [a for a, _, _ in tops], [b for _, b, _ in tops]
+    out = []
+    for lo, hi, r in inner:
+        holding = tops[bisect.bisect_left(ends, hi) : bisect.bisect_right(firsts, lo)]
+        out.append((lo, hi, r, min((a - b, o) for a, b, o in holding)[1]))
+    return sorted(out)
+
+
+def nested_deliveries(spans: list[tuple], inner: list[tuple[int, int, int, int]], file: str) -> list[Delivery]:
+    """The deliveries of :func:`nested` ranges: each rank's spans (``(first byte, end, rank, chunk key,
+    chunk's first byte)``) inside one, from its owner, chunk-relative (a chunk's spans joined first). Sorted."""
+    per: dict[tuple[int, str, int], list] = {}
+    for a, b, r, key, s in spans:
+        per.setdefault((r, key, s), []).append((a, b))
+    of: dict[int, list[tuple[int, int, int]]] = {}  # rank -> its nested ranges, sorted (disjoint)
+    for lo, hi, r, o in inner:
+        of.setdefault(r, []).append((lo, hi, o))
+    out = []
+    for (r, key, s), got in per.items():
+        mine = of.get(r, [])
+        for a, b in union(got):
+            i = bisect.bisect_right(mine, (a, math.inf, 0)) - 1  # (a span lies inside one range of its rank)
+            if i >= 0 and mine[i][0] <= a and b <= mine[i][1]:
+                out.append(Delivery(mine[i][2], r, file, key, a - s, b - s))
+    return sorted(out)
+
+
 def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
               start_of: Callable[[str, str], int], keys_in: Callable[[str], set[int]],
               order_of: Callable[[str], int]) -> tuple[list[Delivery], dict[str, list[tuple[int, int]]]]:
     """(the deliveries ``me`` sends or receives, sorted as :func:`plan`'s; file -> the ranges ``me`` requests
     at once, before any read: as the owner of runs there, or, in an object without runs, its own spans
-    merged across :data:`RUN_GAP`: few GETs of whole parts, instead of one per phase and window) for
+    merged across :data:`RUN_GAP` less those inside another rank's (:func:`nested`: delivered from there):
+    few GETs of whole parts, instead of one per phase and window) for
     objects. ``keys_in(file)``: the checkpoint key indices stored in a
     file ``me`` reads (from its header). Every reader of an object expands the boxes of every key stored
     in it, so all of them see the same spans there and cut it alike (:func:`runs`): an owner and each of
@@ -542,7 +595,9 @@ def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
         if cuts:
             out.extend(d for d in run_deliveries(absolute, cuts, file) if me in (d.owner, d.receiver))
             mine[file] = owned(absolute, cuts, me)
-        else:  # its own requests fetch nothing twice: asked for at once, merged as the reader merges them
-            mine[file] = union((a, b + RUN_GAP) for a, b in by_rank(absolute).get(me, ()))
-            mine[file] = [(a, b - RUN_GAP) for a, b in mine[file]]
+        else:  # its own requests fetch nothing twice: asked for at once, merged as the reader merges them,
+            inner = nested(absolute)  # but for ranges inside another rank's: delivered from there
+            out.extend(d for d in nested_deliveries(absolute, inner, file) if me in (d.owner, d.receiver))
+            gone = {(lo, hi) for lo, hi, r, _ in inner if r == me}
+            mine[file] = [x for x in merged(absolute).get(me, []) if x not in gone]
     return sorted(out), mine
