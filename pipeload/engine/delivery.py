@@ -62,13 +62,20 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
     each chunk read on several hosts sends its position to the other readers (:func:`_locate`), the only
     messages of this step, point to point, planned from the same data on both ends."""
     me, hosts = comm.rank, rows[:, F_HOST].tolist()
-    files = {name for name in {item.file for item in my_items if item.nbytes} if _in_place(reader, name)}
+    files = {item.file for item in my_items if item.nbytes}
     reader.runs = {}
+    if storage.is_url(reader.directory):  # (a rank reading only an object of a file takes part there)
+        every = gp.every()
+        objects = _object_spans(every, md, names, reader)
+        files |= {f for f, spans in objects.items() if any(s[3] == me for s in spans)}
+        files = {name for name in files if _in_place(reader, name)}
+        if not files:
+            return Planned([], [])
+        return Planned(_plan_runs(every, md, names, reader, me, files, objects), [])
+    files = {name for name in files if _in_place(reader, name)}
     if not files:
         return Planned([], [])
     _, itemsize = md.key_arrays(names)
-    if storage.is_url(reader.directory):
-        return Planned(_plan_runs(gp, md, names, itemsize, reader, me, files), [])
     starts: dict[tuple[str, str], int] = {}  # (a DCP item's start costs a read of its local header)
     layouts: dict[str, Any] = {}  # (each a sort of the file's header entries)
 
@@ -153,10 +160,33 @@ def install(reader, located: list[tuple[str, str, int, int]]) -> None:
     reader.located = table
 
 
-def _plan_runs(gp, md, names: list[str], itemsize, reader, me: int, files: set[str]) -> list[Delivery]:
+def _object_spans(every, md, names: list[str], reader) -> dict[str, list[tuple[str, int, int, int]]]:
+    """file -> ``(stored key, 0, bytes, rank)`` of each Python object each rank reads (``every.objects``),
+    for the objects stored in their file's header as a U8 chunk of the recorded size (decided from that
+    header: alike on every reader of the file; any other is left out, its readers fetch it themselves)."""
+    out: dict[str, list[tuple[str, int, int, int]]] = {}
+    ok: dict[tuple[str, str], bool] = {}
+    for rank, k in every.objects.tolist():
+        meta = md.objects.get(names[k])
+        if meta is None:
+            continue
+        if (meta.file, meta.key) not in ok:
+            try:
+                dtype, _, a, b = reader.file(meta.file).entry(meta.key)
+                ok[meta.file, meta.key] = dtype == "U8" and b - a == meta.nbytes > 0
+            except Exception:  # noqa: BLE001 - left to its readers: the read reports what is wrong
+                ok[meta.file, meta.key] = False
+        if ok[meta.file, meta.key]:
+            out.setdefault(meta.file, []).append((meta.key, 0, meta.nbytes, rank))
+    return out
+
+
+def _plan_runs(every, md, names: list[str], reader, me: int, files: set[str], objects: dict) -> list[Delivery]:
     """Objects: this rank's deliveries by runs; the ranges it fetches as an owner go to ``reader.runs``.
-    Each object's chunk offsets and keys come from its header, which every reader of it holds."""
+    Each object's chunk offsets and keys come from its header, which every reader of it holds; the Python
+    objects each rank reads (``objects``, :func:`_object_spans`) count as spans too."""
     index, order = md.key_index(), {name: i for i, name in enumerate(md.files)}
+    _, itemsize = md.key_arrays(names)
 
     def keys_in(file: str) -> set[int]:
         out = set()
@@ -169,8 +199,8 @@ def _plan_runs(gp, md, names: list[str], itemsize, reader, me: int, files: set[s
         return out
 
     out, reader.runs = partdelivery.plan_runs(
-        gp.every(), md, names, itemsize, me, files, lambda file, key: _start(reader.file(file), key), keys_in,
-        lambda file: order.get(file, 0))
+        every, md, names, itemsize, me, files, lambda file, key: _start(reader.file(file), key), keys_in,
+        lambda file: order.get(file, 0), objects)
     return out
 
 

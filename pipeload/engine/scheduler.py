@@ -359,7 +359,7 @@ def _object_chunks(reader: ChunkReader, window: list) -> dict[str, list[str]]:
     """file -> stored names of the window's objects, for files that prefetch whole chunks by name."""
     out: dict[str, list[str]] = {}
     for file, key, _, _, item in window:
-        if item is None:
+        if item is None and (file, key) not in reader.patches:  # (a delivered one: not asked for)
             out.setdefault(file, []).append(key)
     for file in list(out):
         try:

@@ -572,7 +572,8 @@ def nested_deliveries(spans: list[tuple], inner: list[tuple[int, int, int, int]]
 
 def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
               start_of: Callable[[str, str], int], keys_in: Callable[[str], set[int]],
-              order_of: Callable[[str], int]) -> tuple[list[Delivery], dict[str, list[tuple[int, int]]]]:
+              order_of: Callable[[str], int], objects: dict[str, list[tuple]] | None = None,
+              ) -> tuple[list[Delivery], dict[str, list[tuple[int, int]]]]:
     """(the deliveries ``me`` sends or receives, sorted as :func:`plan`'s; file -> the ranges ``me`` requests
     at once, before any read: as the owner of runs there, or, in an object without runs, its own spans
     merged across :data:`RUN_GAP` less those inside another rank's (:func:`nested`: delivered from there):
@@ -580,11 +581,16 @@ def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
     objects. ``keys_in(file)``: the checkpoint key indices stored in a
     file ``me`` reads (from its header). Every reader of an object expands the boxes of every key stored
     in it, so all of them see the same spans there and cut it alike (:func:`runs`): an owner and each of
-    its receivers derive the same deliveries, from nothing but the files they both read."""
+    its receivers derive the same deliveries, from nothing but the files they both read. ``objects``:
+    file -> ``(stored key, 0, bytes, rank)`` of the Python objects every rank reads there (from the
+    gathered records): spans like the tensors', so a record every rank reads is fetched once."""
     keys: set[int] = set()
     for f in sorted(files):
         keys |= keys_in(f)
     spans = spans_of(every.boxes(keys), md, names, itemsize, files) if keys else {}
+    for file, more in sorted((objects or {}).items()):
+        if file in files:
+            spans.setdefault(file, []).extend(more)
     out: list[Delivery] = []
     mine: dict[str, list[tuple[int, int]]] = {}
     for file, fs in sorted(spans.items()):
