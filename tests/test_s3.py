@@ -528,6 +528,59 @@ def world_s3_layouts(rank: int, world: int, root: str, port: int, links: list[st
     return out
 
 
+OBJECTS = {"step": 1234, "config": {"lr": 0.5, "name": "resharded", "betas": [0.9, 0.95]}}
+
+
+def world_s3_resharded(rank: int, world: int, root: str, port: int, links: list[str]) -> dict:
+    """Saved tp4 (each rank its file) with Python objects, loaded dp2tp2 from s3:// (values checked)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    meshes = L.Meshes(world)
+    flat, square = meshes.get((4,)), meshes.get((2, 2))
+    pipeload.save({**_whole_tensors(flat, lambda d: [Shard(d)], True), **OBJECTS}, os.path.join(root, "tp4"))
+    dist.barrier()
+    if rank == 0:
+        LocalS3(port).upload(os.path.join(root, "tp4"), "clean", "tp4")
+    dist.barrier()
+    sd = {**_whole_tensors(square, lambda d: [Replicate(), Shard(d)], False), "step": 0,
+          "config": {"lr": 0.0, "name": "", "betas": None}}
+    stats = pipeload.load(sd, "s3://clean/tp4", storage_options={**LocalS3.options(links[rank]), "header_get": 16 << 10})
+    assert sd["step"] == OBJECTS["step"] and sd["config"] == OBJECTS["config"], (sd["step"], sd["config"])
+    for key in WHOLE:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        t = sd[key]
+        g = L.global_value(key, WHOLE[key][0], torch.float32)
+        lengths, offsets = compute_local_shape_and_global_offset(g.shape, t.device_mesh, t.placements)
+        assert torch.equal(t.to_local(), L.narrow(g, offsets, lengths)), f"tp4 -> dp2tp2: {key} differs"
+    dist.barrier()
+    return stats
+
+
+@pytest.mark.timeout(240)
+def test_s3_resharded_load_fetches_objects_and_small_tensors_once(s3, tmp_path):
+    """tp4 -> dp2tp2 from s3://: the Python objects' record every rank reads, and the small tensors a rank
+    reads inside another rank's range, come by delivery (one GET each at most): GETs within the bound, no
+    data byte fetched by two ranks."""
+    server, proxy = s3
+    links = [proxy.url(i) for i in range(4)]
+    res = run_world(world_s3_resharded, 4, str(tmp_path), server.port, links, timeout=200, separate_hosts=True)
+    listed = server.client().list_objects_v2(Bucket="clean", Prefix="tp4/")["Contents"]
+    objects = sum(o["Size"] for o in listed)
+    fetched = sum(s.bytes_fetched for s in res)
+    assert fetched <= 1.02 * objects, (fetched, objects, [s.bytes_fetched for s in res])
+    assert sum(s.part_bytes_received for s in res) > 0
+    gets = _gets(proxy, "/clean/tp4/")
+    assert len(gets) <= math.ceil(fetched / (8 << 20)) + 2 * len(listed), [(r.link, r.path, r.range) for r in gets]
+    seen: dict[str, list[tuple[int, int, int]]] = {}  # data GETs past the headers: each byte by one rank
+    for r in gets:
+        if "/data-" in r.path and r.range and not r.range.startswith("bytes=0-"):
+            a, b = (int(x) for x in r.range[len("bytes="):].split("-"))
+            for c, d, link in seen.get(r.path, []):
+                assert link == r.link or b < c or d < a, (r.path, r.link, r.range, link, c, d)
+            seen.setdefault(r.path, []).append((a, b, r.link))
+
+
 @pytest.mark.timeout(240)
 def test_s3_layout_change_fetches_each_byte_once(s3, tmp_path):
     server, proxy = s3
