@@ -262,3 +262,18 @@ def test_equal_ranges_go_to_the_lower_rank_and_nesting_ignores_the_order_of_the_
     for _ in range(3):
         rng.shuffle(spans)
         assert nested(spans) == want
+
+
+def test_object_reads_list_each_object_for_every_rank_of_the_class_reading_it():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pipeload.plan.globalplan import object_reads
+
+    records = [SimpleNamespace(objects=np.array([3, 5], dtype=np.int32)),
+               SimpleNamespace(objects=np.array([], dtype=np.int32))]
+    cls = SimpleNamespace(members=[np.array([0, 2]), np.array([1])])
+    got = object_reads(records, cls)
+    assert got.dtype == np.int64 and got.tolist() == [[0, 3], [2, 3], [0, 5], [2, 5]]
+    assert object_reads(records[1:], SimpleNamespace(members=[np.array([1])])).shape == (0, 2)
