@@ -544,7 +544,8 @@ def world_s3_resharded(rank: int, world: int, root: str, port: int, links: list[
     dist.barrier()
     sd = {**_whole_tensors(square, lambda d: [Replicate(), Shard(d)], False), "step": 0,
           "config": {"lr": 0.0, "name": "", "betas": None}}
-    stats = pipeload.load(sd, "s3://clean/tp4", storage_options={**LocalS3.options(links[rank]), "header_get": 16 << 10})
+    opts = {**LocalS3.options(links[rank]), "header_get": 16 << 10}
+    stats = pipeload.load(sd, "s3://clean/tp4", storage_options=opts)
     assert sd["step"] == OBJECTS["step"] and sd["config"] == OBJECTS["config"], (sd["step"], sd["config"])
     for key in WHOLE:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
