@@ -788,19 +788,19 @@ def global_plan(
                         in_use=in_use, stripe=stripe, min_stripe=min_stripe, batch_bytes=batch_bytes, lap=lap,
                         positions=positions, starts=starts if positions is None else None)
     if reads:
-        gp.every = every_read(sh, kg, candidates[good], cls, gp, object_reads(records, cls))
+        gp.every = every_read(sh, kg, candidates[good], cls, gp, records)
     return gp
 
 
 def every_read(sh: Shards, kg: KeyGroups, shared_groups: np.ndarray, cls: Classes, gp: GlobalPlan,
-               objects: np.ndarray | None = None):
+               records: Sequence[Record] = ()):
     """The function building :class:`EveryRead`: the boxes the ranks of the load read. Needs the plan of
     every component (``everything``): the pieces' readers are :attr:`GlobalPlan.readers`' rows. A pure
     function of the gathered rows and records: every rank builds the same boxes. Keys several ranks hold
     and read each (not broadcast) are left out: a subset of the real reads only costs savings, never
     exactness (an owner always reads the page it sends from; a reader left out of the model reads its
-    pages itself), and replicas would multiply the boxes by R. ``objects``: (rank, key index) of each
-    Python object each rank reads (:func:`object_reads`)."""
+    pages itself), and replicas would multiply the boxes by R. ``records``: the classes' records, whose
+    Python objects :attr:`EveryRead.objects` lists when asked (:func:`object_reads`)."""
     private = kg.holders == 1  # a key held by several ranks and not broadcast: each reads it, left out
     private[shared_groups] = False
     group_of = np.repeat(np.arange(len(kg.starts)), kg.ends - kg.starts)
@@ -817,16 +817,21 @@ def every_read(sh: Shards, kg: KeyGroups, shared_groups: np.ndarray, cls: Classe
                          np.concatenate([ln, sh.lengths[pick]]), np.concatenate([nd, sh.nd[pick]]),
                          np.concatenate([rd, ranks]),
                          np.concatenate([np.zeros(len(idx), dtype=bool), np.ones(len(pick), dtype=bool)]),
-                         objects)
+                         lambda: object_reads(records, cls))
 
     return build
 
 
-def object_reads(records: list, cls: Classes) -> np.ndarray:
+def object_reads(records: Sequence[Record], cls: Classes) -> np.ndarray:
     """``(rank, key index)`` of every Python object every rank reads (``records[c]``: class ``c``'s), an
-    ``N x 2`` int64 array in class order: alike on every rank."""
-    out = [(r, int(k)) for c, rec in enumerate(records) for k in rec.objects.tolist() for r in cls.members[c]]
-    return np.asarray(out, dtype=np.int64).reshape(len(out), 2)
+    ``N x 2`` int64 array in class order, then object order: alike on every rank."""
+    parts = [np.zeros((0, 2), dtype=np.int64)]
+    for c, rec in enumerate(records):
+        objs = np.asarray(rec.objects, dtype=np.int64)
+        members = np.asarray(cls.members[c], dtype=np.int64)
+        if len(objs) and len(members):
+            parts.append(np.column_stack([np.tile(members, len(objs)), np.repeat(objs, len(members))]))
+    return np.concatenate(parts)
 
 
 class EveryRead:
@@ -836,15 +841,22 @@ class EveryRead:
     Key objects are made only for the checkpoint keys asked for (:meth:`boxes`): part delivery expands the
     keys of one rank's files, not the W x S boxes of the load."""
 
-    def __init__(self, index, offsets, lengths, nd, rank, private, objects=None):
+    def __init__(self, index, offsets, lengths, nd, rank, private, objects: Callable[[], np.ndarray] | None = None):
         self.index, self.offsets, self.lengths, self.nd = index, offsets, lengths, nd
         self.rank, self.private = rank, private
-        # (rank, key index) of each Python object each rank reads (object_reads); objects' runs take them in
-        self.objects = np.zeros((0, 2), dtype=np.int64) if objects is None else objects
+        self._objects = objects
         self.key = np.where(index < 0, -1 - index, index)  # checkpoint key index (a unit's: its tensor's)
 
     def __len__(self) -> int:
         return len(self.rank)
+
+    @property
+    def objects(self) -> np.ndarray:
+        """``(rank, key index)`` of each Python object each rank reads (:func:`object_reads`; built when
+        first asked: only objects' runs take them in)."""
+        if callable(self._objects):
+            self._objects = self._objects()
+        return np.zeros((0, 2), dtype=np.int64) if self._objects is None else self._objects
 
     def keys_of(self, rank: int) -> set[int]:
         """The checkpoint key indices ``rank`` reads a box of."""
