@@ -68,7 +68,9 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
         every = gp.every()
         objects = _object_spans(every, md, names, reader)
         files |= {f for f, spans in objects.items() if any(s[3] == me for s in spans)}
-        files = {name for name in files if _in_place(reader, name)}
+        # (a DCP object is left out alike on every rank: its chunks' positions are in their blobs' heads,
+        # which runs over whole objects would each fetch: its readers fetch their own ranges)
+        files = {name for name in files if _in_place(reader, name) and not _is_blobs(reader.file(name))}
         if not files:
             return Planned([], [])
         return Planned(_plan_runs(every, md, names, reader, me, files, objects), [])
