@@ -139,9 +139,9 @@ def world_s3(rank: int, world: int, root: str, port: int, links: list[str]) -> d
         sd = L.build("tp2dp2", meshes, fill=False)
         out[name] = pipeload.load(sd, f"s3://clean/{name}", storage_options=opts)
         L.check_values(sd)
-    for name in ("small", "dcp"):  # into another layout: part delivery by runs (a DCP object: none)
+    for name in ("small", "dcp"):  # into another layout: part delivery by runs (a DCP object's hold whole blobs)
         sd = L.build("shard1", meshes, fill=False)
-        pipeload.load(sd, f"s3://clean/{name}", storage_options=opts)
+        out[f"{name} shard1"] = pipeload.load(sd, f"s3://clean/{name}", storage_options=opts)
         L.check_values(sd)
     sd = L.build("tp2dp2", meshes, fill=False, keys=set(L.TENSORS))
     out["hf"] = pipeload.load(sd, "s3://clean/hf", storage_options=opts)
@@ -220,6 +220,14 @@ def test_s3_world(s3, tmp_path):
         proxy.set(hook=None)
     part = 8 << 20
     objects = len(server.client().list_objects_v2(Bucket="clean", Prefix="big/")["Contents"])
+
+    # a DCP checkpoint loaded into another layout: each blob fetched whole by one rank (the owner of its
+    # run), which sends the other ranks their bytes: no rank fetches a head or bytes of its own
+    listed = server.client().list_objects_v2(Bucket="clean", Prefix="dcp/")["Contents"]
+    dcp_bytes = sum(o["Size"] for o in listed)  # (.metadata too: rank 0 fetches it)
+    fetched = sum(r["dcp shard1"].bytes_fetched for r in res)
+    assert fetched <= 1.02 * dcp_bytes, (fetched, dcp_bytes)  # (1.46x when each rank fetched its own parts)
+    assert sum(r["dcp shard1"].part_bytes_received for r in res) > 0
 
     # read once: the store sends each needed byte about once, in few large GETs
     gets = _gets(proxy, "/clean/big/")

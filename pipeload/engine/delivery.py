@@ -68,9 +68,7 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
         every = gp.every()
         objects = _object_spans(every, md, names, reader)
         files |= {f for f, spans in objects.items() if any(s[3] == me for s in spans)}
-        # (a DCP object is left out alike on every rank: its chunks' positions are in their blobs' heads,
-        # which runs over whole objects would each fetch: its readers fetch their own ranges)
-        files = {name for name in files if _in_place(reader, name) and not _is_blobs(reader.file(name))}
+        files = {name for name in files if _in_place(reader, name)}
         if not files:
             return Planned([], [])
         return Planned(_plan_runs(every, md, names, reader, me, files, objects), [])
@@ -192,7 +190,8 @@ def _plan_runs(every, md, names: list[str], reader, me: int, files: set[str], ob
 
     def keys_in(file: str) -> set[int]:
         out = set()
-        for name in reader.file(file).keys():
+        f = reader.file(file)
+        for name in (f._items if _is_blobs(f) else f.keys()):
             k = index.get(name)
             if k is None and "@" in name:
                 k = index.get(name.rsplit("@", 1)[0])
@@ -202,7 +201,7 @@ def _plan_runs(every, md, names: list[str], reader, me: int, files: set[str], ob
 
     out, reader.runs = partdelivery.plan_runs(
         every, md, names, itemsize, me, files, lambda file, key: _start(reader.file(file), key), keys_in,
-        lambda file: order.get(file, 0), objects)
+        lambda file: order.get(file, 0), objects, lambda file: _blob_ranges(reader.file(file)))
     return out
 
 
@@ -216,6 +215,13 @@ def _layout(f: Any) -> tuple[list[int], list[int], list[str]] | None:
         return None
     rows = sorted((int(e[2]), int(e[3]), k) for k in f.keys() for e in (f.entry(k),))
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+
+def _blob_ranges(f: Any) -> dict[str, tuple[int, int]] | None:
+    """key -> (first byte, end) of each chunk's blob in a DCP file (from the metadata: no read), else None."""
+    if not _is_blobs(f):
+        return None
+    return {key: (a, b) for a, b, key in f._blobs}
 
 
 def _is_blobs(f: Any) -> bool:

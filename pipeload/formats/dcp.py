@@ -651,6 +651,10 @@ class DistcpFile:
         return self.raw.copy_box(key, start, _torch_dtype(dtype).itemsize, chunk_shape, src_offsets, lengths, dst,
                                  dst_offsets, dst_strides, dst_shape, willneed)
 
+    def span(self, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of the file (an object's: only the parts they lie in are fetched)."""
+        return self.raw.view(start, end - start)
+
     def buffer(self, key: str) -> memoryview:
         _, _, start, end, decoded = self._resolve(key)
         if decoded is not None:

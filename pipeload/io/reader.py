@@ -174,6 +174,12 @@ def decode_object(data: bytes | bytearray, where: str) -> Any:
         raise CheckpointFormatError(f"{where}: does not load with torch.load(weights_only=True): {refusal(e)}") from None
 
 
+def _start_of(f: Any, key: str) -> int:
+    """A stored chunk's first byte in its file (a DCP item: once its blob's head located it)."""
+    resolve = getattr(f, "_resolve", None)
+    return int(resolve(key)[2]) if resolve is not None else int(f.entry(key)[2])
+
+
 class ChunkReader:
     """Reads chunks of one checkpoint directory through one LRU of open files."""
 
@@ -329,10 +335,12 @@ class ChunkReader:
                        if a < hi and b > lo), key=lambda c: c[:2])
         at, source = lo, os.path.join(self.directory, item.file)
         buf = None
-        first = f.entry(item.key)[2] if objects else None  # (a local DCP item's: once buffer() located it)
+        first = None  # (where the item starts: a DCP item's once its head is read, so only when needed)
         for a, b, data in [*cuts, (hi, hi, None)]:
             if a > at:  # a run this rank reads itself
                 if objects:
+                    if first is None:
+                        first = _start_of(f, item.key)
                     copy_box(flat[at - lo : a - lo], torch.frombuffer(f.span(first + at, first + a),
                                                                       dtype=torch.uint8), source)
                 else:

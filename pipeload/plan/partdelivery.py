@@ -483,6 +483,42 @@ def _inside(ranges: list[tuple[int, int]], lo: int, hi: int) -> int:
     return sum(max(0, min(b, hi) - max(a, lo)) for a, b in ranges)
 
 
+def blob_runs(spans: list[tuple], blobs: dict[str, tuple[int, int]], me: int, file: str,
+              order: int = 0) -> tuple[list[Delivery], list[tuple[int, int]]]:
+    """(``me``'s deliveries, the ranges ``me`` requests) for an object whose chunks are located by their
+    own heads (a DCP object: where a tensor starts is known only once its blob's head is read). Runs are
+    cut as :func:`runs` cuts them, from each reader's chunks taken as whole blobs (``blobs``: key -> first
+    byte, end), and a chunk belongs to the run holding its blob's first byte: its owner fetches the whole
+    blob (head, tensor, trailer) and sends each other reader its bytes (``spans``: ``(key, lo, hi, rank)``,
+    chunk-relative), so a receiver needs neither the blob's head nor its position. Without runs each rank
+    requests its own blobs whole. A function of the spans and the blobs: alike on every reader."""
+    wide = [(blobs[key][0], blobs[key][1], r) for key, _, _, r in spans if key in blobs]
+    cuts = runs(wide, order)
+    keys = sorted({key for key, *_ in spans if key in blobs}, key=lambda k: blobs[k])
+    if not cuts:
+        return [], union((blobs[k][0], blobs[k][1]) for k, _, _, r in spans if r == me and k in blobs)
+    firsts = [lo for lo, _, _ in cuts]
+    owner = {k: cuts[max(0, bisect.bisect_right(firsts, blobs[k][0]) - 1)][2] for k in keys}
+    per: dict[tuple[int, str], list] = {}
+    for key, lo, hi, r in spans:
+        if key in owner and owner[key] != r:
+            per.setdefault((r, key), []).append((lo, hi))
+    out = [Delivery(owner[key], r, file, key, a, b) for (r, key), ranges in per.items() for a, b in union(ranges)
+           if me in (owner[key], r)]
+    return sorted(out), _joined([blobs[k] for k in keys if owner[k] == me], OWN_GAP)
+
+
+def _joined(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Sorted ``ranges`` merged across holes up to ``gap``."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a - out[-1][1] <= gap:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def run_deliveries(spans: list[tuple], cuts: list[tuple[int, int, int]], file: str) -> list[Delivery]:
     """Every delivery of one object's runs: each rank's bytes (``spans``: ``(first byte, end, rank, chunk
     key, chunk's first byte)``, file offsets) inside another rank's run, chunk-relative, one per span piece
@@ -573,6 +609,7 @@ def nested_deliveries(spans: list[tuple], inner: list[tuple[int, int, int, int]]
 def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
               start_of: Callable[[str, str], int], keys_in: Callable[[str], set[int]],
               order_of: Callable[[str], int], objects: dict[str, list[tuple]] | None = None,
+              blobs_of: Callable[[str], dict | None] = lambda file: None,
               ) -> tuple[list[Delivery], dict[str, list[tuple[int, int]]]]:
     """(the deliveries ``me`` sends or receives, sorted as :func:`plan`'s; file -> the ranges ``me`` requests
     at once, before any read: as the owner of runs there, or, in an object without runs, its own spans
@@ -583,7 +620,10 @@ def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
     in it, so all of them see the same spans there and cut it alike (:func:`runs`): an owner and each of
     its receivers derive the same deliveries, from nothing but the files they both read. ``objects``:
     file -> ``(stored key, 0, bytes, rank)`` of the Python objects every rank reads there (from the
-    gathered records): spans like the tensors', so a record every rank reads is fetched once."""
+    gathered records): spans like the tensors', so a record every rank reads is fetched once.
+    ``blobs_of(file)``: ``key -> (first byte, end)`` of each chunk's blob in a file whose chunks are
+    located by their own heads (a DCP object), else None: such a file's runs hold whole blobs
+    (:func:`blob_runs`)."""
     keys: set[int] = set()
     for f in sorted(files):
         keys |= keys_in(f)
@@ -595,6 +635,11 @@ def plan_runs(every, md, names: list[str], itemsize, me: int, files: set[str],
     mine: dict[str, list[tuple[int, int]]] = {}
     for file, fs in sorted(spans.items()):
         if not any(r == me for *_, r in fs):
+            continue
+        blobs = blobs_of(file)
+        if blobs is not None:
+            more, mine[file] = blob_runs(fs, blobs, me, file, order_of(file))
+            out.extend(more)
             continue
         absolute = [(s + lo, s + hi, r, key, s) for key, lo, hi, r in fs for s in (start_of(file, key),)]
         cuts = runs(absolute, order_of(file))
