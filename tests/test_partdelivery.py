@@ -305,3 +305,15 @@ def test_blob_runs_keep_each_blob_whole_and_deliver_every_other_readers_bytes():
     fetched = sorted(x for _, ranges in views for x in ranges)
     assert all(any(a <= blobs[k][0] and blobs[k][1] <= b for a, b in fetched) for k in owner)
     assert sum(b - a for a, b in fetched) <= at  # no blob fetched twice
+
+
+def test_runs_also_when_the_readers_own_regions_take_more_gets_than_the_object_needs():
+    """Four readers of disjoint 3.25 MiB regions of one 13 MiB object fetch nothing twice but take four
+    GETs where two parts hold it: two runs of whole parts; two readers of 6.5 MiB halves take two: none."""
+    from pipeload.plan.partdelivery import runs
+
+    mib = 1 << 20
+    quarters = [(i * 13 * mib // 4, (i + 1) * 13 * mib // 4, i, "k", 0) for i in range(4)]
+    cuts = runs(quarters)
+    assert len(cuts) == 2 and cuts[0][0] == 0 and cuts[-1][1] == 13 * mib
+    assert runs([(0, 13 * mib // 2, 0, "k", 0), (13 * mib // 2, 13 * mib, 1, "k", 0)]) == []

@@ -417,6 +417,11 @@ def union(ranges: Iterable[tuple]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
+def _gets(mine: dict[int, list[tuple[int, int]]], gap: int, size: int) -> int:
+    """GETs the readers' own requests take: each rank's ranges merged across ``gap``, in parts of ``size``."""
+    return sum(-(-(b - a) // size) for ranges in mine.values() for a, b in union((a, b + gap) for a, b in ranges))
+
+
 def _merged_bytes(ranges: list[tuple[int, int]], gap: int) -> int:
     """Bytes requested for ``ranges`` (sorted, disjoint) when merged across holes up to ``gap``."""
     total, lo, hi = 0, None, None
@@ -458,14 +463,18 @@ def runs(spans: list[tuple], order: int = 0, size: int = RUN_BYTES, gap: int = R
     the checkpoint's files (turns the owners from one object to the next, so the runs spread over ranks).
 
     Runs are planned when two or more ranks read the object and their own requests (merged across
-    ``gap``) would fetch over 1/:data:`RUN_SLACK` more than the union of their bytes. The union is cut
+    ``gap``) would fetch over 1/:data:`RUN_SLACK` more than the union of their bytes, or take more than
+    one GET over the fewest parts of ``size`` the union needs (readers of small interleaved regions: a
+    box spanning two objects, read by the member of its holder set whose run of storage holds its first
+    byte, makes every member read a region of each object). The union is cut
     into ``n = min(readers, ceil(union / size))`` runs of equal bytes (:func:`cut`); each run's owner is
     the reader needing most of it, ties to the reader first in the rotated order (``order x n`` places
     on), each reader owning at most one run per object. Deterministic: a function of the set of spans."""
     mine = by_rank(spans)
     whole = union((a, b) for r in mine.values() for a, b in r)
     total = sum(b - a for a, b in whole)
-    if len(mine) < 2 or sum(_merged_bytes(r, gap) for r in mine.values()) * RUN_SLACK <= total * (RUN_SLACK + 1):
+    twice = sum(_merged_bytes(r, gap) for r in mine.values()) * RUN_SLACK > total * (RUN_SLACK + 1)
+    if len(mine) < 2 or not (twice or _gets(mine, gap, size) > -(-total // size) + 1):
         return []
     readers = sorted(mine)
     n = min(len(readers), max(1, -(-total // size)))
