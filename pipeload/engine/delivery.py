@@ -15,9 +15,11 @@ order, and both ends of each derive it from the same plan; the lowest incomplete
 posted, so it completes, and the broadcasts follow in the plan's order, unchanged.
 
 A DCP chunk's position in its file is learnt from its blob's head (its local headers): at planning,
-the first reader of each chunk that ranks on several hosts read sends the chunk's (start, end) to the
-others (:func:`_locate`: one message per (sender, receiver) pair, 16 bytes a chunk, in the same order
-of pairs), so each head page is read once, by the rank that reads that page anyway.
+the reader of each blob's lowest byte (its locator) sends the chunk's (start, end) to the readers on
+other hosts of that blob and of the blobs next to it (:func:`_locate`: one message per (sender,
+receiver) pair, 16 bytes a chunk, in the same order of pairs), so each head page is read once, by the
+rank that reads that page anyway. From an object store a DCP object's runs hold whole blobs: no
+position is needed there (:func:`pipeload.plan.partdelivery.blob_runs`).
 
 An owner whose read fails still sends (zeros where the bytes failed) and records the error: the load's
 agreement then fails on every rank. A dead peer fails the transfer by name, as a failed broadcast does.
@@ -189,15 +191,9 @@ def _plan_runs(every, md, names: list[str], reader, me: int, files: set[str], ob
     _, itemsize = md.key_arrays(names)
 
     def keys_in(file: str) -> set[int]:
-        out = set()
         f = reader.file(file)
-        for name in (f._items if _is_blobs(f) else f.keys()):
-            k = index.get(name)
-            if k is None and "@" in name:
-                k = index.get(name.rsplit("@", 1)[0])
-            if k is not None:
-                out.add(k)
-        return out
+        return {k for name in (f._items if _is_blobs(f) else f.keys())
+                if (k := partdelivery.key_of(index, name)) is not None}
 
     out, reader.runs = partdelivery.plan_runs(
         every, md, names, itemsize, me, files, lambda file, key: _start(reader.file(file), key), keys_in,

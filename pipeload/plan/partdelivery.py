@@ -285,7 +285,7 @@ def neighbours(spans: dict, me: int, layout_of: Callable[[str], tuple], files: I
             i = blobs.at.get(key)
             for j in (i - 1, i + 1) if i is not None else ():
                 for name in blobs.keys[j] if 0 <= j < len(blobs.keys) else ():
-                    k = _key_index(index, name)
+                    k = key_of(index, name)
                     if k is not None:
                         out.add(k)
     return out
@@ -346,7 +346,7 @@ def _blobs(layout: tuple) -> _Blobs:
     return _Blobs(keys, at)
 
 
-def _key_index(index: dict[str, int], name: str) -> int | None:
+def key_of(index: dict[str, int], name: str) -> int | None:
     """The checkpoint key index a chunk key names (``fqn`` or ``fqn@offsets``), or None."""
     k = index.get(name)
     if k is None and "@" in name:
@@ -379,7 +379,7 @@ def relevant(spans: dict, me: int, start_of, layout_of, index: dict[str, int],
                 while j < len(firsts) and firsts[j] < (p + 1) * page:
                     name = keys[j]
                     near.add((file, name))
-                    k = _key_index(index, name)
+                    k = key_of(index, name)
                     if k is not None:
                         out.add(k)
                     j += 1
