@@ -114,7 +114,7 @@ def test_a_chunks_locator_owns_the_page_of_its_head_when_it_reads_there():
     assert decide(spans, _hosts(0, 1), "f", P, {2: 3}.get) == [Delivery(1, 0, "f", "a", 8192, 10000)]  # not there
 
 
-# Object stores: runs (pipeload.plan.partdelivery.runs, run_deliveries, owned)
+# Object stores: runs (pipeload.plan.partruns.runs, run_deliveries, owned)
 
 def _interleaved(rng, ranks: int, count: int, sizes=(15 << 10, 50 << 10), gaps=(0,)) -> list[tuple]:
     """``count`` spans in file order of rotating ranks (a tensor saved whole, loaded in rank slices), chunk
@@ -131,7 +131,7 @@ def _interleaved(rng, ranks: int, count: int, sizes=(15 << 10, 50 << 10), gaps=(
 
 def _check_runs(spans, cuts, file="f"):
     """Every byte a rank needs is in its own run or delivered to it exactly once, by the run's owner."""
-    from pipeload.plan.partdelivery import by_rank, run_deliveries, union
+    from pipeload.plan.partruns import by_rank, run_deliveries, union
 
     ds = run_deliveries(spans, cuts, file)
     got: dict[int, list] = {}
@@ -149,7 +149,7 @@ def _check_runs(spans, cuts, file="f"):
 
 
 def test_interleaved_object_is_cut_into_runs_each_byte_read_once():
-    from pipeload.plan.partdelivery import RUN_BYTES, owned, runs
+    from pipeload.plan.partruns import RUN_BYTES, owned, runs
 
     spans = _interleaved(random.Random(2), 4, 1600)  # ~50 MiB, each rank's pieces 15-50 KiB apart
     cuts = runs(spans)
@@ -165,7 +165,7 @@ def test_interleaved_object_is_cut_into_runs_each_byte_read_once():
 
 
 def test_runs_only_where_own_requests_would_fetch_other_ranks_bytes():
-    from pipeload.plan.partdelivery import runs
+    from pipeload.plan.partruns import runs
 
     # each rank reads one contiguous half: its own requests fetch nothing twice
     assert runs([(0, 20 << 20, 0, "a", 0), (20 << 20, 40 << 20, 1, "b", 20 << 20)]) == []
@@ -175,7 +175,7 @@ def test_runs_only_where_own_requests_would_fetch_other_ranks_bytes():
 
 
 def test_a_run_goes_to_the_reader_needing_most_of_it():
-    from pipeload.plan.partdelivery import runs
+    from pipeload.plan.partruns import runs
 
     # rank 1 reads the first 12 MiB alone, then ranks 0 and 1 interleave over the next 12 MiB
     spans = [(0, 12 << 20, 1, "a", 0)]
@@ -189,7 +189,7 @@ def test_a_run_goes_to_the_reader_needing_most_of_it():
 
 
 def test_runs_do_not_depend_on_the_order_of_the_spans_and_turn_between_objects():
-    from pipeload.plan.partdelivery import run_deliveries, runs
+    from pipeload.plan.partruns import run_deliveries, runs
 
     rng = random.Random(4)
     spans = _interleaved(rng, 4, 1000, gaps=(0, 0, 0, 512, 70000))
@@ -205,7 +205,7 @@ def test_runs_do_not_depend_on_the_order_of_the_spans_and_turn_between_objects()
 
 
 def test_overlapping_spans_of_replicas_are_delivered_once_each():
-    from pipeload.plan.partdelivery import runs
+    from pipeload.plan.partruns import runs
 
     # ranks 0 and 2 both read the same pieces (replicas reading for themselves), 1 and 3 the others
     spans = []
@@ -220,7 +220,7 @@ def test_overlapping_spans_of_replicas_are_delivered_once_each():
 
 
 def test_cut_balances_bytes_across_holes_and_owners_skip_long_holes():
-    from pipeload.plan.partdelivery import cut, owned
+    from pipeload.plan.partruns import cut, owned
 
     whole = [(0, 100), (300, 400), (1000, 1100)]  # 300 bytes, holes of 200 and 600
     assert cut(whole, 1) == [(0, 1100)]
@@ -233,7 +233,7 @@ def test_cut_balances_bytes_across_holes_and_owners_skip_long_holes():
 
 
 def test_a_small_range_inside_another_ranks_range_is_delivered_from_there():
-    from pipeload.plan.partdelivery import nested, nested_deliveries
+    from pipeload.plan.partruns import nested, nested_deliveries
 
     # an object without runs: rank 0 reads its first half, rank 2 its second; rank 1 reads one small
     # tensor in rank 2's half, and every rank a record right after it (merged into rank 2's range only)
@@ -249,7 +249,7 @@ def test_a_small_range_inside_another_ranks_range_is_delivered_from_there():
 
 
 def test_equal_ranges_go_to_the_lower_rank_and_nesting_ignores_the_order_of_the_spans():
-    from pipeload.plan.partdelivery import nested
+    from pipeload.plan.partruns import nested
 
     spans = [(100, 200, r, "k", 0) for r in (3, 1, 2)]
     assert nested(spans) == [(100, 200, 2, 1), (100, 200, 3, 1)]
@@ -283,7 +283,7 @@ def test_blob_runs_keep_each_blob_whole_and_deliver_every_other_readers_bytes():
     """An object whose chunks are located by their heads (DCP): each blob is fetched whole by the owner
     of the run holding its first byte, and every other reader's bytes of it are delivered, exactly once;
     every rank derives the same deliveries."""
-    from pipeload.plan.partdelivery import blob_runs
+    from pipeload.plan.partruns import blob_runs
 
     rng = random.Random(7)
     blobs, at, spans = {}, 0, []
@@ -310,7 +310,7 @@ def test_blob_runs_keep_each_blob_whole_and_deliver_every_other_readers_bytes():
 def test_runs_also_when_the_readers_own_regions_take_more_gets_than_the_object_needs():
     """Four readers of disjoint 3.25 MiB regions of one 13 MiB object fetch nothing twice but take four
     GETs where two parts hold it: two runs of whole parts; two readers of 6.5 MiB halves take two: none."""
-    from pipeload.plan.partdelivery import runs
+    from pipeload.plan.partruns import runs
 
     mib = 1 << 20
     quarters = [(i * 13 * mib // 4, (i + 1) * 13 * mib // 4, i, "k", 0) for i in range(4)]

@@ -502,7 +502,7 @@ async def test_s3_load_async(s3, tmp_path):
 
 # A layout change from s3://: whole tensors loaded in slices, each rank's pieces interleaved with the
 # others' (1 MiB tensors cut in four: 256 KiB pieces, 768 KiB apart). Runs and part delivery
-# (pipeload.plan.partdelivery.runs): every byte is fetched once.
+# (pipeload.plan.partruns.runs): every byte is fetched once.
 WHOLE = {**{f"r{i:02d}": ((1024, 256), 0) for i in range(44)}, **{f"c{i}": ((256, 1024), 1) for i in range(4)}}
 
 

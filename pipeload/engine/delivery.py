@@ -19,7 +19,7 @@ the reader of each blob's lowest byte (its locator) sends the chunk's (start, en
 other hosts of that blob and of the blobs next to it (:func:`_locate`: one message per (sender,
 receiver) pair, 16 bytes a chunk, in the same order of pairs), so each head page is read once, by the
 rank that reads that page anyway. From an object store a DCP object's runs hold whole blobs: no
-position is needed there (:func:`pipeload.plan.partdelivery.blob_runs`).
+position is needed there (:func:`pipeload.plan.partruns.blob_runs`).
 
 An owner whose read fails still sends (zeros where the bytes failed) and records the error: the load's
 agreement then fails on every rank. A dead peer fails the transfer by name, as a failed broadcast does.
@@ -37,7 +37,7 @@ import torch
 from ..io import storage
 from ..io.reader import copy_box
 from ..move.mover import Transfers
-from ..plan import partdelivery
+from ..plan import partdelivery, partruns
 from ..plan.exchange import F_HOST
 from ..plan.partdelivery import Delivery
 
@@ -57,7 +57,7 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
     Every reader of a file decides alike from its header; a DCP item that is not stored in place (decoded
     by torch.load) gives its blob's start: its pages are then misjudged alike on every rank (no saving),
     and the bytes still exact (parts are chunk-relative, from ``buffer()`` on both ends). Objects (a
-    checkpoint in object storage) are planned by runs instead (:func:`pipeload.plan.partdelivery.plan_runs`):
+    checkpoint in object storage) are planned by runs instead (:func:`pipeload.plan.partruns.plan_runs`):
     the ranges this rank fetches as an owner are left in ``reader.runs`` for :func:`deliver`.
 
     A DCP chunk's position is learnt from its blob's head: before deciding pages, the first reader of
@@ -195,7 +195,7 @@ def _plan_runs(every, md, names: list[str], reader, me: int, files: set[str], ob
         return {k for name in (f._items if _is_blobs(f) else f.keys())
                 if (k := partdelivery.key_of(index, name)) is not None}
 
-    out, reader.runs = partdelivery.plan_runs(
+    out, reader.runs = partruns.plan_runs(
         every, md, names, itemsize, me, files, lambda file, key: _start(reader.file(file), key), keys_in,
         lambda file: order.get(file, 0), objects, lambda file: _blob_ranges(reader.file(file)))
     return out
