@@ -277,6 +277,24 @@ def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
     return msg
 
 
+def own_ranges(reader, items) -> dict[str, list[tuple[int, int]]]:
+    """Objects, a load without a plan of every rank's reads (in the layout it was saved in): file -> the
+    ranges this rank's reads (``items``) span, merged across the reader's 1 MiB gap, for
+    :func:`fetch_runs` to ask for at once (each phase and window asked for its own, a GET each). A DCP
+    object's items are left to their reads (where a tensor starts is known once its blob's head is read)."""
+    spans: dict[str, list[tuple[int, int, int]]] = {}
+    for item in items:
+        if not item.nbytes:
+            continue
+        try:
+            f = reader.file(item.file)
+            if not _is_blobs(f):
+                spans.setdefault(item.file, []).append((*reader._span(f, item), 0))
+        except Exception:  # noqa: BLE001 - a hint only: the read reports what is wrong
+            continue
+    return {name: partruns.merged(ranges).get(0, []) for name, ranges in spans.items()}
+
+
 def fetch_runs(reader) -> None:
     """Objects: request this rank's runs (``reader.runs``) now, in large GETs, before any part is packed
     from them (a part's own request would then be a GET of its few KiB) and before any read (the

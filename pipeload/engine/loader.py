@@ -622,11 +622,14 @@ def _prepare(state_dict, directory, comm, collective, strict, broadcast_replicat
 def _deliveries(pool, gp, md, names: list[str], reader, comm, rows_seen: list, shared, private,
                 skip) -> delivery.Planned:
     """This rank's page deliveries (:func:`pipeload.engine.delivery.plan`) when the plan lists every rank's
-    reads (else none), planned in the read worker: it opens files, after the worker's early request of
-    this rank's own file, never beside it."""
-    if gp.every is None or not rows_seen:
-        return delivery.Planned([], [])
+    reads (else none; from objects, the ranges this rank reads: :func:`~pipeload.engine.delivery.own_ranges`),
+    planned in the read worker: it opens files, after the worker's early request of this rank's own file,
+    never beside it."""
     mine = list(_my_reads(comm.rank, shared, private, gp.ops, skip))
+    if gp.every is None or not rows_seen:
+        if storage.is_url(reader.directory):  # objects: this rank's own ranges, asked for at once
+            reader.runs = pool.submit(delivery.own_ranges, reader, mine).result()
+        return delivery.Planned([], [])
     return pool.submit(delivery.plan, gp, md, names, reader, comm, rows_seen[0], mine).result()
 
 
