@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..io import storage
-from ..io.reader import copy_box
+from ..io.reader import chunk_start, copy_box
 from ..move.mover import Transfers
 from ..plan import partdelivery, partruns
 from ..plan.exchange import F_HOST
@@ -84,7 +84,7 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
     def start_of(file: str, key: str) -> int:
         s = starts.get((file, key))
         if s is None:
-            s = starts[file, key] = _start(reader.file(file), key)
+            s = starts[file, key] = chunk_start(reader.file(file), key)
         return s
 
     def layout_of(file: str):
@@ -108,8 +108,8 @@ def _found(reader, files: list[str], given: set) -> list[tuple[str, str, int, in
     requests exact ranges from its first prefetch, as this one did after planning)."""
     out = []
     for name in files:
-        for key, (_, _, a, b, decoded) in sorted(reader.file(name)._resolved.items()):
-            if decoded is None and (name, key) not in given:
+        for key, (a, b) in sorted(reader.file(name).positions().items()):
+            if (name, key) not in given:
                 out.append((name, key, a, b))
     return out
 
@@ -148,10 +148,10 @@ def _locate(comm, reader, sends: dict, recvs: dict) -> list[tuple[str, str, int,
 
 def _located(reader, file: str, key: str) -> tuple[int, int]:
     try:
-        _, _, a, b, decoded = reader.file(file)._resolve(key)
+        got = reader.file(file).position(key)
     except Exception:  # noqa: BLE001 - the receiver locates it itself and reports what is wrong
         return -1, -1
-    return (a, b) if decoded is None else (-1, -1)
+    return got if got is not None else (-1, -1)
 
 
 def install(reader, located: list[tuple[str, str, int, int]]) -> None:
@@ -192,11 +192,11 @@ def _plan_runs(every, md, names: list[str], reader, me: int, files: set[str], ob
 
     def keys_in(file: str) -> set[int]:
         f = reader.file(file)
-        return {k for name in (f._items if _is_blobs(f) else f.keys())
+        return {k for name in ([b[2] for b in f.blobs] if _is_blobs(f) else f.keys())
                 if (k := partdelivery.key_of(index, name)) is not None}
 
     out, reader.runs = partruns.plan_runs(
-        every, md, names, itemsize, me, files, lambda file, key: _start(reader.file(file), key), keys_in,
+        every, md, names, itemsize, me, files, lambda file, key: chunk_start(reader.file(file), key), keys_in,
         lambda file: order.get(file, 0), objects, lambda file: _blob_ranges(reader.file(file)))
     return out
 
@@ -206,7 +206,7 @@ def _layout(f: Any) -> tuple[list[int], list[int], list[str]] | None:
     file: its blobs, from the checkpoint's metadata, each holding its chunk's head and tail too); None for
     a file with neither (its pages are decided per chunk, see partdelivery.plan)."""
     if _is_blobs(f):
-        return [b[0] for b in f._blobs], [b[1] for b in f._blobs], [b[2] for b in f._blobs]
+        return [b[0] for b in f.blobs], [b[1] for b in f.blobs], [b[2] for b in f.blobs]
     if not hasattr(f, "keys"):
         return None
     rows = sorted((int(e[2]), int(e[3]), k) for k in f.keys() for e in (f.entry(k),))
@@ -217,12 +217,12 @@ def _blob_ranges(f: Any) -> dict[str, tuple[int, int]] | None:
     """key -> (first byte, end) of each chunk's blob in a DCP file (from the metadata: no read), else None."""
     if not _is_blobs(f):
         return None
-    return {key: (a, b) for a, b, key in f._blobs}
+    return {key: (a, b) for a, b, key in f.blobs}
 
 
 def _is_blobs(f: Any) -> bool:
     """A file whose chunks are located by reading their own head (a DCP ``.distcp``)."""
-    return hasattr(f, "locate") and hasattr(f, "_blobs")
+    return hasattr(f, "locate") and hasattr(f, "blobs")
 
 
 def _in_place(reader, name: str) -> bool:
@@ -231,14 +231,6 @@ def _in_place(reader, name: str) -> bool:
     except Exception:  # noqa: BLE001 - the read itself reports it
         return False
     return hasattr(f, "entry") and hasattr(f, "buffer")
-
-
-def _start(f: Any, key: str) -> int:
-    """A stored chunk's first byte in its file (a DCP item: once its local header is read)."""
-    resolve = getattr(f, "_resolve", None)
-    if resolve is not None:
-        return int(resolve(key)[2])
-    return int(f.entry(key)[2])
 
 
 def _pairs(deliveries: list[Delivery]) -> dict[tuple[int, int], list[Delivery]]:
@@ -256,7 +248,7 @@ def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
     for d in parts:  # every page asked for at once: storage serves them while the first are copied
         try:
             f = reader.file(d.file)
-            start = _start(f, d.key)
+            start = chunk_start(f, d.key)
             f.advise("willneed", start + d.lo, start + d.hi)
         except Exception:  # noqa: BLE001 - a hint only: the copy below reports what is wrong
             pass
@@ -266,7 +258,7 @@ def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
         try:
             f = reader.file(d.file)
             if objects:
-                start = _start(f, d.key)
+                start = chunk_start(f, d.key)
                 src = torch.frombuffer(f.span(start + d.lo, start + d.hi), dtype=torch.uint8) if n else msg[:0]
             else:
                 src = torch.frombuffer(reader._bytes(f, d.key, ""), dtype=torch.uint8)[d.lo : d.hi]

@@ -547,6 +547,22 @@ class DistcpFile:
                 end = min(end + self._slack, self._blobs[j][1])
         self.raw.willneed(start, end)
 
+    @property
+    def blobs(self) -> list[tuple[int, int, str]]:
+        """``(first byte, end, key)`` of every item's blob, by first byte (from the metadata: no read; a
+        blob named by its fqn and by its chunk key appears under both)."""
+        return self._blobs
+
+    def position(self, key: str) -> tuple[int, int] | None:
+        """``(start, end)`` of item ``key``'s tensor bytes in the file, locating it (its blob's head) if
+        needed; None for an item decoded by torch.load (not stored in place)."""
+        _, _, a, b, decoded = self._resolve(key)
+        return (a, b) if decoded is None else None
+
+    def positions(self) -> dict[str, tuple[int, int]]:
+        """Every item located so far and stored in place: key -> ``(start, end)``."""
+        return {k: (a, b) for k, (_, _, a, b, decoded) in self._resolved.items() if decoded is None}
+
     def locate(self, table: dict[str, tuple[int, int]]) -> None:
         """Take where other readers found items' tensor bytes (``key -> (start, end)`` in the file, from
         the heads of their blobs, which this rank then never reads). A location that does not fit its

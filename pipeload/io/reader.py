@@ -174,8 +174,8 @@ def decode_object(data: bytes | bytearray, where: str) -> Any:
         raise CheckpointFormatError(f"{where}: does not load with torch.load(weights_only=True): {refusal(e)}") from None
 
 
-def _start_of(f: Any, key: str) -> int:
-    """A stored chunk's first byte in its file (a DCP item: once its blob's head located it)."""
+def chunk_start(f: Any, key: str) -> int:
+    """A stored chunk's first byte in its open file ``f`` (a DCP item: once its blob's head located it)."""
     resolve = getattr(f, "_resolve", None)
     return int(resolve(key)[2]) if resolve is not None else int(f.entry(key)[2])
 
@@ -340,7 +340,7 @@ class ChunkReader:
             if a > at:  # a run this rank reads itself
                 if objects:
                     if first is None:
-                        first = _start_of(f, item.key)
+                        first = chunk_start(f, item.key)
                     copy_box(flat[at - lo : a - lo], torch.frombuffer(f.span(first + at, first + a),
                                                                       dtype=torch.uint8), source)
                 else:

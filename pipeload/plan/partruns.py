@@ -47,20 +47,12 @@ def union(ranges: Iterable[tuple]) -> list[tuple[int, int]]:
 
 def _gets(mine: dict[int, list[tuple[int, int]]], gap: int, size: int) -> int:
     """GETs the readers' own requests take: each rank's ranges merged across ``gap``, in parts of ``size``."""
-    return sum(-(-(b - a) // size) for ranges in mine.values() for a, b in union((a, b + gap) for a, b in ranges))
+    return sum(-(-(b - a) // size) for ranges in mine.values() for a, b in _joined(ranges, gap))
 
 
 def _merged_bytes(ranges: list[tuple[int, int]], gap: int) -> int:
-    """Bytes requested for ``ranges`` (sorted, disjoint) when merged across holes up to ``gap``."""
-    total, lo, hi = 0, None, None
-    for a, b in ranges:
-        if hi is not None and a - hi <= gap:
-            hi = max(hi, b)
-            continue
-        if hi is not None:
-            total += hi - lo
-        lo, hi = a, b
-    return total + (hi - lo if hi is not None else 0)
+    """Bytes requested for ``ranges`` when merged across holes up to ``gap``."""
+    return sum(b - a for a, b in _joined(ranges, gap))
 
 
 def by_rank(spans: Iterable[tuple]) -> dict[int, list[tuple[int, int]]]:
@@ -145,15 +137,9 @@ def blob_runs(spans: list[tuple], blobs: dict[str, tuple[int, int]], me: int, fi
     return sorted(out), _joined([blobs[k] for k in keys if owner[k] == me], OWN_GAP)
 
 
-def _joined(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+def _joined(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
     """Sorted ``ranges`` merged across holes up to ``gap``."""
-    out: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if out and a - out[-1][1] <= gap:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
+    return [(a, b - gap) for a, b in union((a, b + gap) for a, b in ranges)]
 
 
 def run_deliveries(spans: list[tuple], cuts: list[tuple[int, int, int]], file: str) -> list[Delivery]:
@@ -176,29 +162,14 @@ def owned(spans: list[tuple], cuts: list[tuple[int, int, int]], me: int, gap: in
     """The byte ranges ``me`` requests for its runs: the union of every rank's spans inside them, merged
     across holes up to ``gap`` (few GETs; a hole is bytes nobody reads)."""
     whole = union((a, b) for a, b, *_ in spans)
-    out: list[tuple[int, int]] = []
-    for lo, hi, o in cuts:
-        if o != me:
-            continue
-        for a, b in whole:
-            a, b = max(a, lo), min(b, hi)
-            if b <= a:
-                continue
-            if out and a - out[-1][1] <= gap:
-                out[-1] = (out[-1][0], b)
-            else:
-                out.append((a, b))
-    return out
+    return _joined(((max(a, lo), min(b, hi)) for lo, hi, o in cuts if o == me for a, b in whole
+                    if min(b, hi) > max(a, lo)), gap)
 
 
 def merged(spans: Iterable[tuple], gap: int = RUN_GAP) -> dict[int, list[tuple[int, int]]]:
     """rank -> its spans ``(a, b, rank, ...)`` merged across holes up to ``gap``: the ranges its own
     requests of an object fetch (the reader's rule), sorted."""
-    out = {}
-    for r, ranges in by_rank(spans).items():
-        joined = union((a, b + gap) for a, b in ranges)
-        out[r] = [(a, b - gap) for a, b in joined]
-    return out
+    return {r: _joined(ranges, gap) for r, ranges in by_rank(spans).items()}
 
 
 def nested(spans: list[tuple], gap: int = RUN_GAP) -> list[tuple[int, int, int, int]]:
