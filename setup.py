@@ -12,6 +12,7 @@ extensions = [
     Extension("pipeload.formats._memoprune", ["pipeload/formats/_memoprune.pyx"], extra_compile_args=["-O3"]),
     Extension("pipeload.plan._greedy", ["pipeload/plan/_greedy.pyx"], extra_compile_args=["-O3"]),
     Extension("pipeload.plan._leafplan", ["pipeload/plan/_leafplan.pyx"], extra_compile_args=["-O3"]),
+    Extension("pipeload.move._regions", ["pipeload/move/_regions.pyx"], extra_compile_args=["-O3"]),
     Extension("pipeload.save._stage", ["pipeload/save/_stage.pyx"], extra_compile_args=["-O3"]),
 ]
 

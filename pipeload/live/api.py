@@ -30,6 +30,8 @@ from ..engine._gcpause import paused_gc
 from ..errors import DistributedError, PipeloadError
 from ..move import mover, plan as moveplan
 from ..move.link import Link
+from ..move.run import schedule as move_schedule
+from ..move.schedule import Schedule
 from ..plan.exchange import hash64
 from . import run as mover_run
 from .sides import Side, destinations, digest, ndim, sources
@@ -69,7 +71,7 @@ class _Kept:
     token: int
     digest: int
     nd: int
-    answers: moveplan.Answers
+    schedule: Schedule  # its answers, their messages cut once (and their copies compiled)
 
 
 _kept: dict[tuple[int, int], _Kept] = {}  # (id(group object), slot) -> the plan its last transfer made
@@ -113,8 +115,8 @@ def run_transfer(link: Link, src: Any, dst: Any, version: int | None, cast: bool
     with Guard() as guard:
         contended = guard.enter_sync(link, link.size > 1, what, timeout=GUARD_WAIT_S)
         with paused_gc():
-            answers, nd = _plan(link, s, d, version, contended, stats, what, slot)
-        _move(link, answers, s, d, stats, what, guard.late(link))
+            sched, nd = _plan(link, s, d, version, contended, stats, what, slot)
+        _move(link, sched, s, d, stats, what, guard.late(link))
     stats.timings["total"] = time.perf_counter() - t0
     return stats
 
@@ -143,7 +145,7 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
     stats.version = int(versions[0]) if len(versions) else None
     if offer and offer != CONTENDED and np.all(rows[:, R_OFFER] == offer):
         stats.planned = False
-        return kept.answers, kept.nd
+        return kept.schedule, kept.nd
     nd = int((rows[:, R_SHAPE] & 0xFF).max())
     counts, words = moveplan.by_owner(moveplan.widen(rec, own, nd), link.size)
     lap("plan")
@@ -161,8 +163,9 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
     link.agree(what, problems, "agreement on the transfer's plan")
     lap("exchange")
     token = hash64(np.ascontiguousarray(rows[:, [R_DIGEST, R_SHAPE]]).tobytes()) or 1
-    _kept[(id(link.pg), slot)] = _Kept(token, dig, nd, answers)
-    return answers, nd
+    sched = move_schedule(answers)
+    _kept[(id(link.pg), slot)] = _Kept(token, dig, nd, sched)
+    return sched, nd
 
 
 class _Lap:
@@ -199,13 +202,13 @@ def _problems(answers: moveplan.Answers, d: Side) -> str | None:
     return "\n".join(lines + ([f"... and {more} more"] if more > 0 else []))
 
 
-def _move(link: Link, answers, s: Side, d: Side, stats: TransferStats, what: str, late: str | None) -> None:
+def _move(link: Link, sched: Schedule, s: Side, d: Side, stats: TransferStats, what: str, late: str | None) -> None:
     t0 = time.perf_counter()
     x = mover.Transfers(link, what, tolerant=True, pool=_pools.setdefault(id(link.pg), mover.BufferPool()))
-    progress = mover_run.Progress(answers, len(d.boxes))
+    progress = mover_run.Progress(sched.answers, len(d.boxes))
     error = late
     try:
-        stats.bytes_copied = mover_run.run(x, answers, s, d, progress, link.device)
+        stats.bytes_copied = mover_run.run(x, sched, s, d, progress, link.device)
         problems = list(x.failed.values()) + x.errors
         if problems:
             error = "\n".join(problems[:4])

@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from ..move import mover
-from ..move.plan import Answers, Op
+from ..move.plan import Op
+from ..move.schedule import Schedule
 from ..move.run import DTYPES, Progress, copies, flat, run as move_run, view
 from .sides import Side
 
@@ -31,6 +32,14 @@ class LiveSource:
     def _views(self, msg: list[Op]) -> list[torch.Tensor]:
         return [view(self.src, op.src, op) if op.src >= 0 else view(self.dst, -1 - op.src, op) for op in msg]
 
+    def bases(self) -> list[torch.Tensor]:
+        return self.src.views + self.dst.views  # (a relay's piece is a region of its own destination)
+
+    def base_of(self, op: Op) -> tuple[int, object]:
+        if op.src >= 0:
+            return op.src, self.src.boxes[op.src]
+        return len(self.src.views) - 1 - op.src, self.dst.boxes[-1 - op.src]
+
     def sender(self, x: mover.Transfers, msg: list[Op], wire: torch.device) -> Callable | None:
         if len(msg) != 1:
             return None
@@ -45,6 +54,6 @@ class LiveSource:
         out.copy_(view(self.src, op.src, op))
 
 
-def run(x: mover.Transfers, answers: Answers, src: Side, dst: Side, progress: Progress, wire: torch.device) -> int:
+def run(x: mover.Transfers, sched: Schedule, src: Side, dst: Side, progress: Progress, wire: torch.device) -> int:
     """Every message of this rank in the global order, then its local copies (:func:`pipeload.move.run.run`)."""
-    return move_run(x, answers, LiveSource(src, dst), dst, progress, wire)
+    return move_run(x, sched, LiveSource(src, dst), dst, progress, wire)

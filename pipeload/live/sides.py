@@ -16,6 +16,7 @@ cast flag, in order — equal digests mean the kept plan's indices still name th
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -107,9 +108,15 @@ def _leaves(dst: Any):
             yield str(i), value
 
 
+@lru_cache(maxsize=1 << 18)
+def _name(name: str) -> int:
+    """A name's word in the plan (names repeat at every step: hashed once)."""
+    return hash64(name.encode())
+
+
 def _add(side: Side, name: str, view: torch.Tensor, shape, offsets, lengths, flags: int) -> None:
-    side.boxes.append(Box(hash64(name.encode()), _code(view.dtype, name), tuple(int(s) for s in shape),
-                          tuple(int(o) for o in offsets), tuple(int(n) for n in lengths), flags))
+    side.boxes.append(Box(_name(name), _code(view.dtype, name), tuple(map(int, shape)), tuple(map(int, offsets)),
+                          tuple(map(int, lengths)), flags))
     side.views.append(view)
     side.names.append(name)
 

@@ -13,6 +13,9 @@ in-flight bound posted). A sender packs each message when its first part is post
 lone piece without packing (a contiguous tensor as it is, a run of a tier file in parts as they are
 read). A receiver lands a lone contiguous piece straight in its destination view, anything else in a
 buffer copied out once the message arrived. Local copies run while the last messages are in flight.
+The cut, the order and each message's layout are a :class:`pipeload.move.schedule.Schedule`, made once
+per plan (a live transfer keeps it with its plan); pieces between host tensors are packed, unpacked
+and copied by its compiled rows, the others by the source and torch.
 
 Which destinations are complete is tracked piece by piece (:class:`Progress`): if a peer dies, the
 stats say exactly which destination views hold this step's bytes and which do not.
@@ -28,12 +31,7 @@ import torch
 
 from . import mover
 from .plan import Answers, Op
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
-          torch.uint16, torch.uint32, torch.uint64, torch.complex128)  # a box's dtype code -> torch dtype
-CODES = {d: i for i, d in enumerate(DTYPES)}
-
+from .schedule import CODES, DTYPES, Schedule, buffer_base, layout, nbytes, run_rows  # noqa: F401 - (CODES, DTYPES: shared)
 
 class Dests(Protocol):
     """The destination side: ``boxes[i]`` (a :class:`pipeload.move.plan.Box`) is held by ``views[i]``."""
@@ -45,7 +43,14 @@ class Dests(Protocol):
 class Source(Protocol):
     """What a sender holds. ``sender`` may return ``part(lo, hi)`` for a message it sends without packing
     (else None); ``pack`` writes a message's pieces at ``starts`` into ``buf`` (a failure is recorded by
-    the caller, the message still sent); ``copy`` writes a piece this rank both holds and needs."""
+    the caller, the message still sent); ``copy`` writes a piece this rank both holds and needs.
+    ``bases`` are the tensors its pieces are regions of (None for a source that is not tensors), and
+    ``base_of(op)`` is (index in ``bases``, the box that tensor holds): pieces between host tensors are
+    then packed and copied by compiled rows (:mod:`pipeload.move.schedule`), the rest by ``pack``/``copy``."""
+
+    def bases(self) -> list[torch.Tensor] | None: ...
+
+    def base_of(self, op: Op) -> tuple[int, object]: ...
 
     def sender(self, x: mover.Transfers, msg: list[Op], wire: torch.device) -> Callable | None: ...
 
@@ -85,26 +90,6 @@ def view(side, box_index: int, op: Op) -> torch.Tensor:
     return base.as_strided(op.lengths, stride, at)
 
 
-def nbytes(op: Op) -> int:
-    n = DTYPES[op.dtype].itemsize
-    for x in op.lengths:
-        n *= x
-    return n
-
-
-ALIGN = 16  # each piece of a packed message starts at a multiple of this (any dtype's alignment)
-
-
-def layout(msg: list[Op]) -> tuple[list[int], int]:
-    """(where each piece of a message starts, the message's bytes): alike on both ends."""
-    at, starts = 0, []
-    for op in msg:
-        at = -(-at // ALIGN) * ALIGN
-        starts.append(at)
-        at += nbytes(op)
-    return starts, at
-
-
 def messages(ops: list[Op]) -> list[list[Op]]:
     """``ops`` (one direction, sorted by key) cut into messages per peer and hop, as both ends cut them."""
     by_peer: dict[tuple[int, int], list[Op]] = defaultdict(list)
@@ -117,31 +102,42 @@ def messages(ops: list[Op]) -> list[list[Op]]:
     return out
 
 
-def run(x: mover.Transfers, answers: Answers, source: Source, dst: Dests, progress: Progress,
+def schedule(answers: Answers) -> Schedule:
+    """This rank's messages of ``answers``, cut and ordered (keep it while the plan is kept)."""
+    return Schedule(answers, messages)
+
+
+def run(x: mover.Transfers, sched: Schedule, source: Source, dst: Dests, progress: Progress,
         wire: torch.device, ring=None) -> int:
     """Post every message in the global order, copy the local pieces, wait for all; bytes copied locally.
     Before the first message of a later hop, every message posted so far completes (a relay forwards
     what it received; waiting only on earlier messages keeps the order's argument). ``ring``: a
     :class:`pipeload.device.H2DRing` for received bytes bound for accelerator destinations."""
-    plan = [(m[0].key, True, m) for m in messages(answers.sends)] + \
-           [(m[0].key, False, m) for m in messages(answers.recvs)]
-    plan.sort(key=lambda item: item[0])
-    hop = 0
-    for _, sending, msg in plan:
-        if msg[0].hop != hop:
+    bound = sched.bind(source.bases(), source.base_of, dst.views, dst.boxes)
+    hop, copied = 0, 0
+    for it, prog in zip(sched.items, bound.programs):
+        if it.sending is None:
+            copied += _copy_local(it, prog, bound, source, dst, progress)
+            continue
+        if it.msg[0].hop != hop:
             x.drain()
-            hop = msg[0].hop
-        if sending:
-            x.send(msg[0].peer, layout(msg)[1], packer(x, msg, source, wire))
+            hop = it.msg[0].hop
+        if it.sending:
+            x.send(it.msg[0].peer, it.nbytes, packer(x, it, prog, bound, source, wire))
         else:
-            _post_recv(x, msg, dst, progress, wire, ring)
-    copied = 0
-    for op in answers.local:
-        source.copy(op, view(dst, op.dst, op))
-        progress.landed([op])
-        copied += nbytes(op)
+            _post_recv(x, it, prog, bound, dst, progress, wire, ring)
     x.drain()
     return copied
+
+
+def _copy_local(it, prog, bound, source: Source, dst: Dests, progress: Progress) -> int:
+    op = it.msg[0]
+    if prog is not None:
+        run_rows(prog.rows, bound.src, bound.dst)
+    else:
+        source.copy(op, view(dst, op.dst, op))
+    progress.landed(it.msg)
+    return it.nbytes
 
 
 def flat(t: torch.Tensor, wire: torch.device) -> torch.Tensor | None:
@@ -151,21 +147,25 @@ def flat(t: torch.Tensor, wire: torch.device) -> torch.Tensor | None:
     return t.reshape(-1).view(torch.uint8)
 
 
-def packer(x: mover.Transfers, msg: list[Op], source: Source, wire: torch.device) -> Callable:
-    """``part(lo, hi)`` for :meth:`Transfers.send`: the message's bytes, packed at the first call."""
-    direct = source.sender(x, msg, wire)
+def packer(x: mover.Transfers, it, prog, bound, source: Source, wire: torch.device) -> Callable:
+    """``part(lo, hi)`` for :meth:`Transfers.send`: the message's bytes, packed at the first call (its
+    compiled rows, then the source's own packing of the pieces left)."""
+    direct = source.sender(x, it.msg, wire)
     if direct is not None:
         return direct
     packed: list[torch.Tensor] = []
-    starts, n = layout(msg)
 
     def part(lo: int, hi: int) -> torch.Tensor:
         if not packed:
-            buf = _buffer(x, n, wire)
+            buf = _buffer(x, it.nbytes, wire)
             try:
-                source.pack(msg, starts, buf)
+                if prog is not None:
+                    run_rows(prog.rows, bound.src, buffer_base(buf))
+                rest = range(len(it.msg)) if prog is None else prog.slow
+                if rest:
+                    source.pack([it.msg[i] for i in rest], [it.starts[i] for i in rest], buf)
             except Exception as e:  # noqa: BLE001 - still sent (the receiver waits for it), and reported
-                x.errors.append(f"packing a message for rank {msg[0].peer}: {type(e).__name__}: {e}")
+                x.errors.append(f"packing a message for rank {it.msg[0].peer}: {type(e).__name__}: {e}")
             packed.append(buf)
         return packed[0][lo:hi]
 
@@ -189,19 +189,23 @@ def copies(msg: list[Op], views: list[torch.Tensor], starts: list[int], buf: tor
             mover.copy_into(v, buf[at: at + n].view(DTYPES[op.dtype]).view(op.lengths), ring)
 
 
-def _post_recv(x: mover.Transfers, msg: list[Op], dst: Dests, progress: Progress, wire: torch.device,
+def _post_recv(x: mover.Transfers, it, prog, bound, dst: Dests, progress: Progress, wire: torch.device,
                ring=None) -> None:
-    views = [view(dst, op.dst, op) for op in msg]
+    msg = it.msg
     if len(msg) == 1:
-        whole = flat(views[0], wire)
+        whole = flat(view(dst, msg[0].dst, msg[0]), wire)
         if whole is not None:
             x.recv(msg[0].peer, whole, lambda: progress.landed(msg))
             return
-    starts, n = layout(msg)
-    buf = _buffer(x, n, wire)
+    buf = _buffer(x, it.nbytes, wire)
+    rest = range(len(msg)) if prog is None else prog.slow
 
     def unpack() -> None:
-        copies(msg, views, starts, buf, into_buffer=False, ring=ring)
+        if prog is not None:
+            run_rows(prog.rows, buffer_base(buf), bound.dst)
+        if rest:
+            copies([msg[i] for i in rest], [view(dst, msg[i].dst, msg[i]) for i in rest],
+                   [it.starts[i] for i in rest], buf, into_buffer=False, ring=ring)
         progress.landed(msg)
 
     x.recv(msg[0].peer, buf, unpack)

@@ -48,7 +48,7 @@ from ..io.reader import decode_object
 from ..move import plan as moveplan
 from ..move.mover import Transfers
 from ..move.plan import F_NEEDED, F_ROW, Box, Op
-from ..move.run import CODES, DTYPES, Progress, run as move_run
+from ..move.run import CODES, DTYPES, Progress, run as move_run, schedule
 from ..plan.exchange import hash64
 from .restoreplan import E_RANK
 from .restoreread import copy_region, pread_into
@@ -186,7 +186,7 @@ class ReshardJob:
         source = TierSource(opened, self.held, errors, self.ring)
         a = self.answers
         try:
-            copied = move_run(x, a, source, self.dst, Progress(a, len(self.dst.boxes)), torch.device("cpu"),
+            copied = move_run(x, schedule(a), source, self.dst, Progress(a, len(self.dst.boxes)), torch.device("cpu"),
                               self.ring)
         finally:
             opened.close()
@@ -220,6 +220,12 @@ class TierSource:
 
     def __init__(self, opened, held: list, errors, ring=None):
         self.opened, self.held, self.errors, self.ring = opened, held, errors, ring
+
+    def bases(self) -> None:
+        return None  # (regions of files: packed and copied here)
+
+    def base_of(self, op: Op):
+        raise NotImplementedError
 
     def sender(self, x: Transfers, msg: list[Op], wire: torch.device):
         if len(msg) != 1 or wire.type != "cpu":

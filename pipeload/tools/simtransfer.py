@@ -404,8 +404,8 @@ def _sample(w: TransferWorld, rank: int, rows: np.ndarray, answered: Answered, m
         api.clear()
         return out
 
-    (answers, nd), cpu, peak = timed(run, memory)
-    link = links[0]
+    (sched, nd), cpu, peak = timed(run, memory)
+    answers, link = sched.answers, links[0]
     return dict(rank=rank, role=_role(w, rank), cpu=cpu, peak=peak, bytes=link.bytes,
                 sources=len(src), destinations=len(dst), records_received=len(incoming[1]) // moveplan.width(nd),
                 answers_received=len(answered.to[rank][1]) // moveplan.answer_width(nd),

@@ -1,0 +1,192 @@
+"""A rank's messages of one planned movement: cut once, and their pieces compiled into region copies.
+
+Cutting the pieces into messages and laying them out is a function of the plan alone, so a live
+transfer keeps its :class:`Schedule` with its plan and the steps after the first cut nothing. Packing
+and unpacking are compiled (:mod:`pipeload.move._regions`): each piece becomes a row of integers —
+which base tensor, the byte offset of its region from the tensor's address, the contiguous bytes of a
+run and up to three outer dimensions — and a message's rows run in one call without the GIL.
+
+A row is emitted only for host memory that holds its values as laid out (not a conjugate or negative
+view) and whose dtype is the piece's wire dtype; any other piece (an accelerator view, a cast, a region
+needing more than three outer dimensions) is copied by torch as before. Rows depend on the strides of
+the tensors they address, never on their addresses: each use checks the strides of every base tensor
+against those the rows were compiled from (:meth:`Schedule.bind`) and compiles again when one changed;
+the addresses are read from the tensors at each use. The shapes are the plan's (its digest holds
+them), so a row's bytes lie inside its tensor.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from . import _regions
+from .plan import Answers, Op
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
+          torch.uint16, torch.uint32, torch.uint64, torch.complex128)  # a box's dtype code -> torch dtype
+CODES = {d: i for i, d in enumerate(DTYPES)}
+
+WIDTH = _regions.width()
+OUTER = 3  # outer dimensions a row carries
+
+
+class Item(NamedTuple):
+    """One message (or a local copy's piece, ``sending is None``) in the global order."""
+
+    sending: bool | None
+    msg: list[Op]
+    starts: list[int]  # where each piece starts in the message
+    nbytes: int
+
+
+class Program(NamedTuple):
+    """An item's compiled copies: ``rows`` for the pieces listed in ``fast``, torch for the others."""
+
+    rows: np.ndarray
+    slow: list[int]  # positions in the message copied by torch
+
+
+class Bound(NamedTuple):
+    """The programs valid for this use's tensors, and the addresses of their bases."""
+
+    programs: list[Program | None]
+    src: np.ndarray  # addresses of the source side's bases
+    dst: np.ndarray  # addresses of the destination bases
+
+
+class Schedule:
+    """Every message of this rank in the one global order (sends and receives merged by the key of each
+    message's first piece, as both ends sort them), then the local copies."""
+
+    def __init__(self, answers: Answers, cut):
+        self.answers = answers
+        plan = [(m[0].key, True, m) for m in cut(answers.sends)] + [(m[0].key, False, m) for m in cut(answers.recvs)]
+        plan.sort(key=lambda item: item[0])
+        self.items = [Item(sending, msg, *layout(msg)) for _, sending, msg in plan]
+        self.items += [Item(None, [op], *layout([op])) for op in answers.local]
+        self._compiled: tuple | None = None  # (signature, programs)
+
+    def bind(self, source_bases: Sequence | None, source_of, dst_bases: Sequence, dst_boxes: Sequence) -> Bound:
+        """The compiled programs for these tensors. ``source_of(op)`` is (base index, box) of a piece's
+        source region among ``source_bases`` (None: a source without host tensors, e.g. files: sends
+        are packed by the source itself and local copies by torch)."""
+        src = list(source_bases) if source_bases is not None else []
+        sig = (_signature(src), _signature(dst_bases), source_bases is None)
+        if self._compiled is None or self._compiled[0] != sig:
+            self._compiled = (sig, [self._compile(it, src if source_bases is not None else None, source_of,
+                                                  dst_bases, dst_boxes) for it in self.items])
+        return Bound(self._compiled[1], _addresses(src), _addresses(dst_bases))
+
+    def _compile(self, it: Item, src, source_of, dst_bases, dst_boxes) -> Program | None:
+        rows, slow = [], []
+        for i, (op, at) in enumerate(zip(it.msg, it.starts)):
+            row = None
+            if it.sending is not False and src is not None:  # out of a source region
+                si, sbox = source_of(op)
+                a = _region(src[si], sbox, op)
+                b = (at, _packed(op.lengths)) if it.sending else _region(dst_bases[op.dst], dst_boxes[op.dst], op)
+                row = _row(si, a, 0 if it.sending else op.dst, b, op)
+            elif it.sending is False:  # into a destination view
+                b = _region(dst_bases[op.dst], dst_boxes[op.dst], op)
+                row = _row(0, (at, _packed(op.lengths)), op.dst, b, op)
+            if row is None:
+                slow.append(i)
+            else:
+                rows.append(row)
+        if not rows:
+            return None
+        return Program(np.array(rows, dtype=np.int64).reshape(-1, WIDTH), slow)
+
+
+def nbytes(op: Op) -> int:
+    n = DTYPES[op.dtype].itemsize
+    for x in op.lengths:
+        n *= x
+    return n
+
+
+ALIGN = 16  # each piece of a packed message starts at a multiple of this (any dtype's alignment)
+
+
+def layout(msg: list[Op]) -> tuple[list[int], int]:
+    """(where each piece of a message starts, the message's bytes): alike on both ends."""
+    at, starts = 0, []
+    for op in msg:
+        at = -(-at // ALIGN) * ALIGN
+        starts.append(at)
+        at += nbytes(op)
+    return starts, at
+
+
+def run_rows(rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    """Copy a program's rows between the bases at ``src`` and ``dst`` (arrays of addresses)."""
+    _regions.copy_rows(rows, src, dst)
+
+
+def buffer_base(buf: torch.Tensor) -> np.ndarray:
+    return np.array([buf.data_ptr()], dtype=np.uintp)
+
+
+def _signature(bases: Sequence) -> tuple:
+    """What rows depend on: each base's strides and dtype, and whether it is host memory as laid out
+    (only a complex tensor is a conjugate or negative view)."""
+    return tuple(None if v is None else (v.stride(), v.dtype, v.is_cpu) if not v.is_complex() else
+                 (v.stride(), v.dtype, v.is_cpu and not v.is_conj() and not v.is_neg()) for v in bases)
+
+
+def _addresses(bases: Sequence) -> np.ndarray:
+    out = np.zeros(max(len(bases), 1), dtype=np.uintp)
+    for i, v in enumerate(bases):
+        if v is not None:
+            out[i] = v.data_ptr()
+    return out
+
+
+def _packed(lengths) -> tuple[int, ...]:
+    """Element strides of a region packed contiguously in a message."""
+    out, n = [], 1
+    for x in reversed(lengths):
+        out.append(n)
+        n *= x
+    return tuple(reversed(out))
+
+
+def _region(base: torch.Tensor | None, box, op: Op) -> tuple[int, tuple] | None:
+    """(byte offset of ``op``'s region from ``base``'s address, element strides), or None when the
+    base cannot take part in a row (not host memory as laid out, or not of the piece's dtype)."""
+    if base is None or not base.is_cpu or base.is_conj() or base.is_neg() or base.dtype != DTYPES[op.dtype]:
+        return None
+    st = base.stride()
+    at = sum((o - b) * s for o, b, s in zip(op.offsets, box.offsets, st))
+    return at * base.element_size(), st
+
+
+def _row(si: int, a, di: int, b, op: Op) -> list[int] | None:
+    """A row copying ``op``'s region from ``a`` to ``b`` ((byte offset, element strides) each), or
+    None: a side not eligible, or a region that is not contiguous runs under three outer dimensions."""
+    if a is None or b is None:
+        return None
+    isz = DTYPES[op.dtype].itemsize
+    dims = [(n, sa * isz, sb * isz) for n, sa, sb in zip(op.lengths, a[1], b[1]) if n != 1]
+    if any(n == 0 for n, _, _ in dims):
+        return None
+    merged: list[list[int]] = []  # innermost first: [count, source stride, destination stride]
+    for n, sa, sb in reversed(dims):
+        if merged and sa == merged[-1][1] * merged[-1][0] and sb == merged[-1][2] * merged[-1][0]:
+            merged[-1][0] *= n
+        else:
+            merged.append([n, sa, sb])
+    inner = isz
+    if merged:
+        if merged[0][1] != isz or merged[0][2] != isz:
+            return None  # (runs of one element: torch copies those)
+        inner = merged[0][0] * isz
+        merged = merged[1:]
+    if len(merged) > OUTER:
+        return None
+    merged += [[1, 0, 0]] * (OUTER - len(merged))
+    return [si, a[0], di, b[0], inner] + [x for m in merged for x in m]
