@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeload.move.plan import Answers, Box, Op
-from pipeload.move.run import CODES, layout, messages, view
+from pipeload.move.run import CODES, layout, view
 from pipeload.move.schedule import Schedule, buffer_base, run_rows
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.complex64]
@@ -90,7 +90,7 @@ def _fill(box, v, full):
 
 def _schedule(op, src_box, src_view, dst_box, dst_view, sending: bool | None):
     sends, recvs, local = ([op], [], []) if sending else ([], [op], []) if sending is False else ([], [], [op])
-    sched = Schedule(Answers(sends, recvs, local, []), messages)
+    sched = Schedule(Answers(sends, recvs, local, []))
     bound = sched.bind([src_view], lambda o: (0, src_box), [dst_view], [dst_box])
     return sched, bound
 
@@ -164,7 +164,7 @@ def test_changed_strides_compile_again():
     box = Box(7, CODES[torch.float32], (4, 6), (0, 0), (4, 6))
     op = Op(7, 1, 1, 0, 0, CODES[torch.float32], (1, 2), (2, 3))
     src = torch.arange(24, dtype=torch.float32).view(4, 6)
-    sched = Schedule(Answers([], [], [op], []), messages)
+    sched = Schedule(Answers([], [], [op], []))
     for dst in (torch.zeros(4, 6), torch.zeros(4, 6), torch.zeros(6, 4).t(), torch.zeros(4, 12)[:, ::2], torch.zeros(4, 6)):
         bound = sched.bind([src], lambda o: (0, box), [dst], [box])
         prog = bound.programs[0]
@@ -184,3 +184,36 @@ def test_empty_bases_refused(n):
             run_rows(rows, np.zeros(0, dtype=np.uintp), np.zeros(1, dtype=np.uintp))
     else:
         run_rows(rows, np.zeros(0, dtype=np.uintp), np.zeros(0, dtype=np.uintp))
+
+
+def test_messages_cut_alike_on_both_ends_and_within_bounds():
+    """A sender's ops to one receiver and that receiver's ops from it (the same keys) are cut into the
+    same messages; no message holds more than PIECE bytes, a piece of SMALL bytes or more travels alone,
+    pieces start aligned and do not overlap."""
+    from pipeload.move.mover import PIECE, SMALL
+    from pipeload.move.schedule import ALIGN, messages
+
+    rng = np.random.default_rng(3)
+    code = CODES[torch.bfloat16]
+    sends, recvs = [], []
+    for i in range(4000):
+        rows = int(rng.choice([1, 7, 300, 2048, 9000]))
+        peer, hop = int(rng.integers(0, 5)), int(rng.random() < 0.1)
+        key = dict(name=int(rng.integers(0, 50)), dst=i, dtype=code, offsets=(i, 0), lengths=(rows, 64), hop=hop)
+        sends.append(Op(receiver=peer, peer=peer, src=i, **key))
+        recvs.append(Op(receiver=9, peer=peer, src=-1, **key))  # (rank 9 receiving, as the peer sent)
+    sends.sort(key=lambda o: o.key)
+    recvs.sort(key=lambda o: o.key)
+    out, inn = messages(sends, True), messages(recvs, False)
+    assert [[op.dst for op in it.msg] for it in out] == [[op.dst for op in it.msg] for it in inn]
+    assert [(it.starts, it.nbytes) for it in out] == [(it.starts, it.nbytes) for it in inn]
+    assert sum(len(it.msg) for it in out) == len(sends)
+    for it in out:
+        assert len({(op.hop, op.peer) for op in it.msg}) == 1
+        sizes = [2 * op.lengths[0] * 64 for op in it.msg]
+        if len(it.msg) > 1:
+            assert it.nbytes <= PIECE and max(sizes) < SMALL
+        assert all(s % ALIGN == 0 for s in it.starts)
+        assert all(a + n <= b for a, n, b in zip(it.starts, sizes, it.starts[1:]))
+        assert it.nbytes == it.starts[-1] + sizes[-1]
+        assert (it.starts, it.nbytes) == layout(it.msg)

@@ -24,14 +24,13 @@ stats say exactly which destination views hold this step's bytes and which do no
 from __future__ import annotations
 
 import ctypes
-from collections import defaultdict
 from typing import Callable, Protocol
 
 import torch
 
 from . import mover
 from .plan import Answers, Op
-from .schedule import CODES, DTYPES, Schedule, buffer_base, layout, nbytes, run_rows  # noqa: F401 - (CODES, DTYPES: shared)
+from .schedule import CODES, DTYPES, Schedule, buffer_base, layout, messages, nbytes, run_rows  # noqa: F401 - (shared)
 
 class Dests(Protocol):
     """The destination side: ``boxes[i]`` (a :class:`pipeload.move.plan.Box`) is held by ``views[i]``."""
@@ -90,21 +89,9 @@ def view(side, box_index: int, op: Op) -> torch.Tensor:
     return base.as_strided(op.lengths, stride, at)
 
 
-def messages(ops: list[Op]) -> list[list[Op]]:
-    """``ops`` (one direction, sorted by key) cut into messages per peer and hop, as both ends cut them."""
-    by_peer: dict[tuple[int, int], list[Op]] = defaultdict(list)
-    for op in ops:
-        by_peer[op.hop, op.peer].append(op)
-    out: list[list[Op]] = []
-    for peer_ops in by_peer.values():
-        sizes = [(i, nbytes(op)) for i, op in enumerate(peer_ops)]
-        out.extend([peer_ops[i] for i, _ in batch] for batch in mover.batches(sizes))
-    return out
-
-
 def schedule(answers: Answers) -> Schedule:
     """This rank's messages of ``answers``, cut and ordered (keep it while the plan is kept)."""
-    return Schedule(answers, messages)
+    return Schedule(answers)
 
 
 def run(x: mover.Transfers, sched: Schedule, source: Source, dst: Dests, progress: Progress,

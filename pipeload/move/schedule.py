@@ -17,18 +17,21 @@ them), so a row's bytes lie inside its tensor.
 
 from __future__ import annotations
 
+from math import prod
 from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from . import _regions
+from . import _regions, mover
 from .plan import Answers, Op
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
           torch.uint16, torch.uint32, torch.uint64, torch.complex128)  # a box's dtype code -> torch dtype
 CODES = {d: i for i, d in enumerate(DTYPES)}
+
+ITEMSIZE = tuple(d.itemsize for d in DTYPES)
 
 WIDTH = _regions.width()
 OUTER = 3  # outer dimensions a row carries
@@ -62,13 +65,20 @@ class Schedule:
     """Every message of this rank in the one global order (sends and receives merged by the key of each
     message's first piece, as both ends sort them), then the local copies."""
 
-    def __init__(self, answers: Answers, cut):
+    def __init__(self, answers: Answers):
         self.answers = answers
-        plan = [(m[0].key, True, m) for m in cut(answers.sends)] + [(m[0].key, False, m) for m in cut(answers.recvs)]
-        plan.sort(key=lambda item: item[0])
-        self.items = [Item(sending, msg, *layout(msg)) for _, sending, msg in plan]
-        self.items += [Item(None, [op], *layout([op])) for op in answers.local]
+        self._items: list[Item] | None = None
         self._compiled: tuple | None = None  # (signature, programs)
+
+    @property
+    def items(self) -> list[Item]:
+        """Made at the first use (the first step's data movement), then kept with the schedule."""
+        if self._items is None:
+            a = self.answers
+            items = messages(a.sends, True) + messages(a.recvs, False)
+            items.sort(key=lambda it: it.msg[0].key)
+            self._items = items + [Item(None, [op], [0], n) for op, n in zip(a.local, _sizes(a.local))]
+        return self._items
 
     def bind(self, source_bases: Sequence | None, source_of, dst_bases: Sequence, dst_boxes: Sequence) -> Bound:
         """The compiled programs for these tensors. ``source_of(op)`` is (base index, box) of a piece's
@@ -103,23 +113,56 @@ class Schedule:
 
 
 def nbytes(op: Op) -> int:
-    n = DTYPES[op.dtype].itemsize
-    for x in op.lengths:
-        n *= x
-    return n
+    return ITEMSIZE[op.dtype] * prod(op.lengths)
+
+
+def _sizes(ops: list[Op]) -> list[int]:
+    return [ITEMSIZE[op.dtype] * prod(op.lengths) for op in ops]
 
 
 ALIGN = 16  # each piece of a packed message starts at a multiple of this (any dtype's alignment)
 
 
 def layout(msg: list[Op]) -> tuple[list[int], int]:
-    """(where each piece of a message starts, the message's bytes): alike on both ends."""
-    at, starts = 0, []
-    for op in msg:
-        at = -(-at // ALIGN) * ALIGN
+    """(where each piece of a message starts, the message's bytes): alike on both ends. A piece starts at
+    the previous one's start plus its bytes rounded up to :data:`ALIGN`."""
+    at, starts, n = 0, [], 0
+    for n in _sizes(msg):
         starts.append(at)
-        at += nbytes(op)
-    return starts, at
+        at += n + (-n % ALIGN)
+    return starts, (starts[-1] + n if starts else 0)
+
+
+def messages(ops: list[Op], sending: bool) -> list[Item]:
+    """``ops`` (one direction, sorted by key) cut into messages per (hop, peer), as both ends cut them:
+    a piece of at least :data:`pipeload.move.mover.SMALL` bytes alone (sent in parts of
+    :data:`~pipeload.move.mover.PIECE` bytes); between those, the smaller ones packed in their order,
+    a new message wherever their packed offset crosses a multiple of ``PIECE - SMALL`` (so a message
+    holds at most ``PIECE`` bytes). In numpy: at a transfer's first step this is every piece of the plan."""
+    if not ops:
+        return []
+    n = len(ops)
+    size = np.fromiter((ITEMSIZE[op.dtype] * prod(op.lengths) for op in ops), np.int64, n)
+    group = np.fromiter(((op.hop << 32) | op.peer for op in ops), np.int64, n)
+    order = np.argsort(group, kind="stable")
+    group, size = group[order], size[order]
+    big = size >= mover.SMALL
+    cut = np.ones(n, dtype=bool)  # where a run of packed pieces starts
+    cut[1:] = (group[1:] != group[:-1]) | big[1:] | big[:-1]
+    padded = size + (-size % ALIGN)
+    at = np.cumsum(padded) - padded  # (each piece's start in one long run)
+    run = np.cumsum(cut) - 1
+    rel = at - at[np.flatnonzero(cut)][run]  # its start in its run
+    part = rel // (mover.PIECE - mover.SMALL)
+    first = cut.copy()
+    first[1:] |= part[1:] != part[:-1]
+    heads = np.flatnonzero(first)
+    starts = at - at[heads][np.cumsum(first) - 1]
+    ends = np.append(heads[1:], n)
+    total = starts[ends - 1] + size[ends - 1]
+    order, starts, take = order.tolist(), starts.tolist(), ops.__getitem__
+    return [Item(sending, list(map(take, order[a:b])), starts[a:b], t)
+            for a, b, t in zip(heads.tolist(), ends.tolist(), total.tolist())]
 
 
 def run_rows(rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:

@@ -17,7 +17,10 @@ Measured ``repeats`` times each, in turns, barrier to barrier (the slowest rank)
 - **bucketed**: the same with the full tensors packed into buckets of ``--bucket-mb`` (the frameworks'
   default path: verl, OpenRLHF, NeMo-RL), one broadcast per bucket;
 - **floor**: each engine rank's destination bytes received once, at the point-to-point rate measured
-  in the same run with the same concurrency (four trainer -> engine pairs at once, one message each).
+  in the same run with the same concurrency (four trainer -> engine pairs at once, one message each);
+- **wire**: the transfer's traffic with nothing else — each trainer sends each engine rank its share of
+  that rank's destination bytes (a quarter: FSDP2 over four trainers) out of one buffer, in messages
+  of at most 16 MiB, every pair at once — what the all-to-all itself costs on this machine's wire.
 
 Every engine's parameters are compared bitwise against the per-tensor path's after each transfer.
 Reported per rank from ``TransferStats``: bytes received against destination bytes, bytes sent
@@ -139,6 +142,28 @@ def _pair_rate(rank: int, nbytes: int) -> float:
     return nbytes / min(_timed(step) for _ in range(3))
 
 
+def _wire(rank: int, dest_bytes: dict[int, int]):
+    """The ``wire`` row's step: every trainer -> engine pair's bytes as bare messages, all posted at once."""
+    import torch.distributed as dist
+
+    from ...move.mover import PIECE
+
+    peers = list(ENGINES) if rank in TRAINERS else list(TRAINERS)
+    bufs = {p: torch.empty(dest_bytes[p if rank in TRAINERS else rank] // len(TRAINERS), dtype=torch.uint8)
+            for p in peers}
+
+    def step():
+        works = []
+        for p, buf in bufs.items():
+            for lo in range(0, buf.numel(), PIECE):
+                part = buf[lo: lo + PIECE]
+                works.append(dist.isend(part, p) if rank in TRAINERS else dist.irecv(part, p))
+        for w in works:
+            w.wait()
+
+    return step
+
+
 def _rank_main(rank: int, world: int, cfg: TransferBenchConfig) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.fsdp as fsdp
@@ -165,6 +190,10 @@ def _rank_main(rank: int, world: int, cfg: TransferBenchConfig) -> dict[str, Any
     load = engine_loader(s, params, 2, eng[0]) if eng else None
     slices = engine_slices(s, params, 2, eng[0]) if eng else None
     dest_bytes = sum(sl.view.numel() * sl.view.element_size() for sl in slices) if slices else 0
+    every = [None] * WORLD
+    dist.all_gather_object(every, dest_bytes)
+    wire = _wire(rank, dict(enumerate(every)))
+    wire()
     _per_tensor(rank, model, s, names, group, load)
     reference = {k: v.clone() for k, v in params.items()} if params else None
     st = pipeload.transfer(model.state_dict() if model else None, slices, version=0)  # plans
@@ -175,10 +204,11 @@ def _rank_main(rank: int, world: int, cfg: TransferBenchConfig) -> dict[str, Any
                         overlap=overlap)
 
     stream(True)  # plans each bucket
-    times: dict[str, list[float]] = {k: [] for k in ("pipeload", "stream", "stream, no overlap", "per-tensor",
+    times: dict[str, list[float]] = {k: [] for k in ("wire", "pipeload", "stream", "stream, no overlap", "per-tensor",
                                                      "bucketed")}
     stats = []
     for i in range(cfg.repeats):
+        times["wire"].append(_timed(wire))
         _zero(params)
         times["pipeload"].append(_timed(lambda: stats.append(
             pipeload.transfer(model.state_dict() if model else None, slices, version=i + 1))))
@@ -268,9 +298,11 @@ def format_table(result: dict[str, Any]) -> str:
     r = result["rows"]
     t = r["times"]
     lines = [f"{'path':<20} {'seconds':>8} {'x floor':>8}"]
-    for k in ("floor", "pipeload", "stream", "stream, no overlap", "bucketed", "per-tensor"):
+    for k in ("floor", "wire", "pipeload", "stream", "stream, no overlap", "bucketed", "per-tensor"):
         if k in t:
             lines.append(f"{k:<20} {t[k]:>8.3f} {t[k] / t['floor']:>8.2f}")
+    if "wire" in t:
+        lines.append(f"(pipeload / wire: {t['pipeload'] / t['wire']:.2f}; wire / floor: {t['wire'] / t['floor']:.2f})")
     lines.append("")
     lines.append(f"engine ranks' bytes received / destination bytes: {r['received_over_dest']}")
     lines.append(f"busiest sender / senders' mean: {r['max_sender_over_mean']}; planning's share of a reused step "
