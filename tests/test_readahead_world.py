@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -144,6 +145,7 @@ def world_layouts(rank: int, world: int, root: str) -> dict:
     _check(model, sd, f"{model} {layout} -> {into} (part_delivery='off') on rank {rank}")
     out["off"] = (stats.bytes_read, read, stats.pages_delivered)
     out["failed"] = _owner_fails(rank, d, sd)
+    out["unplanned"] = _planning_fails(rank, root, mesh)
     out["fallbacks"] = _fallbacks(rank, d, mesh[into])
     model, layout, into = REUSE_CASE
     d = os.path.join(root, f"{model}-{layout}-{rank}")
@@ -190,6 +192,37 @@ def _owner_fails(rank: int, d: str, sd: dict) -> str:
         delivery.copy_box = copy
 
 
+def _planning_fails(rank: int, root: str, mesh) -> list:
+    """Rank 1's planning of part delivery raises — before the DCP position messages (``with_heads``),
+    and after them (``partdelivery.plan``, a safetensors layout change). Every rank drops part delivery for
+    that load (no peer waits for rank 1's messages) and loads exactly; rank 1 warns, naming itself."""
+    import warnings
+
+    import pipeload.engine.delivery as delivery
+
+    out = []
+    owner = delivery.partdelivery
+    for (model, layout, into), name in ((REUSE_CASE, "with_heads"), (PART_CASE, "plan")):
+        d = os.path.join(root, f"{model}-{layout}-{rank}")
+        sd = _state_dict(model, mesh[into], False, into.startswith("fsdp"))
+        step = getattr(owner, name)
+        if rank == 1:
+            def broken(*args, **kwargs):
+                raise ValueError("injected: a header that does not parse")
+            setattr(owner, name, broken)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                t0 = time.monotonic()
+                stats = pipeload.load(sd, d, reuse_plan=False)
+        finally:
+            setattr(owner, name, step)
+        _check(model, sd, f"{model} {layout} -> {into} (planning failed on rank 1) on rank {rank}")
+        out.append((stats.pages_delivered, round(time.monotonic() - t0, 2),
+                    [str(w.message) for w in caught if "part delivery not planned" in str(w.message)]))
+    return out
+
+
 @pytest.mark.timeout(300)
 def test_layout_changes_read_each_stored_byte_about_once_from_the_device(tmp_path):
     results = run_world(world_layouts, 4, str(tmp_path), timeout=240, separate_hosts=True)
@@ -207,6 +240,10 @@ def test_layout_changes_read_each_stored_byte_about_once_from_the_device(tmp_pat
     print(f"{PART_CASE}: part delivery off {off}, on {ratio[PART_CASE]}, delivered {delivered}")
     assert ratio[PART_CASE] < off - 0.1, (ratio[PART_CASE], off)
     assert all("injected: an owner's page read failed" in r["failed"] for r in results), [r["failed"] for r in results]
+    unplanned = [r["unplanned"] for r in results]  # (per rank: per case (pages delivered, seconds, warnings))
+    assert all(case[0] == 0 and case[1] < 30 for r in unplanned for case in r), unplanned
+    assert all(len(case[2]) == (r == 1) for r, cases in enumerate(unplanned) for case in cases), unplanned
+    assert all("rank 1" in case[2][0] and "injected" in case[2][0] for case in unplanned[1]), unplanned
     assert all(r["fallbacks"][0] > 0 == r["fallbacks"][1] for r in results), [r["fallbacks"] for r in results]
     reused = round(sum(r["reused"][1] for r in results) / UNIQUE[REUSE_CASE[0]], 3)
     print(f"{REUSE_CASE} with its plan reused: {reused}")

@@ -23,13 +23,17 @@ position is needed there (:func:`pipeload.plan.partruns.blob_runs`).
 
 An owner whose read fails still sends (zeros where the bytes failed) and records the error: the load's
 agreement then fails on every rank. A dead peer fails the transfer by name, as a failed broadcast does.
+A rank whose planning raised cannot take part in messages it never planned: one gather after the local
+steps (DCP) and one after the pages are decided tell every rank, and all then drop part delivery for
+the load (:func:`_attempt`, :func:`_everyone`).
 The received bytes become the reader's patches (:meth:`pipeload.io.reader.ChunkReader.set_patches`):
 the reads of this load take a delivered head or tail from there and never ask storage for its page.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import warnings
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -66,17 +70,45 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
     me, hosts = comm.rank, rows[:, F_HOST].tolist()
     files = {item.file for item in my_items if item.nbytes}
     reader.runs = {}
-    if storage.is_url(reader.directory):  # (a rank reading only an object of a file takes part there)
-        every = gp.every()
-        objects = _object_spans(every, md, names, reader)
-        files |= {f for f, spans in objects.items() if any(s[3] == me for s in spans)}
-        files = {name for name in files if _in_place(reader, name)}
-        if not files:
-            return Planned([], [])
-        return Planned(_plan_runs(every, md, names, reader, me, files, objects), [])
-    files = {name for name in files if _in_place(reader, name)}
-    if not files:
+    if storage.is_url(reader.directory):
+        runs = _attempt(comm, lambda: _object_runs(gp.every(), md, names, reader, me, files))
+        if not _everyone(comm, runs is not None):
+            reader.runs, runs = {}, []
+        return Planned(runs, [])
+    heads = _attempt(comm, lambda: _heads(md, names, reader, me, files, gp.every(), hosts))
+    if reader.format == "dcp" and not _everyone(comm, heads is not None):  # (only DCP blobs send positions)
         return Planned([], [])
+    located, deliveries, found = [], None, []
+    if heads is not None:
+        located = _locate(comm, reader, heads.sends, heads.recvs) if heads.sends or heads.recvs else []
+        found = [*located, *_found(reader, heads.blobs, {(f, k) for f, k, _, _ in located})]
+        deliveries = _attempt(comm, lambda: partdelivery.plan(
+            heads.every, md, names, heads.itemsize, me, heads.files, heads.start_of, heads.layout_of,
+            hosts.__getitem__, spans=heads.spans, expanded=heads.expanded, blob_files=heads.blobs)) \
+            if heads.files else []
+    if not _everyone(comm, deliveries is not None):
+        deliveries = []  # (a rank failed: none plans a delivery, since its peers' would miss it)
+    return Planned(deliveries, found)
+
+
+class _Heads(NamedTuple):
+    """A rank's local planning before the position messages: what it reads in place, the blobs' spans,
+    and the positions it sends and receives."""
+
+    every: Any
+    itemsize: Any
+    files: set
+    blobs: list
+    spans: dict
+    expanded: Any
+    sends: dict
+    recvs: dict
+    start_of: Callable
+    layout_of: Callable
+
+
+def _heads(md, names: list[str], reader, me: int, files: set, every, hosts: list) -> _Heads:
+    files = {name for name in files if _in_place(reader, name)}
     _, itemsize = md.key_arrays(names)
     starts: dict[tuple[str, str], int] = {}  # (a DCP item's start costs a read of its local header)
     layouts: dict[str, Any] = {}  # (each a sort of the file's header entries)
@@ -92,15 +124,33 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
             layouts[file] = _layout(reader.file(file))
         return layouts[file]
 
-    every = gp.every()
+    if not files:
+        return _Heads(every, itemsize, files, [], {}, None, {}, {}, start_of, layout_of)
     blobs = sorted(f for f in files if _is_blobs(reader.file(f)))
     spans, expanded, (sends, recvs) = partdelivery.with_heads(every, md, names, itemsize, me, files, blobs, layout_of,
                                                               hosts.__getitem__)
     _request_heads(reader, me, spans, blobs, recvs)
-    located = _locate(comm, reader, sends, recvs) if sends or recvs else []
-    deliveries = partdelivery.plan(every, md, names, itemsize, me, files, start_of, layout_of, hosts.__getitem__,
-                                   spans=spans, expanded=expanded, blob_files=blobs)
-    return Planned(deliveries, [*located, *_found(reader, blobs, {(f, k) for f, k, _, _ in located})])
+    return _Heads(every, itemsize, files, blobs, spans, expanded, sends, recvs, start_of, layout_of)
+
+
+def _attempt(comm, step: Callable):
+    """``step()``, or None when it raised: part delivery only saves reads, so a failure in planning it
+    (a header that does not parse, a file that does not open) drops it for this load on every rank (see
+    :func:`_everyone`) and the reads meet the same cause, by name, through the load's own agreement."""
+    try:
+        return step()
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"pipeload.load: rank {comm.rank}: part delivery not planned ({type(e).__name__}: {e}); "
+                      f"every rank reads its own pages", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def _everyone(comm, ok: bool) -> bool:
+    """Whether every rank's local step succeeded: one gather of a word per rank. A rank that failed
+    cannot send or receive the messages its peers planned with it, so all of them must learn of it
+    before the first message instead of waiting for it until the group's timeout."""
+    return bool(comm.gather_rows(np.array([ok], dtype=np.int64), "pipeload.load",
+                                 "all-gather of part delivery's planning").all())
 
 
 def _found(reader, files: list[str], given: set) -> list[tuple[str, str, int, int]]:
@@ -160,6 +210,13 @@ def install(reader, located: list[tuple[str, str, int, int]]) -> None:
     for file, key, a, b in located:
         table.setdefault(file, {})[key] = (a, b)
     reader.located = table
+
+
+def _object_runs(every, md, names: list[str], reader, me: int, files: set) -> list[Delivery]:
+    objects = _object_spans(every, md, names, reader)
+    files = files | {f for f, spans in objects.items() if any(s[3] == me for s in spans)}  # (a rank reading
+    files = {name for name in files if _in_place(reader, name)}  # only an object of a file takes part there)
+    return _plan_runs(every, md, names, reader, me, files, objects) if files else []
 
 
 def _object_spans(every, md, names: list[str], reader) -> dict[str, list[tuple[str, int, int, int]]]:
