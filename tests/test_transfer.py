@@ -58,7 +58,8 @@ def _full(model) -> dict:
 
 
 def _fused_case(rank, mesh, s) -> dict:
-    """FSDP2 -> two engines; an optimizer step; again (plan reused)."""
+    """FSDP2 -> two engines; an optimizer step; again (plan reused); another step, and the same state
+    dict object passed again (what a trainer keeping its state dict across steps does)."""
     import pipeload
     from pipeload.tools.engineshape import engine_params, engine_slices
 
@@ -67,8 +68,8 @@ def _fused_case(rank, mesh, s) -> dict:
     params = engine_params(s, 2, eng[0]) if eng else None
     dst = engine_slices(s, params, 2, eng[0]) if eng else None
     out = {}
-    for step in (1, 2):
-        src = model.state_dict() if model is not None else None
+    for step in (1, 2, 3):  # (3: step 2's state dict passed again: its DTensors are the parameters' views)
+        src = model.state_dict() if model is not None and step < 3 else src if step == 3 else None
         st = pipeload.transfer(src, dst, version=step)
         out[step] = {"planned": st.planned, "version": st.version, "complete": st.complete,
                      "written": len(st.written), "destinations": st.destinations,
@@ -339,7 +340,7 @@ def test_fsdp2_into_fused_tp2_engines_exact_and_reused(results):
     from pipeload.tools.engineshape import PAD, _vocab, expected
 
     s = _shape()
-    for step in (1, 2):
+    for step in (1, 2, 3):
         full = _tensors(results[0]["fused"][step]["full"])
         for rank in (2, 3, 4, 5):
             got = results[rank]["fused"][step]
