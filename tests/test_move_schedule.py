@@ -155,6 +155,11 @@ def test_pieces_rows_cannot_take_are_left_to_torch():
     op5 = Op(7, 1, 1, 0, 0, CODES[torch.float32], (1, 1, 1, 1, 1), (2, 2, 2, 2, 2))
     _, bound = _schedule(op5, box5, torch.zeros(shape), box5, torch.zeros(shape), None)
     assert bound.programs[0] is None
+    # a region reaching past its box, or a view that is not the box's shape: no row (torch raises)
+    _, bound = _schedule(op._replace(lengths=(7, 8)), box, src, box, torch.zeros(8, 8), None)
+    assert bound.programs[0] is None
+    _, bound = _schedule(op, box, src, box, torch.zeros(4, 8), None)
+    assert bound.programs[0] is None
     # a row block of a row-major tensor into a column block: one outer dimension
     _, bound = _schedule(op, box, src, box, torch.zeros(8, 16)[:, 4:12], None)
     assert bound.programs[0].rows[0, 4] == 8 * 4 and bound.programs[0].rows[0, 5] == 3

@@ -203,6 +203,9 @@ def _region(base: torch.Tensor | None, box, op: Op) -> tuple[int, tuple] | None:
     base cannot take part in a row (not host memory as laid out, or not of the piece's dtype)."""
     if base is None or not base.is_cpu or base.is_conj() or base.is_neg() or base.dtype != DTYPES[op.dtype]:
         return None
+    if tuple(base.shape) != tuple(box.lengths) or not all(
+            b <= o and o + n <= b + m for o, n, b, m in zip(op.offsets, op.lengths, box.offsets, box.lengths)):
+        return None  # (never a row outside its tensor: torch's view of it raises by name instead)
     st = base.stride()
     at = sum((o - b) * s for o, b, s in zip(op.offsets, box.offsets, st))
     return at * base.element_size(), st
