@@ -30,7 +30,8 @@ import torch
 
 from . import mover
 from .plan import Answers, Op
-from .schedule import CODES, DTYPES, Schedule, buffer_base, layout, messages, nbytes, run_rows  # noqa: F401 - (shared)
+from .schedule import CODES, DTYPES, Schedule, buffer_base, layout, nbytes, run_rows  # noqa: F401 - (shared)
+
 
 class Dests(Protocol):
     """The destination side: ``boxes[i]`` (a :class:`pipeload.move.plan.Box`) is held by ``views[i]``."""
