@@ -222,3 +222,46 @@ def test_messages_cut_alike_on_both_ends_and_within_bounds():
         assert all(a + n <= b for a, n, b in zip(it.starts, sizes, it.starts[1:]))
         assert it.nbytes == it.starts[-1] + sizes[-1]
         assert (it.starts, it.nbytes) == layout(it.msg)
+
+
+def test_batches_move_what_rows_move():
+    """A message on an accelerator's wire is packed and unpacked by one ``_foreach_copy_`` of its
+    contiguous pieces (here the wire is the host, the code path the same): the message's bytes and the
+    destinations equal the compiled rows' (or torch's, for a strided piece, left out of the batch); the
+    batch is made again when a tensor's address changes, and a source that packs itself gets none."""
+    from pipeload.move.schedule import pack_batch, unpack_batch
+
+    cpu = torch.device("cpu")
+    code = CODES[torch.bfloat16]
+    shapes = [(16, 8), (5, 12), (9, 4)]
+    src = [_values(s, torch.bfloat16, i) for i, s in enumerate(shapes)]
+    boxes = [Box(i, code, s, (0, 0), s) for i, s in enumerate(shapes)]
+    pieces = [(0, (2, 0), (5, 8)), (1, (0, 0), (5, 12)), (2, (1, 1), (4, 2)), (0, (10, 0), (3, 8))]  # (2: strided)
+    sends = [Op(b, 1, 1, b, b, code, o, n) for b, o, n in pieces]
+    recvs = [op._replace(receiver=0, peer=0) for op in sends]
+    sched = Schedule(Answers(sends, recvs, [], []))
+    (out, inn) = sorted(sched.items, key=lambda it: it.sending, reverse=True)
+    batches = sched.batches(src, lambda o: (o.src, boxes[o.src]), [torch.zeros(s, dtype=torch.bfloat16)
+                                                                      for s in shapes], boxes, cpu)
+    b_out, b_in = (batches[sched.items.index(out)], batches[sched.items.index(inn)])
+    assert [out.msg[i].src for i in b_out.slow] == [2] and len(b_out.views) == 3
+    buf = torch.zeros(out.nbytes, dtype=torch.uint8)
+    pack_batch(b_out, buf)
+    for i in b_out.slow:  # (what the source packs itself)
+        op, at = out.msg[i], out.starts[i]
+        buf[at: at + 16].view(torch.bfloat16).view(4, 2).copy_(src[2][1:5, 1:3])
+    want = torch.zeros(out.nbytes, dtype=torch.uint8)
+    run_rows(sched.bind(src, lambda o: (o.src, boxes[o.src]), src, boxes).programs[sched.items.index(out)].rows,
+             np.array([t.data_ptr() for t in src], dtype=np.uintp), buffer_base(want))
+    assert torch.equal(buf, want)
+    dst = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]  # new tensors: the batch is made again
+    b_in = sched.batches(src, lambda o: (o.src, boxes[o.src]), dst, boxes, cpu)[sched.items.index(inn)]
+    unpack_batch(b_in, buf)
+    for i in b_in.slow:
+        dst[2][1:5, 1:3] = buf[inn.starts[i]: inn.starts[i] + 16].view(torch.bfloat16).view(4, 2)
+    for b, o, n in pieces:
+        region = (slice(o[0], o[0] + n[0]), slice(o[1], o[1] + n[1]))
+        assert torch.equal(dst[b][region], src[b][region])
+    assert int(sum((d != 0).sum() for d in dst)) == sum(n[0] * n[1] for _, _, n in pieces)
+    none = sched.batches(None, None, dst, boxes, cpu)
+    assert none[sched.items.index(out)] is None and none[sched.items.index(inn)] is not None

@@ -30,7 +30,8 @@ import torch
 
 from . import mover
 from .plan import Answers, Op
-from .schedule import CODES, DTYPES, Schedule, buffer_base, layout, nbytes, run_rows  # noqa: F401 - (shared)
+from .schedule import (CODES, DTYPES, Batch, Schedule, buffer_base, layout, nbytes, pack_batch,  # noqa: F401
+                       run_rows, unpack_batch)  # (CODES, DTYPES, layout: shared)
 
 
 class Dests(Protocol):
@@ -101,19 +102,22 @@ def run(x: mover.Transfers, sched: Schedule, source: Source, dst: Dests, progres
     Before the first message of a later hop, every message posted so far completes (a relay forwards
     what it received; waiting only on earlier messages keeps the order's argument). ``ring``: a
     :class:`pipeload.device.H2DRing` for received bytes bound for accelerator destinations."""
-    bound = sched.bind(source.bases(), source.base_of, dst.views, dst.boxes)
+    bases = source.bases()
+    bound = sched.bind(bases, source.base_of, dst.views, dst.boxes, wire.type == "cpu")
+    batches = sched.batches(bases, source.base_of, dst.views, dst.boxes, wire) if wire.type != "cpu" else None
     hop, copied = 0, 0
-    for it, prog in zip(sched.items, bound.programs):
+    for i, (it, prog) in enumerate(zip(sched.items, bound.programs)):
         if it.sending is None:
             copied += _copy_local(it, prog, bound, source, dst, progress)
             continue
         if it.msg[0].hop != hop:
             x.drain()
             hop = it.msg[0].hop
+        copier = prog if batches is None else batches[i]  # (rows on the host's wire, a batch on a device's)
         if it.sending:
-            x.send(it.msg[0].peer, it.nbytes, packer(x, it, prog, bound, source, wire))
+            x.send(it.msg[0].peer, it.nbytes, packer(x, it, copier, bound, source, wire))
         else:
-            _post_recv(x, it, prog, bound, dst, progress, wire, ring)
+            _post_recv(x, it, copier, bound, dst, progress, wire, ring)
     x.drain()
     return copied
 
@@ -137,7 +141,7 @@ def flat(t: torch.Tensor, wire: torch.device) -> torch.Tensor | None:
 
 def packer(x: mover.Transfers, it, prog, bound, source: Source, wire: torch.device) -> Callable:
     """``part(lo, hi)`` for :meth:`Transfers.send`: the message's bytes, packed at the first call (its
-    compiled rows, then the source's own packing of the pieces left)."""
+    compiled rows or its batch, then the source's own packing of the pieces left)."""
     direct = source.sender(x, it.msg, wire)
     if direct is not None:
         return direct
@@ -147,7 +151,9 @@ def packer(x: mover.Transfers, it, prog, bound, source: Source, wire: torch.devi
         if not packed:
             buf = _buffer(x, it.nbytes, wire)
             try:
-                if prog is not None:
+                if isinstance(prog, Batch):
+                    pack_batch(prog, buf)
+                elif prog is not None:
                     run_rows(prog.rows, bound.src, buffer_base(buf))
                 rest = range(len(it.msg)) if prog is None else prog.slow
                 if rest:
@@ -189,7 +195,9 @@ def _post_recv(x: mover.Transfers, it, prog, bound, dst: Dests, progress: Progre
     rest = range(len(msg)) if prog is None else prog.slow
 
     def unpack() -> None:
-        if prog is not None:
+        if isinstance(prog, Batch):
+            unpack_batch(prog, buf)
+        elif prog is not None:
             run_rows(prog.rows, buffer_base(buf), bound.dst)
         if rest:
             copies([msg[i] for i in rest], [view(dst, msg[i].dst, msg[i]) for i in rest],

@@ -18,6 +18,7 @@ them), so a row's bytes lie inside its tensor.
 from __future__ import annotations
 
 from math import prod
+from operator import itemgetter
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -61,6 +62,17 @@ class Bound(NamedTuple):
     dst: np.ndarray  # addresses of the destination bases
 
 
+class Batch(NamedTuple):
+    """A message's pieces moved by one ``torch._foreach_copy_`` against its buffer's segments (a message
+    on an accelerator): those whose region is contiguous in a tensor on the wire's device, of the wire
+    dtype, kept as flat byte views of their tensors."""
+
+    sizes: list[int]  # the buffer cut in order into gaps and pieces (``torch.split``)
+    segments: list[int]  # which of those segments are the batched pieces
+    views: list[torch.Tensor]  # each batched piece's region, flat bytes, in the message's order
+    slow: list[int]  # positions in the message left to torch one by one
+
+
 class Schedule:
     """Every message of this rank in the one global order (sends and receives merged by the key of each
     message's first piece, as both ends sort them), then the local copies."""
@@ -69,6 +81,7 @@ class Schedule:
         self.answers = answers
         self._items: list[Item] | None = None
         self._compiled: tuple | None = None  # (signature, programs)
+        self._batches: tuple | None = None  # (signature, addresses, batches): messages on an accelerator
 
     @property
     def items(self) -> list[Item]:
@@ -80,18 +93,36 @@ class Schedule:
             self._items = items + [Item(None, [op], [0], n) for op, n in zip(a.local, _sizes(a.local))]
         return self._items
 
-    def bind(self, source_bases: Sequence | None, source_of, dst_bases: Sequence, dst_boxes: Sequence) -> Bound:
+    def bind(self, source_bases: Sequence | None, source_of, dst_bases: Sequence, dst_boxes: Sequence,
+             host_wire: bool = True) -> Bound:
         """The compiled programs for these tensors. ``source_of(op)`` is (base index, box) of a piece's
         source region among ``source_bases`` (None: a source without host tensors, e.g. files: sends
-        are packed by the source itself and local copies by torch)."""
+        are packed by the source itself and local copies by torch). Without ``host_wire`` (messages in
+        accelerator memory) only the local copies get rows."""
         src = list(source_bases) if source_bases is not None else []
-        sig = (_signature(src), _signature(dst_bases), source_bases is None)
+        sig = (_signature(src), _signature(dst_bases), source_bases is None, host_wire)
         if self._compiled is None or self._compiled[0] != sig:
             self._compiled = (sig, [self._compile(it, src if source_bases is not None else None, source_of,
-                                                  dst_bases, dst_boxes) for it in self.items])
+                                                  dst_bases, dst_boxes, host_wire) for it in self.items])
         return Bound(self._compiled[1], _addresses(src), _addresses(dst_bases))
 
-    def _compile(self, it: Item, src, source_of, dst_bases, dst_boxes) -> Program | None:
+    def batches(self, source_bases: Sequence | None, source_of, dst_bases: Sequence, dst_boxes: Sequence,
+                wire: torch.device) -> list[Batch | None]:
+        """Per item, its :class:`Batch` for messages on ``wire`` (an accelerator: there a piece's torch
+        copy costs a Python call each, ~15 us, and a step of a large model has 100,000s of pieces). The
+        views hold their tensors: they are made again when a base tensor's strides or address change,
+        and :func:`pipeload.clear_plan_cache` drops them with the plan."""
+        src = list(source_bases) if source_bases is not None else []
+        key = (_signature(src), _signature(dst_bases), source_bases is None)
+        addresses = (_addresses(src).tobytes(), _addresses(dst_bases).tobytes())
+        if self._batches is None or self._batches[:2] != (key, addresses):
+            self._batches = (key, addresses, [_batch(it, src if source_bases is not None else None, source_of,
+                                                     dst_bases, dst_boxes, wire) for it in self.items])
+        return self._batches[2]
+
+    def _compile(self, it: Item, src, source_of, dst_bases, dst_boxes, host_wire: bool) -> Program | None:
+        if it.sending is not None and not host_wire:
+            return None
         rows, slow = [], []
         for i, (op, at) in enumerate(zip(it.msg, it.starts)):
             row = None
@@ -110,6 +141,59 @@ class Schedule:
         if not rows:
             return None
         return Program(np.array(rows, dtype=np.int64).reshape(-1, WIDTH), slow)
+
+
+def _batch(it: Item, src: list | None, source_of, dst_bases, dst_boxes, wire: torch.device) -> Batch | None:
+    if it.sending is None or (it.sending and src is None):
+        return None  # (a local copy, or a source that packs itself)
+    sizes, segments, views, slow = [], [], [], []
+    end = 0
+    for i, (op, at) in enumerate(zip(it.msg, it.starts)):
+        base, box = (src[source_of(op)[0]], source_of(op)[1]) if it.sending else (dst_bases[op.dst], dst_boxes[op.dst])
+        flat = _flat_region(base, box, op, wire)
+        if flat is None:
+            slow.append(i)
+            continue
+        if at > end:
+            sizes.append(at - end)
+        segments.append(len(sizes))
+        sizes.append(flat.numel())
+        views.append(flat)
+        end = at + flat.numel()
+    if not views:
+        return None
+    if it.nbytes > end:
+        sizes.append(it.nbytes - end)
+    return Batch(sizes, segments, views, slow)
+
+
+def _flat_region(base: torch.Tensor | None, box, op: Op, wire: torch.device) -> torch.Tensor | None:
+    """``op``'s region of ``base`` as flat bytes, when it is contiguous in a tensor on ``wire`` of the
+    piece's dtype (else None: torch copies it alone)."""
+    if base is None or base.device != wire or base.is_conj() or base.is_neg() or base.dtype != DTYPES[op.dtype]:
+        return None
+    if tuple(base.shape) != tuple(box.lengths) or not all(
+            b <= o and o + n <= b + m for o, n, b, m in zip(op.offsets, op.lengths, box.offsets, box.lengths)):
+        return None
+    st = base.stride()
+    at = base.storage_offset() + sum((o - b) * s for o, b, s in zip(op.offsets, box.offsets, st))
+    v = base.as_strided(op.lengths, st, at)
+    return v.reshape(-1).view(torch.uint8) if v.is_contiguous() and v.numel() else None
+
+
+def pack_batch(batch: Batch, buf: torch.Tensor) -> None:
+    """Copy a batch's pieces into the message buffer ``buf`` (one ``_foreach_copy_``)."""
+    torch._foreach_copy_(_segments(batch, buf), batch.views)
+
+
+def unpack_batch(batch: Batch, buf: torch.Tensor) -> None:
+    """Copy a batch's pieces out of the message buffer ``buf`` into their tensors."""
+    torch._foreach_copy_(batch.views, _segments(batch, buf))
+
+
+def _segments(batch: Batch, buf: torch.Tensor) -> list[torch.Tensor]:
+    segs = torch.split(buf, batch.sizes)
+    return [segs[batch.segments[0]]] if len(batch.segments) == 1 else list(itemgetter(*batch.segments)(segs))
 
 
 def nbytes(op: Op) -> int:
