@@ -124,6 +124,9 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     this rank needs, from one file. Not made when a shard this rank holds is over half its own file's
     bytes: the plan then cuts that shard's holder set into contiguous runs (pipeload.plan.globalplan,
     stream cutting) which the save's writers did not follow, and the guess would read other readers' runs.
+    From objects the guess is the file's first shards only, one range: the smaller shards further on,
+    asked for now, would leave gaps that become GETs of their own when the rest is asked for
+    (:func:`pipeload.engine.delivery.own_ranges`).
     """
     try:
         f = reader.file(own_file)
@@ -133,11 +136,14 @@ def _prefetch_own_file(reader: ChunkReader, plan, own_file: str) -> None:
     if any(2 * s.nbytes > share for s in plan.shards):
         return
     whole, items, total = [], [], 0
+    prefix = storage.is_url(reader.directory)  # (objects: a GET a range; the rest is asked for as one later)
     for s in plan.shards:  # (in the worker, holding the GIL the planning thread needs: no key built in vain)
         if total >= SPECULATIVE_PREFETCH:
             break
         if total + s.nbytes > SPECULATIVE_PREFETCH:  # a guess never asks for more than its budget: a shard
-            continue  # larger than what is left (a 110 MiB embedding) may be cut among readers by the plan
+            if prefix:  # larger than what is left (a 110 MiB embedding) may be cut among readers by the plan
+                break
+            continue
         file = s.exact_file
         if file is not None:  # the usual case: no ReadItem is built for it before it is read
             if file == own_file:
