@@ -12,7 +12,11 @@ needing more than three outer dimensions) is copied by torch as before. Rows dep
 the tensors they address, never on their addresses: each use checks the strides of every base tensor
 against those the rows were compiled from (:meth:`Schedule.bind`) and compiles again when one changed;
 the addresses are read from the tensors at each use. The shapes are the plan's (its digest holds
-them), so a row's bytes lie inside its tensor.
+them) and each region is checked against its box, so a row's bytes lie inside its tensor.
+
+Messages in accelerator memory (NCCL) cannot be packed by host rows: there each message's pieces that
+are contiguous in their tensors form a :class:`Batch`, one ``torch._foreach_copy_`` against the
+buffer's segments, their views kept while the tensors' addresses and strides stay the same.
 """
 
 from __future__ import annotations
