@@ -115,8 +115,8 @@ def _name(name: str) -> int:
 
 
 def _add(side: Side, name: str, view: torch.Tensor, shape, offsets, lengths, flags: int) -> None:
-    side.boxes.append(Box(_name(name), _code(view.dtype, name), tuple(map(int, shape)), tuple(map(int, offsets)),
-                          tuple(map(int, lengths)), flags))
+    """(``shape``, ``offsets``, ``lengths``: tuples of ints already, as boxes and Slices hold them)"""
+    side.boxes.append(Box(_name(name), _code(view.dtype, name), tuple(shape), tuple(offsets), tuple(lengths), flags))
     side.views.append(view)
     side.names.append(name)
 
