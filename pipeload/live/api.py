@@ -205,7 +205,7 @@ def _problems(answers: moveplan.Answers, d: Side) -> str | None:
 def _move(link: Link, sched: Schedule, s: Side, d: Side, stats: TransferStats, what: str, late: str | None) -> None:
     t0 = time.perf_counter()
     x = mover.Transfers(link, what, tolerant=True, pool=_pools.setdefault(id(link.pg), mover.BufferPool()))
-    progress = mover_run.Progress(sched.answers, len(d.boxes))
+    progress = mover_run.Progress(sched, len(d.boxes))
     error = late
     try:
         stats.bytes_copied = mover_run.run(x, sched, s, d, progress, link.device)

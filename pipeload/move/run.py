@@ -26,11 +26,12 @@ from __future__ import annotations
 import ctypes
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from . import mover
 from .plan import Answers, Op
-from .schedule import (CODES, DTYPES, Batch, Schedule, buffer_base, layout, nbytes, pack_batch,  # noqa: F401
+from .schedule import (CODES, DTYPES, Batch, Item, Schedule, buffer_base, layout, nbytes, pack_batch,  # noqa: F401
                        run_rows, unpack_batch)  # (CODES, DTYPES, layout: shared)
 
 
@@ -63,22 +64,22 @@ class Source(Protocol):
 class Progress:
     """Pieces still to land per destination index; the ones with none left are written. After a failure
     a destination that received a relayed piece is not counted as written: its relay may have forwarded
-    bytes it never received."""
+    bytes it never received. Counted a message at a time, from counts the schedule keeps (a step of a
+    large model lands 100,000s of pieces: one Python operation each was tens of milliseconds a step)."""
 
-    def __init__(self, answers: Answers, n_dst: int):
-        self.left = [0] * n_dst
-        for op in answers.recvs + answers.local:
-            self.left[op.dst] += 1
-        self.relayed = {op.dst for op in answers.recvs if op.hop}
+    def __init__(self, sched: Schedule, n_dst: int):
+        needs, self.relayed = sched.needs(n_dst)
+        self.left = needs.copy()
         self.done = 0
 
-    def landed(self, ops: list[Op]) -> None:
-        for op in ops:
-            self.left[op.dst] -= 1
-        self.done += len(ops)
+    def landed(self, it: Item) -> None:
+        at, count = it.lands
+        self.left[at] -= count
+        self.done += len(it.msg)
 
     def written(self, failed: bool = False) -> list[int]:
-        return [i for i, n in enumerate(self.left) if n == 0 and not (failed and i in self.relayed)]
+        done = np.flatnonzero(self.left == 0).tolist()
+        return [i for i in done if i not in self.relayed] if failed else done
 
 
 def view(side, box_index: int, op: Op) -> torch.Tensor:
@@ -102,9 +103,8 @@ def run(x: mover.Transfers, sched: Schedule, source: Source, dst: Dests, progres
     Before the first message of a later hop, every message posted so far completes (a relay forwards
     what it received; waiting only on earlier messages keeps the order's argument). ``ring``: a
     :class:`pipeload.device.H2DRing` for received bytes bound for accelerator destinations."""
-    bases = source.bases()
-    bound = sched.bind(bases, source.base_of, dst.views, dst.boxes, wire.type == "cpu")
-    batches = sched.batches(bases, source.base_of, dst.views, dst.boxes, wire) if wire.type != "cpu" else None
+    bound = sched.bind(source.bases(), source.base_of, dst.views, dst.boxes, wire)
+    batches = bound.batches
     hop, copied = 0, 0
     for i, (it, prog) in enumerate(zip(sched.items, bound.programs)):
         if it.sending is None:
@@ -128,7 +128,7 @@ def _copy_local(it, prog, bound, source: Source, dst: Dests, progress: Progress)
         run_rows(prog.rows, bound.src, bound.dst)
     else:
         source.copy(op, view(dst, op.dst, op))
-    progress.landed(it.msg)
+    progress.landed(it)
     return it.nbytes
 
 
@@ -189,7 +189,7 @@ def _post_recv(x: mover.Transfers, it, prog, bound, dst: Dests, progress: Progre
     if len(msg) == 1:
         whole = flat(view(dst, msg[0].dst, msg[0]), wire)
         if whole is not None:
-            x.recv(msg[0].peer, whole, lambda: progress.landed(msg))
+            x.recv(msg[0].peer, whole, lambda: progress.landed(it))
             return
     buf = _buffer(x, it.nbytes, wire)
     rest = range(len(msg)) if prog is None else prog.slow
@@ -202,7 +202,7 @@ def _post_recv(x: mover.Transfers, it, prog, bound, dst: Dests, progress: Progre
         if rest:
             copies([msg[i] for i in rest], [view(dst, msg[i].dst, msg[i]) for i in rest],
                    [it.starts[i] for i in rest], buf, into_buffer=False, ring=ring)
-        progress.landed(msg)
+        progress.landed(it)
 
     x.recv(msg[0].peer, buf, unpack)
 

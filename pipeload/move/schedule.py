@@ -49,6 +49,8 @@ class Item(NamedTuple):
     msg: list[Op]
     starts: list[int]  # where each piece starts in the message
     nbytes: int
+    lands: tuple = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # (destination indices, pieces each):
+    # what the item fills (a receive, a local copy; a send fills nothing here)
 
 
 class Program(NamedTuple):
@@ -64,6 +66,7 @@ class Bound(NamedTuple):
     programs: list[Program | None]
     src: np.ndarray  # addresses of the source side's bases
     dst: np.ndarray  # addresses of the destination bases
+    batches: list | None = None  # per item, its Batch (messages on an accelerator's wire)
 
 
 class Batch(NamedTuple):
@@ -94,35 +97,40 @@ class Schedule:
             a = self.answers
             items = messages(a.sends, True) + messages(a.recvs, False)
             items.sort(key=lambda it: it.msg[0].key)
-            self._items = items + [Item(None, [op], [0], n) for op, n in zip(a.local, _sizes(a.local))]
+            self._items = items + [Item(None, [op], [0], n, ([op.dst], [1])) for op, n in zip(a.local, _sizes(a.local))]
         return self._items
 
+    def needs(self, n_dst: int) -> tuple[np.ndarray, set]:
+        """(pieces to land per destination index, the destinations a relayed piece lands in)."""
+        needs = np.zeros(n_dst, dtype=np.int64)
+        for it in self.items:
+            if it.sending is not True:
+                needs[it.lands[0]] += it.lands[1]
+        return needs, {op.dst for op in self.answers.recvs if op.hop}
+
     def bind(self, source_bases: Sequence | None, source_of, dst_bases: Sequence, dst_boxes: Sequence,
-             host_wire: bool = True) -> Bound:
-        """The compiled programs for these tensors. ``source_of(op)`` is (base index, box) of a piece's
-        source region among ``source_bases`` (None: a source without host tensors, e.g. files: sends
-        are packed by the source itself and local copies by torch). Without ``host_wire`` (messages in
-        accelerator memory) only the local copies get rows."""
+             wire: torch.device = torch.device("cpu")) -> Bound:
+        """The compiled programs for these tensors, and for messages on an accelerator (``wire``) their
+        batches. ``source_of(op)`` is (base index, box) of a piece's source region among
+        ``source_bases`` (None: a source without host tensors, e.g. files: sends are packed by the source
+        itself and local copies by torch). On an accelerator's wire only the local copies get rows."""
         src = list(source_bases) if source_bases is not None else []
+        given = src if source_bases is not None else None
+        host_wire = wire.type == "cpu"
         sig = (_signature(src), _signature(dst_bases), source_bases is None, host_wire)
         if self._compiled is None or self._compiled[0] != sig:
-            self._compiled = (sig, [self._compile(it, src if source_bases is not None else None, source_of,
-                                                  dst_bases, dst_boxes, host_wire) for it in self.items])
-        return Bound(self._compiled[1], _addresses(src), _addresses(dst_bases))
-
-    def batches(self, source_bases: Sequence | None, source_of, dst_bases: Sequence, dst_boxes: Sequence,
-                wire: torch.device) -> list[Batch | None]:
-        """Per item, its :class:`Batch` for messages on ``wire`` (an accelerator: there a piece's torch
-        copy costs a Python call each, ~15 us, and a step of a large model has 100,000s of pieces). The
-        views hold their tensors: they are made again when a base tensor's strides or address change,
-        and :func:`pipeload.clear_plan_cache` drops them with the plan."""
-        src = list(source_bases) if source_bases is not None else []
-        key = (_signature(src), _signature(dst_bases), source_bases is None)
-        addresses = (_addresses(src).tobytes(), _addresses(dst_bases).tobytes())
-        if self._batches is None or self._batches[:2] != (key, addresses):
-            self._batches = (key, addresses, [_batch(it, src if source_bases is not None else None, source_of,
-                                                     dst_bases, dst_boxes, wire) for it in self.items])
-        return self._batches[2]
+            self._compiled = (sig, [self._compile(it, given, source_of, dst_bases, dst_boxes, host_wire)
+                                    for it in self.items])
+        bound = Bound(self._compiled[1], _addresses(src), _addresses(dst_bases))
+        if host_wire:
+            return bound
+        # (a piece's torch copy costs a Python call each, ~15 us; a step of a large model has 100,000s.
+        # The views hold their tensors: made again when an address or strides change, dropped with the plan)
+        addresses = (bound.src.tobytes(), bound.dst.tobytes())
+        if self._batches is None or self._batches[:2] != (sig, addresses):
+            self._batches = (sig, addresses, [_batch(it, given, source_of, dst_bases, dst_boxes, wire)
+                                              for it in self.items])
+        return bound._replace(batches=self._batches[2])
 
     def _compile(self, it: Item, src, source_of, dst_bases, dst_boxes, host_wire: bool) -> Program | None:
         if it.sending is not None and not host_wire:
@@ -248,9 +256,13 @@ def messages(ops: list[Op], sending: bool) -> list[Item]:
     starts = at - at[heads][np.cumsum(first) - 1]
     ends = np.append(heads[1:], n)
     total = starts[ends - 1] + size[ends - 1]
+    lands = [Item._field_defaults["lands"]] * len(heads)
+    if not sending:  # (what each message fills: destination indices and pieces each)
+        dst = np.fromiter((op.dst for op in ops), np.int64, n)[order]
+        lands = [np.unique(dst[a:b], return_counts=True) for a, b in zip(heads.tolist(), ends.tolist())]
     order, starts, take = order.tolist(), starts.tolist(), ops.__getitem__
-    return [Item(sending, list(map(take, order[a:b])), starts[a:b], t)
-            for a, b, t in zip(heads.tolist(), ends.tolist(), total.tolist())]
+    return [Item(sending, list(map(take, order[a:b])), starts[a:b], t, d)
+            for a, b, t, d in zip(heads.tolist(), ends.tolist(), total.tolist(), lands)]
 
 
 def run_rows(rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:

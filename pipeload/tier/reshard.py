@@ -186,7 +186,8 @@ class ReshardJob:
         source = TierSource(opened, self.held, errors, self.ring)
         a = self.answers
         try:
-            copied = move_run(x, schedule(a), source, self.dst, Progress(a, len(self.dst.boxes)), torch.device("cpu"),
+            sched = schedule(a)
+            copied = move_run(x, sched, source, self.dst, Progress(sched, len(self.dst.boxes)), torch.device("cpu"),
                               self.ring)
         finally:
             opened.close()
