@@ -72,6 +72,8 @@ class _Kept:
     digest: int
     nd: int
     schedule: Schedule  # its answers, their messages cut once (and their copies compiled)
+    boxes: tuple  # (source boxes, destination boxes) it was made for, and their records
+    records: np.ndarray
 
 
 _kept: dict[tuple[int, int], _Kept] = {}  # (id(group object), slot) -> the plan its last transfer made
@@ -130,9 +132,12 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
     (``pipeload simulate --op transfer``; a trainer's process holds far more objects for them to walk)."""
     lap = _Lap(stats.timings)
     own = max(ndim(s), ndim(d))
-    rec = moveplan.records(s.boxes, d.boxes, own)  # (the digest's words, and the plan's when it plans)
-    dig = digest(s, d, rec)
     kept = _kept.get((id(link.pg), slot))
+    if kept is not None and kept.boxes == (s.boxes, d.boxes):  # (the same boxes: their records and digest)
+        rec, dig = kept.records, kept.digest
+    else:
+        rec = moveplan.records(s.boxes, d.boxes, own)  # (the digest's words, and the plan's when it plans)
+        dig = digest(s, d, rec)
     offer = CONTENDED if contended else (kept.token if kept is not None and kept.digest == dig else 0)
     sides = bool(s.boxes) | (bool(d.boxes) << 1)
     row = np.array([offer, dig, own | (sides << 8), NO_VERSION if version is None else int(version)],
@@ -164,7 +169,7 @@ def _plan(link: Link, s: Side, d: Side, version, contended, stats: TransferStats
     lap("exchange")
     token = hash64(np.ascontiguousarray(rows[:, [R_DIGEST, R_SHAPE]]).tobytes()) or 1
     sched = move_schedule(answers)
-    _kept[(id(link.pg), slot)] = _Kept(token, dig, nd, sched)
+    _kept[(id(link.pg), slot)] = _Kept(token, dig, nd, sched, (s.boxes, d.boxes), rec)
     return sched, nd
 
 
