@@ -419,6 +419,11 @@ class SimExchange:
         self.received += (len(expect) - 1) * row.nbytes
         return expect
 
+    def agreed(self, gathers: int) -> None:
+        """Count ``gathers`` gathers of one word per rank (part delivery's agreements: every rank's is 1)."""
+        self.sent += 8 * gathers
+        self.received += 8 * gathers * (len(self.rows) - 1)
+
     def all_to_all(self, counts: np.ndarray, words: np.ndarray, what: str = "") -> tuple[np.ndarray, np.ndarray]:
         step, self.all_to_alls = self.all_to_alls, self.all_to_alls + 1
         self.path = "key owners"
@@ -512,6 +517,7 @@ def _plan_rank(layout: Layout, directory: str, rows, cls, records, rank: int, ph
                                                          layouts.__getitem__, host)
             partdelivery.plan(every, md, names, itemsize, rank, files, lambda f, k: starts[(f, k)],
                               layouts.__getitem__, host, spans=spans, expanded=expanded, blob_files=blobs)
+            ex.agreed(2 if writer_of is not None else 1)  # (engine.delivery.plan's: after the local steps, DCP)
             phases.lap("part delivery")
     return gp, ex, len(plan.shards)
 
