@@ -170,7 +170,8 @@ def test_changed_strides_compile_again():
     op = Op(7, 1, 1, 0, 0, CODES[torch.float32], (1, 2), (2, 3))
     src = torch.arange(24, dtype=torch.float32).view(4, 6)
     sched = Schedule(Answers([], [], [op], []))
-    for dst in (torch.zeros(4, 6), torch.zeros(4, 6), torch.zeros(6, 4).t(), torch.zeros(4, 12)[:, ::2], torch.zeros(4, 6)):
+    layouts = (torch.zeros(4, 6), torch.zeros(4, 6), torch.zeros(6, 4).t(), torch.zeros(4, 12)[:, ::2], torch.zeros(4, 6))
+    for dst in layouts:
         bound = sched.bind([src], lambda o: (0, box), [dst], [box])
         prog = bound.programs[0]
         if prog is None:

@@ -54,7 +54,7 @@ class Item(NamedTuple):
 
 
 class Program(NamedTuple):
-    """An item's compiled copies: ``rows`` for the pieces listed in ``fast``, torch for the others."""
+    """An item's compiled copies: ``rows`` for its pieces, but those listed in ``slow`` (torch's)."""
 
     rows: np.ndarray
     slow: list[int]  # positions in the message copied by torch
@@ -97,7 +97,8 @@ class Schedule:
             a = self.answers
             items = messages(a.sends, True) + messages(a.recvs, False)
             items.sort(key=lambda it: it.msg[0].key)
-            self._items = items + [Item(None, [op], [0], n, ([op.dst], [1])) for op, n in zip(a.local, _sizes(a.local))]
+            local = [Item(None, [op], [0], n, ([op.dst], [1])) for op, n in zip(a.local, _sizes(a.local))]
+            self._items = items + local
         return self._items
 
     def needs(self, n_dst: int) -> tuple[np.ndarray, set]:
@@ -161,7 +162,11 @@ def _batch(it: Item, src: list | None, source_of, dst_bases, dst_boxes, wire: to
     sizes, segments, views, slow = [], [], [], []
     end = 0
     for i, (op, at) in enumerate(zip(it.msg, it.starts)):
-        base, box = (src[source_of(op)[0]], source_of(op)[1]) if it.sending else (dst_bases[op.dst], dst_boxes[op.dst])
+        if it.sending:
+            si, box = source_of(op)
+            base = src[si]
+        else:
+            base, box = dst_bases[op.dst], dst_boxes[op.dst]
         flat = _flat_region(base, box, op, wire)
         if flat is None:
             slow.append(i)
