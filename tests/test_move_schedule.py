@@ -160,6 +160,9 @@ def test_pieces_rows_cannot_take_are_left_to_torch():
     assert bound.programs[0] is None
     _, bound = _schedule(op, box, src, box, torch.zeros(4, 8), None)
     assert bound.programs[0] is None
+    # an expanded destination (every row the same memory): torch's copy refuses it by name, no row writes it
+    _, bound = _schedule(op, box, src, box, torch.zeros(1, 8).expand(8, 8), None)
+    assert bound.programs[0] is None
     # a row block of a row-major tensor into a column block: one outer dimension
     _, bound = _schedule(op, box, src, box, torch.zeros(8, 16)[:, 4:12], None)
     assert bound.programs[0].rows[0, 4] == 8 * 4 and bound.programs[0].rows[0, 5] == 3

@@ -189,8 +189,7 @@ def _flat_region(base: torch.Tensor | None, box, op: Op, wire: torch.device) -> 
     piece's dtype (else None: torch copies it alone)."""
     if base is None or base.device != wire or base.is_conj() or base.is_neg() or base.dtype != DTYPES[op.dtype]:
         return None
-    if tuple(base.shape) != tuple(box.lengths) or not all(
-            b <= o and o + n <= b + m for o, n, b, m in zip(op.offsets, op.lengths, box.offsets, box.lengths)):
+    if not _fits(base, box, op):
         return None
     st = base.stride()
     at = base.storage_offset() + sum((o - b) * s for o, b, s in zip(op.offsets, box.offsets, st))
@@ -308,12 +307,19 @@ def _region(base: torch.Tensor | None, box, op: Op) -> tuple[int, tuple] | None:
     base cannot take part in a row (not host memory as laid out, or not of the piece's dtype)."""
     if base is None or not base.is_cpu or base.is_conj() or base.is_neg() or base.dtype != DTYPES[op.dtype]:
         return None
-    if tuple(base.shape) != tuple(box.lengths) or not all(
-            b <= o and o + n <= b + m for o, n, b, m in zip(op.offsets, op.lengths, box.offsets, box.lengths)):
+    if not _fits(base, box, op):
         return None  # (never a row outside its tensor: torch's view of it raises by name instead)
     st = base.stride()
+    if any(x == 0 and n > 1 for x, n in zip(st, base.shape)):
+        return None  # (an expanded tensor: torch refuses to write one, by name; a row would write it)
     at = sum((o - b) * s for o, b, s in zip(op.offsets, box.offsets, st))
     return at * base.element_size(), st
+
+
+def _fits(base: torch.Tensor, box, op: Op) -> bool:
+    """Whether ``base`` has its box's shape and ``op``'s region lies inside the box."""
+    return tuple(base.shape) == tuple(box.lengths) and all(
+        b <= o and o + n <= b + m for o, n, b, m in zip(op.offsets, op.lengths, box.offsets, box.lengths))
 
 
 def _row(si: int, a, di: int, b, op: Op) -> list[int] | None:
