@@ -78,17 +78,20 @@ def plan(gp, md, names: list[str], reader, comm, rows: np.ndarray, my_items) -> 
     heads = _attempt(comm, lambda: _heads(md, names, reader, me, files, gp.every(), hosts))
     if reader.format == "dcp" and not _everyone(comm, heads is not None):  # (only DCP blobs send positions)
         return Planned([], [])
-    located, deliveries, found = [], None, []
-    if heads is not None:
-        located = _locate(comm, reader, heads.sends, heads.recvs) if heads.sends or heads.recvs else []
+    located = _locate(comm, reader, heads.sends, heads.recvs) if heads and (heads.sends or heads.recvs) else []
+
+    def pages() -> Planned:
         found = [*located, *_found(reader, heads.blobs, {(f, k) for f, k, _, _ in located})]
-        deliveries = _attempt(comm, lambda: partdelivery.plan(
-            heads.every, md, names, heads.itemsize, me, heads.files, heads.start_of, heads.layout_of,
-            hosts.__getitem__, spans=heads.spans, expanded=heads.expanded, blob_files=heads.blobs)) \
-            if heads.files else []
-    if not _everyone(comm, deliveries is not None):
-        deliveries = []  # (a rank failed: none plans a delivery, since its peers' would miss it)
-    return Planned(deliveries, found)
+        if not heads.files:
+            return Planned([], found)
+        return Planned(partdelivery.plan(heads.every, md, names, heads.itemsize, me, heads.files, heads.start_of,
+                                         heads.layout_of, hosts.__getitem__, spans=heads.spans,
+                                         expanded=heads.expanded, blob_files=heads.blobs), found)
+
+    planned = _attempt(comm, pages) if heads is not None else None
+    if not _everyone(comm, planned is not None):  # (a rank failed: none plans a delivery its peers would miss)
+        return Planned([], planned.located if planned is not None else located)
+    return planned
 
 
 class _Heads(NamedTuple):
