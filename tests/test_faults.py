@@ -836,3 +836,41 @@ def test_rank_killed_mid_transfer(tmp_path):
         assert value["took"] < 30, value
     written, total, complete = res[2][1]["written"]
     assert not complete and written < total == 8  # the engine knows the refresh did not finish
+
+
+# -- a rank killed during part delivery's position messages (a DCP checkpoint into another layout) -------
+
+
+def world3_position_death(rank: int, world: int, root: str) -> dict:
+    """A DCP checkpoint of whole tensors (one blob each) loaded as row shards over three emulated hosts:
+    every rank reads part of every blob, and the reader of a blob's first byte (rank 0) sends the others
+    where each tensor starts. Rank 0 dies as it is about to send them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import pipeload.engine.delivery as delivery
+
+    full = {f"t{i}": torch.arange(96 * 512, dtype=torch.float32).view(96, 512) + i for i in range(4)}
+    d = os.path.join(root, "ck")
+    dcp.save(full, checkpoint_id=d)
+    dist.barrier()
+    mesh = DeviceMesh("cpu", [0, 1, 2])
+    sd = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
+    if rank == 0:
+        def dying(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        delivery._locate = dying
+    t0 = time.monotonic()
+    try:
+        pipeload.load(sd, d, reuse_plan=False)
+    except PipeloadError as e:
+        return {"error": str(e), "took": time.monotonic() - t0}
+    return {"error": None, "took": time.monotonic() - t0}
+
+
+@pytest.mark.timeout(200)
+def test_rank_killed_during_position_messages(tmp_path):
+    res = _spawn_survivors(world3_position_death, 3, (str(tmp_path),), timeout=90, pg_timeout=60)
+    _survivors_named(res, victim=0)
+    assert any("chunk positions" in res[r][1]["error"] for r in (1, 2)), res  # (inside the messages)
