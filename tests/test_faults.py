@@ -704,12 +704,7 @@ def world3_rank_death(rank: int, world: int, root: str, phase: str) -> dict:
     elif rank == 1:
         # a private phase has no collective to hold the victim back, so it dies inside it, synchronously
         _die_on_read(11)
-    t0 = time.monotonic()
-    try:
-        pipeload.load(sd, ckpt, **opts)
-    except PipeloadError as e:
-        return {"error": str(e), "took": time.monotonic() - t0}
-    return {"error": None, "took": time.monotonic() - t0}
+    return _outcome(lambda: pipeload.load(sd, ckpt, **opts))
 
 
 @pytest.mark.timeout(200)
@@ -717,6 +712,16 @@ def world3_rank_death(rank: int, world: int, root: str, phase: str) -> dict:
 def test_rank_killed_mid_load(tmp_path, phase):
     res = _spawn_survivors(world3_rank_death, 3, (str(tmp_path), phase), timeout=90, pg_timeout=60)
     _survivors_named(res, victim=1)
+
+
+def _outcome(load) -> dict:
+    """A surviving rank's report of ``load()``: the PipeloadError it raised (or None), and how long it took."""
+    t0 = time.monotonic()
+    try:
+        load()
+    except PipeloadError as e:
+        return {"error": str(e), "took": time.monotonic() - t0}
+    return {"error": None, "took": time.monotonic() - t0}
 
 
 def _survivors_named(res: dict, victim: int) -> None:
@@ -769,12 +774,7 @@ def world3_restore_death(rank: int, world: int, root: str) -> dict:
     if rank == 2:
         _die_on_pread(3)
     dest = {k: torch.zeros_like(v) for k, v in sd.items()}
-    t0 = time.monotonic()
-    try:
-        pipeload.load(dest, tier, fallback=os.path.join(root, "nothing"))
-    except PipeloadError as e:
-        return {"error": str(e), "took": time.monotonic() - t0}
-    return {"error": None, "took": time.monotonic() - t0}
+    return _outcome(lambda: pipeload.load(dest, tier, fallback=os.path.join(root, "nothing")))
 
 
 @pytest.mark.timeout(200)
@@ -861,12 +861,7 @@ def world3_position_death(rank: int, world: int, root: str) -> dict:
         def dying(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
         delivery._locate = dying
-    t0 = time.monotonic()
-    try:
-        pipeload.load(sd, d, reuse_plan=False)
-    except PipeloadError as e:
-        return {"error": str(e), "took": time.monotonic() - t0}
-    return {"error": None, "took": time.monotonic() - t0}
+    return _outcome(lambda: pipeload.load(sd, d, reuse_plan=False))
 
 
 @pytest.mark.timeout(200)

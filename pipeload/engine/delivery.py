@@ -305,10 +305,11 @@ def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
     fails stays zero and the failure is recorded (the agreement fails the load on every rank)."""
     msg = torch.zeros(sum(d.hi - d.lo for d in parts), dtype=torch.uint8)
     objects = storage.is_url(reader.directory)  # (an object's buffer() would fetch its whole chunk)
+    starts: dict[tuple[str, str], int] = {}
     for d in parts:  # every page asked for at once: storage serves them while the first are copied
         try:
             f = reader.file(d.file)
-            start = chunk_start(f, d.key)
+            start = starts[d.file, d.key] = chunk_start(f, d.key)
             f.advise("willneed", start + d.lo, start + d.hi)
         except Exception:  # noqa: BLE001 - a hint only: the copy below reports what is wrong
             pass
@@ -318,7 +319,8 @@ def _pack(reader, parts: list[Delivery], counters) -> torch.Tensor:
         try:
             f = reader.file(d.file)
             if objects:
-                start = chunk_start(f, d.key)
+                start = starts.get((d.file, d.key))
+                start = chunk_start(f, d.key) if start is None else start  # (raises what the hint met)
                 src = torch.frombuffer(f.span(start + d.lo, start + d.hi), dtype=torch.uint8) if n else msg[:0]
             else:
                 src = torch.frombuffer(reader._bytes(f, d.key, ""), dtype=torch.uint8)[d.lo : d.hi]

@@ -631,10 +631,12 @@ def _deliveries(pool, gp, md, names: list[str], reader, comm, rows_seen: list, s
     reads (else none; from objects, the ranges this rank reads: :func:`~pipeload.engine.delivery.own_ranges`),
     planned in the read worker: it opens files, after the worker's early request of this rank's own file,
     never beside it."""
+    planned = gp.every is not None and rows_seen
+    if not planned and not storage.is_url(reader.directory):
+        return delivery.Planned([], [])
     mine = list(_my_reads(comm.rank, shared, private, gp.ops, skip))
-    if gp.every is None or not rows_seen:
-        if storage.is_url(reader.directory):  # objects: this rank's own ranges, asked for at once
-            reader.runs = pool.submit(delivery.own_ranges, reader, mine).result()
+    if not planned:  # objects: this rank's own ranges, asked for at once
+        reader.runs = pool.submit(delivery.own_ranges, reader, mine).result()
         return delivery.Planned([], [])
     return pool.submit(delivery.plan, gp, md, names, reader, comm, rows_seen[0], mine).result()
 

@@ -362,13 +362,15 @@ class ChunkReader:
         buf = f.buffer(key)
         # "" = the layout records no checksum (HF, DCP): nothing to check
         if self.verify and expect_checksum and (f.path, key) not in self._verified:
-            got, _ = guarded_read(f, buf)
-            if got != expect_checksum:
-                raise ChecksumError(
-                    f"{f.path}: tensor {key!r} has checksum {got}, the metadata recorded {expect_checksum}"
-                )
-            self._verified.add((f.path, key))
+            self._checked(f.path, "tensor", key, guarded_read(f, buf)[0], expect_checksum)
         return buf
+
+    def _checked(self, path: str, kind: str, key: str, got: str, expect: str) -> None:
+        """Raise :class:`ChecksumError` naming the file and key unless ``got`` is ``expect``; else
+        remember the chunk as verified."""
+        if got != expect:
+            raise ChecksumError(f"{path}: {kind} {key!r} has checksum {got}, the metadata recorded {expect}")
+        self._verified.add((path, key))
 
     def prefetch(self, items: Iterable[ReadItem], whole: dict[str, list[str]] | None = None) -> None:
         """Ask the kernel for the bytes of ``items`` now, as few large requests (adjacent ranges merged).
@@ -496,10 +498,7 @@ class ChunkReader:
         if self.verify and meta.checksum and (f.path, meta.key) not in self._verified:
             h = hasher()
             h.update(out)
-            if h.hexdigest() != meta.checksum:
-                raise ChecksumError(f"{f.path}: object {meta.key!r} has checksum {h.hexdigest()}, "
-                                    f"the metadata recorded {meta.checksum}")
-            self._verified.add((f.path, meta.key))
+            self._checked(f.path, "object", meta.key, h.hexdigest(), meta.checksum)
         return memoryview(out)
 
     def close(self) -> None:

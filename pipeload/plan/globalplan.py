@@ -670,11 +670,8 @@ class _Readers:
         return tuple(np.concatenate([p[i] for p in parts]) for i in range(5))
 
     def __call__(self) -> dict[ShardKey, int]:
-        idx, off, ln, nd, rd = self.whole
-        out = dict(zip(_keys(idx, off, ln, nd), rd.tolist()))
-        for c in self.cut_sets:
-            out.update((p[0], p[4]) for p in c.pieces())
-        return out
+        idx, off, ln, nd, rd = self.columns()
+        return dict(zip(_keys(idx, off, ln, nd), rd.tolist()))
 
 
 def plan_component(s: Shared, sets: dict[int, HolderSet], loads: list[int], extra: np.ndarray, me: int, *,

@@ -146,16 +146,22 @@ def run_deliveries(spans: list[tuple], cuts: list[tuple[int, int, int]], file: s
     """Every delivery of one object's runs: each rank's bytes (``spans``: ``(first byte, end, rank, chunk
     key, chunk's first byte)``, file offsets) inside another rank's run, chunk-relative, one per span piece
     (a rank's spans of one chunk joined first: each byte is delivered once). Sorted."""
-    per: dict[tuple[int, str, int], list] = {}
-    for a, b, r, key, s in spans:
-        per.setdefault((r, key, s), []).append((a, b))
     out = []
-    for (r, key, s), ranges in per.items():
+    for (r, key, s), ranges in _per_chunk(spans).items():
         for a, b in union(ranges):
             for lo, hi, o in cuts:
                 if o != r and lo < b and hi > a:
                     out.append(Delivery(o, r, file, key, max(a, lo) - s, min(b, hi) - s))
     return sorted(out)
+
+
+def _per_chunk(spans: list[tuple]) -> dict[tuple[int, str, int], list[tuple[int, int]]]:
+    """(rank, chunk key, chunk's first byte) -> that rank's spans ``(first byte, end, rank, chunk key,
+    chunk's first byte)`` of the chunk, as ``(a, b)``."""
+    per: dict[tuple[int, str, int], list] = {}
+    for a, b, r, key, s in spans:
+        per.setdefault((r, key, s), []).append((a, b))
+    return per
 
 
 def owned(spans: list[tuple], cuts: list[tuple[int, int, int]], me: int, gap: int = OWN_GAP) -> list[tuple[int, int]]:
@@ -198,14 +204,11 @@ def nested(spans: list[tuple], gap: int = RUN_GAP) -> list[tuple[int, int, int, 
 def nested_deliveries(spans: list[tuple], inner: list[tuple[int, int, int, int]], file: str) -> list[Delivery]:
     """The deliveries of :func:`nested` ranges: each rank's spans (``(first byte, end, rank, chunk key,
     chunk's first byte)``) inside one, from its owner, chunk-relative (a chunk's spans joined first). Sorted."""
-    per: dict[tuple[int, str, int], list] = {}
-    for a, b, r, key, s in spans:
-        per.setdefault((r, key, s), []).append((a, b))
     of: dict[int, list[tuple[int, int, int]]] = {}  # rank -> its nested ranges, sorted (disjoint)
     for lo, hi, r, o in inner:
         of.setdefault(r, []).append((lo, hi, o))
     out = []
-    for (r, key, s), got in per.items():
+    for (r, key, s), got in _per_chunk(spans).items():
         mine = of.get(r, [])
         for a, b in union(got):
             i = bisect.bisect_right(mine, (a, math.inf, 0)) - 1  # (a span lies inside one range of its rank)
